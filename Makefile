@@ -1,0 +1,28 @@
+# All set-up happens here: both main targets create and use the project virtual environment.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test test-all bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# The main job. Until the Serve app lands (issue 4) it is the residency trace simulator.
+run: $(STAMP)
+	$(PY) -m bench.residency
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-all: $(STAMP)
+	$(PY) -m pytest -m ''
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

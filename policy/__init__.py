@@ -1,0 +1,42 @@
+"""Orchard's residency policy: pure functions from cluster state to decisions.
+
+No Ray, no MLX, no clock, no I/O: the caller passes `now` and applies the decision. The rules are
+written down in docs/residency.md, each pointing at its test."""
+
+from policy.cluster_state import ClusterState, InstanceRef, InstanceState, NodeState
+from policy.config import CostWeights, PolicyConfig
+from policy.count_only import count_only_lru
+from policy.decisions import Blocker, Decision, LoadFailure, Place, Reject, Unload, Use, Wait
+from policy.memory import free_bytes, required_bytes
+from policy.placement import ensure, retry_after_failure
+from policy.specs import DEVICE_KINDS, MODEL_KINDS, DeviceKind, ModelKind, ModelSpec, Role
+from policy.sweep import sweep
+
+__all__ = [
+    "Blocker",
+    "ClusterState",
+    "CostWeights",
+    "DEVICE_KINDS",
+    "Decision",
+    "DeviceKind",
+    "InstanceRef",
+    "InstanceState",
+    "LoadFailure",
+    "MODEL_KINDS",
+    "ModelKind",
+    "ModelSpec",
+    "NodeState",
+    "Place",
+    "PolicyConfig",
+    "Reject",
+    "Role",
+    "Unload",
+    "Use",
+    "Wait",
+    "count_only_lru",
+    "ensure",
+    "free_bytes",
+    "required_bytes",
+    "retry_after_failure",
+    "sweep",
+]

@@ -1,0 +1,94 @@
+"""A snapshot of the cluster as the controller sees it: nodes, what they report, what they hold."""
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from policy._frozen import Frozen
+from policy.specs import DeviceKind, ModelSpec
+
+InstanceStatus = Literal["loading", "ready", "draining"]
+
+
+class InstanceRef(Frozen):
+    """Names one instance. A node holds at most one instance of a model; copies live on other nodes."""
+
+    node_id: str
+    model: str
+
+    def __str__(self) -> str:
+        return f"{self.model}@{self.node_id}"
+
+
+class InstanceState(Frozen):
+    """One loaded (or loading, or draining) model instance on a node."""
+
+    model: str
+    device: DeviceKind
+    # What the instance holds or has reserved: weights + KV reservation + overhead, as measured once
+    # loaded, as planned while loading.
+    bytes: int = Field(ge=0)
+    status: InstanceStatus = "ready"
+    in_flight: int = Field(default=0, ge=0)
+    last_used: float
+    loaded_at: float
+    # Measured wall seconds of the load; None until it finished.
+    load_seconds: float | None = Field(default=None, ge=0)
+
+
+class NodeState(Frozen):
+    """One machine. Memory is one pool (unified memory on a Mac; the accelerator's memory on CUDA)."""
+
+    node_id: str = Field(min_length=1)
+    labels: dict[str, str] = Field(default_factory=dict)
+    # The devices MLX can run on here; the first is where a model goes unless its spec names one.
+    devices: tuple[DeviceKind, ...] = Field(default=("cpu",), min_length=1)
+    total_bytes: int = Field(ge=0)
+    # What we may use at most: a Mac's recommended working set, or a budget the node declares.
+    usable_bytes: int = Field(ge=0)
+    # In use by things that are not Orchard instances (the OS, other apps), as reported.
+    foreign_bytes: int = Field(default=0, ge=0)
+    # Free memory as the node agent last measured it; None if it has not reported one.
+    reported_headroom_bytes: int | None = None
+    instances: tuple[InstanceState, ...] = ()
+    alive: bool = True
+    draining: bool = False
+
+    @model_validator(mode="after")
+    def _one_instance_per_model(self) -> "NodeState":
+        if self.usable_bytes > self.total_bytes:
+            raise ValueError(f"node {self.node_id}: usable_bytes exceeds total_bytes")
+        names = [i.model for i in self.instances]
+        if len(names) != len(set(names)):
+            raise ValueError(f"node {self.node_id} holds the same model twice: {sorted(names)}")
+        for inst in self.instances:
+            if inst.device not in self.devices:
+                raise ValueError(f"node {self.node_id} has no device {inst.device} for {inst.model}")
+        return self
+
+    def instance(self, model: str) -> InstanceState | None:
+        return next((i for i in self.instances if i.model == model), None)
+
+
+class ClusterState(Frozen):
+    """Every node plus the registry (catalog) of every model the cluster may serve or still holds."""
+
+    nodes: tuple[NodeState, ...] = ()
+    catalog: dict[str, ModelSpec] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ClusterState":
+        ids = [n.node_id for n in self.nodes]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"duplicate node ids: {sorted(ids)}")
+        for name, spec in self.catalog.items():
+            if name != spec.name:
+                raise ValueError(f"catalog key {name!r} names model {spec.name!r}")
+        for node in self.nodes:
+            for inst in node.instances:
+                if inst.model not in self.catalog:
+                    raise ValueError(f"node {node.node_id} holds {inst.model!r}, which the catalog lacks")
+        return self
+
+    def node(self, node_id: str) -> NodeState | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)

@@ -1,0 +1,66 @@
+"""The operator's residency policy: caps, safety margin, eviction strategy, contention, timeouts."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from policy._frozen import Frozen
+from policy.specs import DeviceKind, ModelKind
+
+EvictionStrategy = Literal["lru", "cost", "fewest"]
+Contention = Literal["fail", "wait"]
+FitPreference = Literal["pack", "spread"]
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+class CostWeights(Frozen):
+    """Knobs of the `cost` strategy's keep value (see docs/residency.md, rule E3)."""
+
+    # Added to idle seconds so a just-used instance does not get an infinite keep value.
+    idle_floor_s: float = Field(default=60.0, gt=0)
+    # Utility models (embedders, rerankers, STT) are reused often by the primary model's callers.
+    utility_weight: float = Field(default=2.0, gt=0)
+
+
+class PolicyConfig(Frozen):
+    """Every cap is optional: None or an absent key means no cap of that kind."""
+
+    # Loaded instances in the whole cluster.
+    max_instances: int | None = Field(default=None, ge=0)
+    # Loaded instances on any one node, and overrides for named nodes.
+    max_instances_per_node: int | None = Field(default=None, ge=0)
+    node_max_instances: dict[str, int] = Field(default_factory=dict)
+    # Per model kind, in the whole cluster and on any one node.
+    max_per_kind: dict[ModelKind, int] = Field(default_factory=dict)
+    max_per_kind_per_node: dict[ModelKind, int] = Field(default_factory=dict)
+    # Per device on one node, Lemonade's {"gpu": 1, "cpu": 2, "total": 3} keyed by our device kinds.
+    max_per_device_per_node: dict[DeviceKind | Literal["total"], int] = Field(default_factory=dict)
+
+    # Headroom kept free on every node: a fixed amount plus a fraction of its usable memory.
+    safety_margin_bytes: int = Field(default=512 * MIB, ge=0)
+    safety_margin_fraction: float = Field(default=0.02, ge=0, lt=1)
+    # Reserved per instance on top of weights and KV when its spec does not say.
+    instance_overhead_bytes: int = Field(default=256 * MIB, ge=0)
+
+    eviction: EvictionStrategy = "cost"
+    cost: CostWeights = CostWeights()
+    # Where a model fits without eviction on several nodes: fill the tightest (pack, keeps large
+    # holes for large models) or the emptiest (spread).
+    fit_preference: FitPreference = "pack"
+    # Anti-thrash: an instance younger than this is not evicted (ModelMesh's minChurnAge).
+    min_residency_s: float = Field(default=10.0, ge=0)
+
+    # When only busy, loading or young instances stand in the way: fail at once, or wait up to
+    # wait_timeout_s (asking again every retry_poll_s) and then fail.
+    contention: Contention = "wait"
+    wait_timeout_s: float = Field(default=60.0, ge=0)
+    retry_poll_s: float = Field(default=1.0, gt=0)
+
+    # Idle instances are unloaded after this many seconds unless their spec says otherwise; None: never.
+    default_idle_ttl_s: float | None = Field(default=None, gt=0)
+
+    # For reload-time estimates before a load was measured: seconds = base + bytes / bandwidth.
+    load_bandwidth_bytes_per_s: float = Field(default=2.0 * GIB, gt=0)
+    load_base_s: float = Field(default=1.0, ge=0)

@@ -1,0 +1,58 @@
+"""Memory arithmetic: what a model needs, what a node has free, and how we say it in messages."""
+
+from policy.cluster_state import InstanceState, NodeState
+from policy.config import GIB, PolicyConfig
+from policy.specs import ModelSpec
+
+
+def overhead_bytes(spec: ModelSpec, config: PolicyConfig) -> int:
+    return config.instance_overhead_bytes if spec.overhead_bytes is None else spec.overhead_bytes
+
+
+def required_bytes(spec: ModelSpec, config: PolicyConfig) -> int:
+    """Weights + KV reservation + per-instance overhead: what a new instance will hold."""
+    return spec.weight_bytes + spec.kv_reserved_bytes + overhead_bytes(spec, config)
+
+
+def margin_bytes(node: NodeState, config: PolicyConfig) -> int:
+    """Headroom that must stay free on the node after any placement."""
+    return config.safety_margin_bytes + int(config.safety_margin_fraction * node.usable_bytes)
+
+
+def ours_bytes(node: NodeState) -> int:
+    return sum(i.bytes for i in node.instances)
+
+
+def free_bytes(node: NodeState) -> int:
+    """Free memory, the more pessimistic of our own accounting and the node's last report.
+
+    Accounting alone misses memory that grew since a report; a report alone misses a load that
+    started after it. Either may be negative when the node is overcommitted.
+    """
+    accounted = node.usable_bytes - node.foreign_bytes - ours_bytes(node)
+    if node.reported_headroom_bytes is None:
+        return accounted
+    return min(accounted, node.reported_headroom_bytes)
+
+
+def ever_available_bytes(node: NodeState, config: PolicyConfig) -> int:
+    """What the node could give a model if every one of our instances on it were gone."""
+    return free_bytes(node) + ours_bytes(node) - margin_bytes(node, config)
+
+
+def estimated_load_seconds(nbytes: int, config: PolicyConfig) -> float:
+    return config.load_base_s + nbytes / config.load_bandwidth_bytes_per_s
+
+
+def reload_seconds(inst: InstanceState, spec: ModelSpec, config: PolicyConfig) -> float:
+    """What losing this instance costs in load time: measured if we have it, else estimated."""
+    if inst.load_seconds is not None:
+        return inst.load_seconds
+    if spec.load_seconds_estimate is not None:
+        return spec.load_seconds_estimate
+    return estimated_load_seconds(inst.bytes, config)
+
+
+def gib(nbytes: int | float) -> str:
+    """Human figure for messages: '12.0 GiB'."""
+    return f"{nbytes / GIB:.1f} GiB"

@@ -1,0 +1,52 @@
+"""What a model asks of the cluster: its kind, its memory, and the operator's wishes for it."""
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from policy._frozen import Frozen
+
+ModelKind = Literal["llm", "vlm", "embedding", "rerank", "stt", "tts"]
+DeviceKind = Literal["metal", "cuda", "cpu"]
+Role = Literal["primary", "utility"]
+
+MODEL_KINDS: tuple[ModelKind, ...] = ("llm", "vlm", "embedding", "rerank", "stt", "tts")
+DEVICE_KINDS: tuple[DeviceKind, ...] = ("metal", "cuda", "cpu")
+
+
+class ModelSpec(Frozen):
+    """One registry entry. Memory is reserved as weights + KV for the reserved context and concurrency
+    + a per-instance overhead, so admission counts what the instance will really hold, not a slot."""
+
+    name: str = Field(min_length=1)
+    kind: ModelKind
+    weight_bytes: int = Field(ge=0)
+    kv_bytes_per_token: int = Field(default=0, ge=0)
+    reserve_context_tokens: int = Field(default=4096, ge=0)
+    reserve_concurrency: int = Field(default=1, ge=1)
+    # None: use PolicyConfig.instance_overhead_bytes (process, imports, activations).
+    overhead_bytes: int | None = Field(default=None, ge=0)
+    role: Role = "primary"
+    pinned: bool = False
+    keep_warm: bool = False
+    # None: use PolicyConfig.default_idle_ttl_s. Keep-warm and pinned models are never idle-unloaded.
+    idle_ttl_s: float | None = Field(default=None, gt=0)
+    # Node constraints: a node qualifies only if it is in allowed_nodes (when given), carries every
+    # required label, and offers `device` (when given; otherwise the node's first device is used).
+    allowed_nodes: frozenset[str] | None = None
+    required_labels: dict[str, str] = Field(default_factory=dict)
+    device: DeviceKind | None = None
+    min_copies: int = Field(default=0, ge=0)
+    max_copies: int = Field(default=1, ge=1)
+    # A load-time figure to use before one is measured; None: estimate from bytes.
+    load_seconds_estimate: float | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _copies_in_order(self) -> "ModelSpec":
+        if self.min_copies > self.max_copies:
+            raise ValueError(f"min_copies ({self.min_copies}) exceeds max_copies ({self.max_copies})")
+        return self
+
+    @property
+    def kv_reserved_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.reserve_context_tokens * self.reserve_concurrency

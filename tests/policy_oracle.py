@@ -1,0 +1,88 @@
+"""An independent, brute-force reading of the residency rules, written from docs/residency.md
+without reusing policy/ internals, so the property tests check the policy against the spec."""
+
+from policy import ClusterState, InstanceRef, ModelSpec, NodeState, PolicyConfig
+
+LASTING = {"pinned", "min_copies"}
+
+
+def need_bytes(spec: ModelSpec, config: PolicyConfig) -> int:
+    overhead = config.instance_overhead_bytes if spec.overhead_bytes is None else spec.overhead_bytes
+    return spec.weight_bytes + spec.kv_bytes_per_token * spec.reserve_context_tokens * spec.reserve_concurrency + overhead
+
+
+def device_on(spec: ModelSpec, node: NodeState):
+    if spec.device is None:
+        return node.devices[0]
+    return spec.device if spec.device in node.devices else None
+
+
+def eligible(state: ClusterState, spec: ModelSpec, node: NodeState) -> bool:
+    return (
+        node.alive
+        and not node.draining
+        and all(i.model != spec.name for i in node.instances)
+        and (spec.allowed_nodes is None or node.node_id in spec.allowed_nodes)
+        and all(node.labels.get(k) == v for k, v in spec.required_labels.items())
+        and device_on(spec, node) is not None
+    )
+
+
+def protection(state: ClusterState, node: NodeState, model: str, now: float, config: PolicyConfig):
+    inst = next(i for i in node.instances if i.model == model)
+    spec = state.catalog[model]
+    ready = sum(1 for n in state.nodes if n.alive for i in n.instances if i.model == model and i.status == "ready")
+    if spec.pinned:
+        return "pinned"
+    if inst.status == "ready" and spec.min_copies > 0 and ready <= spec.min_copies:
+        return "min_copies"
+    if inst.status != "ready":
+        return inst.status
+    if inst.in_flight > 0:
+        return "busy"
+    if now - inst.loaded_at < config.min_residency_s:
+        return "young"
+    return None
+
+
+def all_refs(state: ClusterState):
+    return [(n, InstanceRef(node_id=n.node_id, model=i.model)) for n in state.nodes if n.alive for i in n.instances]
+
+
+def evictable(state, now, config, *, passing_too=False, keep_warm_too=True) -> set[InstanceRef]:
+    out = set()
+    for n, r in all_refs(state):
+        p = protection(state, n, r.model, now, config)
+        if state.catalog[r.model].keep_warm and not keep_warm_too:
+            continue
+        if p is None or (passing_too and p not in LASTING):
+            out.add(r)
+    return out
+
+
+def feasible_after(state: ClusterState, spec: ModelSpec, node_id: str, victims: set[InstanceRef], config: PolicyConfig, *, memory_only=False) -> bool:
+    """Would placing spec on node_id, after removing victims, respect memory and every cap that
+    counts the new instance?"""
+    node = state.node(node_id)
+    device = device_on(spec, node)
+    freed = sum(i.bytes for i in node.instances if InstanceRef(node_id=node_id, model=i.model) in victims)
+    kept = [i for i in node.instances if InstanceRef(node_id=node_id, model=i.model) not in victims]
+    accounted = node.usable_bytes - node.foreign_bytes - sum(i.bytes for i in kept)
+    free = accounted if node.reported_headroom_bytes is None else min(accounted, node.reported_headroom_bytes + freed)
+    margin = config.safety_margin_bytes + int(config.safety_margin_fraction * node.usable_bytes)
+    if free - need_bytes(spec, config) < margin:
+        return False
+    if memory_only:
+        return True
+    survivors = [(n, i) for n in state.nodes if n.alive for i in n.instances if InstanceRef(node_id=n.node_id, model=i.model) not in victims]
+    kinds = [state.catalog[i.model].kind for _, i in survivors]
+    on_node = [i for n, i in survivors if n.node_id == node_id]
+    checks = [
+        (config.max_instances, len(survivors)),
+        (config.max_per_kind.get(spec.kind), kinds.count(spec.kind)),
+        (config.node_max_instances.get(node_id, config.max_instances_per_node), len(on_node)),
+        (config.max_per_device_per_node.get("total"), len(on_node)),
+        (config.max_per_device_per_node.get(device), sum(1 for i in on_node if i.device == device)),
+        (config.max_per_kind_per_node.get(spec.kind), sum(1 for i in on_node if state.catalog[i.model].kind == spec.kind)),
+    ]
+    return all(cap is None or count + 1 <= cap for cap, count in checks)

@@ -1,0 +1,243 @@
+"""Property-based tests: random clusters, configs and requests; every decision is checked against
+the brute-force oracle of the spec (tests/policy_oracle.py)."""
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from policy_oracle import eligible, evictable, feasible_after, need_bytes, protection
+
+from policy import (
+    ClusterState,
+    InstanceRef,
+    InstanceState,
+    ModelSpec,
+    NodeState,
+    Place,
+    PolicyConfig,
+    Reject,
+    Use,
+    Wait,
+    ensure,
+    sweep,
+)
+from policy.config import GIB
+
+NOW = 10_000.0
+SIZES_GIB = [0.25, 0.5, 1, 2, 4, 8, 12, 20, 40]
+KINDS = ["llm", "vlm", "embedding", "rerank", "stt", "tts"]
+
+
+@st.composite
+def specs(draw, name, pressure=False):
+    return ModelSpec(
+        name=name,
+        kind=draw(st.sampled_from(KINDS)),
+        weight_bytes=int(draw(st.sampled_from(SIZES_GIB)) * GIB),
+        kv_bytes_per_token=draw(st.sampled_from([0, 16 * 1024, 128 * 1024])),
+        reserve_context_tokens=draw(st.sampled_from([0, 2048, 8192])),
+        reserve_concurrency=draw(st.integers(1, 4)),
+        overhead_bytes=draw(st.sampled_from([None, 0, 256 * 1024**2])),
+        role=draw(st.sampled_from(["primary", "utility"])),
+        pinned=draw(st.sampled_from([False] * (12 if pressure else 5) + [True])),
+        keep_warm=draw(st.sampled_from([False] * 4 + [True])),
+        idle_ttl_s=draw(st.sampled_from([None, 60.0, 600.0])),
+        allowed_nodes=None if pressure else draw(st.sampled_from([None] * 5 + [frozenset({"n0", "n1"})])),
+        required_labels={} if pressure else draw(st.sampled_from([{}] * 5 + [{"chip": "m2"}])),
+        device=None if pressure else draw(st.sampled_from([None] * 6 + ["cpu", "metal", "cuda"])),
+        min_copies=draw(st.sampled_from([0] * (8 if pressure else 3) + [1])),
+        max_copies=2,
+    )
+
+
+@st.composite
+def instances(draw, spec: ModelSpec, devices):
+    device = spec.device if spec.device is not None else devices[0]
+    last_used = draw(st.floats(NOW - 5000, NOW))
+    return InstanceState(
+        model=spec.name,
+        device=device,
+        bytes=spec.weight_bytes + draw(st.sampled_from([0, GIB // 4, GIB])),
+        status=draw(st.sampled_from(["ready"] * 6 + ["loading", "draining"])),
+        in_flight=draw(st.sampled_from([0, 0, 0, 0, 1, 3])),
+        last_used=last_used,
+        loaded_at=last_used - draw(st.sampled_from([0.0, 5.0, 100.0, 3000.0])),
+        load_seconds=draw(st.sampled_from([None, 2.0, 40.0])),
+    )
+
+
+@st.composite
+def clusters(draw, pressure=False):
+    """pressure: every node up, no constraints, room for a few models each: where eviction happens."""
+    catalog = [draw(specs(f"m{i}", pressure)) for i in range(draw(st.sampled_from([4, 6, 9, 12] if pressure else [1, 3, 5, 8, 12])))]
+    nodes = []
+    for n in range(draw(st.sampled_from([1, 2, 2, 3, 3, 4]))):
+        devices = draw(st.sampled_from([("metal", "cpu")] * 3 + [("cpu",), ("cuda", "cpu")]))
+        usable = int(draw(st.sampled_from([8, 16, 32, 64])) * GIB)
+        # Under pressure m0 is never loaded: it is the model asked for.
+        placeable = [s for s in catalog if (s.device is None or s.device in devices) and not (pressure and s.name == "m0")]
+        held = draw(st.lists(st.sampled_from(placeable), unique_by=lambda s: s.name, min_size=min(1, len(placeable)), max_size=5)) if placeable else []
+        nodes.append(
+            NodeState(
+                node_id=f"n{n}",
+                labels=draw(st.sampled_from([{}, {"chip": "m2"}, {"chip": "m4"}])),
+                devices=devices,
+                total_bytes=usable + 8 * GIB,
+                usable_bytes=usable,
+                foreign_bytes=int(draw(st.sampled_from([0, 0, 1, 3])) * GIB),
+                reported_headroom_bytes=draw(st.sampled_from([None, None, 2 * GIB, 20 * GIB])),
+                instances=tuple(draw(instances(s, devices)) for s in held),
+                alive=pressure or draw(st.sampled_from([True] * 11 + [False])),
+                draining=not pressure and draw(st.sampled_from([False] * 11 + [True])),
+            )
+        )
+    return ClusterState(nodes=tuple(nodes), catalog={s.name: s for s in catalog})
+
+
+def caps(pressure: bool):
+    """Any cap, zero included; under pressure mostly none, and never zero."""
+    return st.sampled_from([None, None, None, 1, 2, 4]) if pressure else st.sampled_from([None, None, 0, 1, 2, 3, 6])
+
+
+def cap_dict(keys, pressure: bool):
+    values = st.sampled_from([1, 2, 3]) if pressure else st.sampled_from([0, 1, 2, 3])
+    return st.dictionaries(st.sampled_from(keys), values, max_size=2)
+
+
+@st.composite
+def configs(draw, pressure=False):
+    return PolicyConfig(
+        max_instances=draw(caps(pressure)),
+        max_instances_per_node=draw(caps(pressure)),
+        node_max_instances=draw(st.sampled_from([{}, {"n1": 1}])),
+        max_per_kind=draw(cap_dict(KINDS, pressure)),
+        max_per_kind_per_node=draw(cap_dict(KINDS, pressure)),
+        max_per_device_per_node=draw(cap_dict(["metal", "cpu", "cuda", "total"], pressure)),
+        safety_margin_bytes=draw(st.sampled_from([0, GIB // 2])),
+        safety_margin_fraction=draw(st.sampled_from([0.0, 0.05])),
+        eviction=draw(st.sampled_from(["lru", "cost", "fewest"])),
+        fit_preference=draw(st.sampled_from(["pack", "spread"])),
+        min_residency_s=draw(st.sampled_from([0.0, 0.0, 10.0] if pressure else [0.0, 10.0, 600.0])),
+        contention=draw(st.sampled_from(["fail", "wait"])),
+        wait_timeout_s=30.0,
+        default_idle_ttl_s=draw(st.sampled_from([None, 300.0])),
+    )
+
+
+@st.composite
+def requests(draw, pressure=False):
+    state = draw(clusters(pressure))
+    held = {i.model for n in state.nodes for i in n.instances}
+    absent = sorted(set(state.catalog) - held)
+    if absent and (pressure or draw(st.sampled_from([True] * 4 + [False]))):
+        model = draw(st.sampled_from(absent))  # mostly ask for what is not loaded: that is where policy acts
+    else:
+        model = draw(st.sampled_from(sorted(state.catalog) + ["unknown"]))
+    return state, draw(configs(pressure)), model, draw(st.sampled_from([0.0, 10.0, 45.0]))
+
+
+SETTINGS = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def copies(state, model, status):
+    return [(n, i) for n in state.nodes if n.alive for i in n.instances if i.model == model and i.status == status]
+
+
+@SETTINGS
+@given(st.one_of(requests(), requests(pressure=True)))
+def test_every_decision_obeys_the_spec(request):
+    state, config, model, waited = request
+    decision = ensure(model, state, NOW, config, waited_s=waited)
+    assert decision == ensure(model, state, NOW, config, waited_s=waited)  # D1: deterministic
+
+    if model not in state.catalog:  # P1
+        assert isinstance(decision, Reject) and decision.code == "unknown_model"
+        return
+    spec = state.catalog[model]
+    ready, loading = copies(state, model, "ready"), copies(state, model, "loading")
+    if ready:  # P2
+        assert isinstance(decision, Use)
+        chosen = next(i for n, i in ready if n.node_id == decision.instance.node_id)
+        assert chosen.in_flight == min(i.in_flight for _, i in ready)
+        return
+    if loading:  # P3
+        assert isinstance(decision, Wait) and decision.code == "loading"
+        return
+
+    nodes = [n for n in state.nodes if eligible(state, spec, n)]
+    unprotected = evictable(state, NOW, config)
+    fits_untouched = [n for n in nodes if feasible_after(state, spec, n.node_id, set(), config)]
+    feasible_at_all = [n for n in nodes if feasible_after(state, spec, n.node_id, unprotected, config)]
+
+    if isinstance(decision, Place):
+        node = state.node(decision.node_id)
+        assert eligible(state, spec, node)  # P4
+        victims = set(decision.evict)
+        assert len(victims) == len(decision.evict)
+        for v in victims:  # E1-E4
+            vnode = state.node(v.node_id)
+            assert vnode.alive and protection(state, vnode, v.model, NOW, config) is None
+        assert decision.bytes == need_bytes(spec, config)
+        assert feasible_after(state, spec, node.node_id, victims, config)  # P5, P6
+        for v in victims:  # E6: minimal
+            assert not feasible_after(state, spec, node.node_id, victims - {v}, config)
+        if fits_untouched:  # P7
+            assert not victims
+            frees = {n.node_id: n for n in fits_untouched}
+            assert node.node_id in frees
+        if any(state.catalog[v.model].keep_warm for v in victims):  # E5
+            no_warm = evictable(state, NOW, config, keep_warm_too=False)
+            assert not any(feasible_after(state, spec, n.node_id, no_warm, config) for n in nodes)
+        return
+
+    # Wait or Reject: nothing may be feasible with every unprotected instance gone (completeness).
+    assert not feasible_at_all
+    if not nodes:
+        assert isinstance(decision, Reject) and decision.code == "no_eligible_node"
+        return
+    if isinstance(decision, Reject) and decision.code == "too_large":
+        everything = {r for _, r in __import__("policy_oracle").all_refs(state)}
+        assert not any(feasible_after(state, spec, n.node_id, everything, config, memory_only=True) for n in nodes)
+        return
+    waiting_helps = any(
+        feasible_after(state, spec, n.node_id, evictable(state, NOW, config, passing_too=True), config) for n in nodes
+    )
+    if waiting_helps:  # P8
+        if config.contention == "wait" and waited < config.wait_timeout_s:
+            assert isinstance(decision, Wait) and decision.code == "busy" and decision.retry_after_s > 0
+        else:
+            assert isinstance(decision, Reject) and decision.code == "busy" and decision.retry_after_s
+    else:
+        assert isinstance(decision, Reject) and decision.code == "blocked" and decision.retry_after_s is None
+    assert decision.message
+
+
+@SETTINGS
+@given(clusters(), configs())
+def test_sweep_unloads_exactly_the_expired_idle_instances(state, config):
+    unloads = sweep(state, NOW, config)
+    assert unloads == sweep(state, NOW, config)
+    chosen = {(u.instance, u.reason) for u in unloads}
+    assert len(chosen) == len(unloads)
+    for node in state.nodes:
+        for inst in node.instances:
+            ref = InstanceRef(node_id=node.node_id, model=inst.model)
+            reasons = {r for x, r in chosen if x == ref}
+            if not node.alive:  # S4
+                assert reasons == {"node_dead"}
+                continue
+            if inst.status != "ready" or inst.in_flight > 0:  # S2
+                assert not reasons
+                continue
+            if node.draining:  # S4
+                assert reasons == {"draining"}
+                continue
+            spec = state.catalog[inst.model]
+            ttl = spec.idle_ttl_s if spec.idle_ttl_s is not None else config.default_idle_ttl_s
+            expired = ttl is not None and not spec.pinned and not spec.keep_warm and NOW - inst.last_used >= ttl
+            if not expired:  # S1, S2
+                assert not reasons
+    for model, spec in state.catalog.items():  # S3
+        ready = [(n, i) for n in state.nodes if n.alive for i in n.instances if i.model == model and i.status == "ready"]
+        idle_unloaded = sum(1 for x, r in chosen if x.model == model and r == "idle")
+        drained = sum(1 for x, r in chosen if x.model == model and r == "draining")
+        if idle_unloaded:
+            assert len(ready) - drained - idle_unloaded >= spec.min_copies

@@ -1,0 +1,393 @@
+"""Example tests, one or more per numbered rule of docs/residency.md."""
+
+import pytest
+from builders import PLAIN, cluster, inst, node, spec
+
+from policy import (
+    ClusterState,
+    InstanceRef,
+    LoadFailure,
+    ModelSpec,
+    Place,
+    PolicyConfig,
+    Reject,
+    Use,
+    Wait,
+    ensure,
+    retry_after_failure,
+)
+from policy.config import GIB
+from policy.transitions import apply_place, finish_request, mark_loaded, start_request
+
+NOW = 1000.0
+
+
+def ref(model: str, node_id: str) -> InstanceRef:
+    return InstanceRef(node_id=node_id, model=model)
+
+
+# P1
+def test_p1_unknown_model_is_rejected_with_its_own_code():
+    d = ensure("ghost", cluster([node("n1", 8)], []), NOW, PLAIN)
+    assert isinstance(d, Reject) and d.code == "unknown_model" and "ghost" in d.message
+
+
+# P2
+def test_p2_uses_the_copy_with_fewest_requests_in_flight():
+    a = spec("a", max_copies=2)
+    st = cluster([node("n1", 8, inst("a", 1, in_flight=3)), node("n2", 8, inst("a", 1, in_flight=1))], [a])
+    assert ensure("a", st, NOW, PLAIN) == Use(instance=ref("a", "n2"))
+
+
+def test_p2_ignores_copies_on_dead_nodes():
+    a = spec("a")
+    st = cluster([node("n1", 8, inst("a", 1), alive=False), node("n2", 8)], [a])
+    d = ensure("a", st, NOW, PLAIN)
+    assert isinstance(d, Place) and d.node_id == "n2"
+
+
+# P3
+def test_p3_a_loading_model_is_waited_for_not_loaded_twice():
+    a = spec("a")
+    st = cluster([node("n1", 8, inst("a", 1, status="loading", loaded_at=NOW - 1)), node("n2", 8)], [a])
+    d = ensure("a", st, NOW, PLAIN)
+    assert isinstance(d, Wait) and d.code == "loading" and d.retry_after_s > 0
+
+
+# P4
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"allowed_nodes": frozenset({"elsewhere"})},
+        {"required_labels": {"chip": "m4"}},
+        {"device": "cuda"},
+    ],
+)
+def test_p4_constraints_that_no_node_meets_reject_with_no_eligible_node(constraint):
+    a = spec("a", **constraint)
+    st = cluster([node("n1", 8, labels={"chip": "m2"})], [a])
+    d = ensure("a", st, NOW, PLAIN)
+    assert isinstance(d, Reject) and d.code == "no_eligible_node"
+
+
+def test_p4_constraints_pick_the_matching_node():
+    a = spec("a", required_labels={"chip": "m4"})
+    st = cluster([node("n1", 64, labels={"chip": "m2"}), node("n2", 8, labels={"chip": "m4"})], [a])
+    d = ensure("a", st, NOW, PLAIN)
+    assert isinstance(d, Place) and d.node_id == "n2"
+
+
+def test_p4_draining_nodes_take_no_new_models():
+    a = spec("a")
+    st = cluster([node("n1", 64, draining=True), node("n2", 8)], [a])
+    assert ensure("a", st, NOW, PLAIN).node_id == "n2"
+
+
+def test_p4_a_model_on_cpu_runs_on_the_cpu_device_of_a_mac():
+    e = spec("e", "embedding", device="cpu")
+    d = ensure("e", cluster([node("n1", 8)], [e]), NOW, PLAIN)
+    assert isinstance(d, Place) and d.device == "cpu"
+
+
+# P5
+def test_p5_need_counts_weights_kv_reservation_and_overhead():
+    a = ModelSpec(
+        name="a", kind="llm", weight_bytes=4 * GIB, kv_bytes_per_token=64 * 1024,
+        reserve_context_tokens=8192, reserve_concurrency=4, overhead_bytes=GIB // 2,
+    )
+    # 4 GiB weights + 64 KiB * 8192 * 4 = 2 GiB KV + 0.5 GiB = 6.5 GiB; node has 6 GiB usable.
+    st = cluster([node("n1", 6)], [a])
+    d = ensure("a", st, NOW, PLAIN)
+    assert isinstance(d, Reject) and d.code == "too_large"
+    assert "6.5 GiB" in d.message and "KV 2.0 GiB" in d.message
+    d = ensure("a", cluster([node("n1", 6.5)], [a]), NOW, PLAIN)
+    assert isinstance(d, Place) and d.bytes == int(6.5 * GIB)
+
+
+def test_p5_safety_margin_is_kept_free():
+    a = spec("a", gb=7.6)
+    cfg = PLAIN.model_copy(update={"safety_margin_bytes": GIB // 2})
+    assert isinstance(ensure("a", cluster([node("n1", 8)], [a]), NOW, cfg), Reject)
+    assert isinstance(ensure("a", cluster([node("n1", 8.1)], [a]), NOW, cfg), Place)
+
+
+def test_p5_reported_headroom_wins_when_it_is_lower_than_accounting():
+    a = spec("a", gb=4)
+    st = cluster([node("n1", 8, reported_headroom_bytes=3 * GIB), node("n2", 6)], [a])
+    assert ensure("a", st, NOW, PLAIN).node_id == "n2"
+
+
+def test_p5_foreign_memory_counts_against_the_node():
+    a = spec("a", gb=4)
+    st = cluster([node("n1", 8, foreign_bytes=5 * GIB), node("n2", 4.5)], [a])
+    assert ensure("a", st, NOW, PLAIN).node_id == "n2"
+
+
+def test_p5_larger_than_any_node_is_rejected_with_the_numbers():
+    a = spec("huge", gb=100)
+    d = ensure("huge", cluster([node("n1", 64), node("n2", 96)], [a]), NOW, PLAIN)
+    assert isinstance(d, Reject) and d.code == "too_large"
+    assert "100.0 GiB" in d.message and "n2" in d.message and "96.0 GiB" in d.message
+
+
+# P6
+def test_p6_global_cap_evicts_an_idle_instance_elsewhere():
+    a, b, c = spec("a"), spec("b"), spec("c")
+    st = cluster([node("n1", 64, inst("a", 1, last_used=1)), node("n2", 64, inst("b", 1, last_used=2))], [a, b, c])
+    d = ensure("c", st, NOW, PLAIN.model_copy(update={"max_instances": 2, "eviction": "lru"}))
+    assert isinstance(d, Place) and d.evict == (ref("a", "n1"),)
+
+
+def test_p6_per_kind_per_node_cap_keeps_one_llm_beside_utilities():
+    llm, llm2 = spec("llm-a", gb=4), spec("llm-b", gb=4)
+    emb = spec("emb", "embedding", gb=0.5)
+    st = cluster([node("n1", 64, inst("llm-a", 4), inst("emb", 0.5))], [llm, llm2, emb])
+    d = ensure("llm-b", st, NOW, PLAIN.model_copy(update={"max_per_kind_per_node": {"llm": 1}}))
+    assert isinstance(d, Place) and d.evict == (ref("llm-a", "n1"),)
+
+
+def test_p6_per_device_caps_count_each_device_of_a_node():
+    gpu_llm, gpu_llm2 = spec("g1"), spec("g2")
+    cpu_stt = spec("stt", "stt", device="cpu")
+    cfg = PLAIN.model_copy(update={"max_per_device_per_node": {"metal": 1, "cpu": 2, "total": 3}})
+    st = cluster([node("n1", 64, inst("g1", 1), inst("stt", 1, device="cpu"))], [gpu_llm, gpu_llm2, cpu_stt])
+    d = ensure("g2", st, NOW, cfg)
+    assert isinstance(d, Place) and d.evict == (ref("g1", "n1"),)
+
+
+def test_p6_a_cap_held_by_pinned_models_blocks_and_says_which_cap():
+    a, b = spec("a", pinned=True), spec("b")
+    st = cluster([node("n1", 64, inst("a", 1))], [a, b])
+    d = ensure("b", st, NOW, PLAIN.model_copy(update={"max_instances_per_node": 1}))
+    assert isinstance(d, Reject) and d.code == "blocked"
+    assert "instances per node=1 on n1" in d.message and "pinned models a" in d.message
+
+
+def test_p6_cap_of_zero_means_never_on_that_node():
+    a = spec("a")
+    st = cluster([node("n1", 64), node("n2", 8)], [a])
+    d = ensure("a", st, NOW, PLAIN.model_copy(update={"node_max_instances": {"n1": 0}}))
+    assert isinstance(d, Place) and d.node_id == "n2"
+
+
+# P7
+def test_p7_fitting_without_eviction_beats_evicting():
+    a, b = spec("a", gb=6), spec("b", gb=4)
+    st = cluster([node("n1", 8, inst("a", 6)), node("n2", 5)], [a, b])
+    d = ensure("b", st, NOW, PLAIN)
+    assert d.node_id == "n2" and d.evict == ()
+
+
+@pytest.mark.parametrize("preference,expected", [("pack", "small"), ("spread", "large")])
+def test_p7_pack_or_spread_among_fitting_nodes(preference, expected):
+    a = spec("a", gb=4)
+    st = cluster([node("small", 6), node("large", 60)], [a])
+    assert ensure("a", st, NOW, PLAIN.model_copy(update={"fit_preference": preference})).node_id == expected
+
+
+def test_p7_among_evicting_nodes_the_cheapest_set_wins():
+    # n1 would lose a recently used model; n2 an hour-idle one of the same size.
+    a, b, c = spec("a", gb=6), spec("b", gb=6), spec("c", gb=6)
+    st = cluster([node("n1", 8, inst("a", 6, last_used=NOW - 5)), node("n2", 8, inst("b", 6, last_used=NOW - 3600))], [a, b, c])
+    for strategy in ("lru", "cost", "fewest"):
+        d = ensure("c", st, NOW, PLAIN.model_copy(update={"eviction": strategy}))
+        if strategy == "fewest":
+            assert len(d.evict) == 1
+        else:
+            assert d.evict == (ref("b", "n2"),), strategy
+
+
+# P8
+def test_p8_busy_blockers_mean_wait_with_retry_after_then_reject_after_timeout():
+    a, b = spec("a", gb=6), spec("b", gb=6)
+    st = cluster([node("n1", 8, inst("a", 6, in_flight=1))], [a, b])
+    cfg = PLAIN.model_copy(update={"contention": "wait", "wait_timeout_s": 30, "retry_poll_s": 2})
+    d = ensure("b", st, NOW, cfg)
+    assert isinstance(d, Wait) and d.code == "busy" and d.retry_after_s == 2
+    assert d.blockers[0].instance == ref("a", "n1") and d.blockers[0].protection == "busy"
+    d = ensure("b", st, NOW, cfg, waited_s=30)
+    assert isinstance(d, Reject) and d.code == "busy" and d.retry_after_s == 2 and "gave up after waiting 30 s" in d.message
+
+
+def test_p8_contention_fail_rejects_at_once_with_retry_after():
+    a, b = spec("a", gb=6), spec("b", gb=6)
+    st = cluster([node("n1", 8, inst("a", 6, in_flight=1))], [a, b])
+    d = ensure("b", st, NOW, PLAIN.model_copy(update={"contention": "fail"}))
+    assert isinstance(d, Reject) and d.code == "busy" and d.retry_after_s is not None
+
+
+def test_p8_young_instance_wait_ends_when_it_comes_of_age():
+    a, b = spec("a", gb=6), spec("b", gb=6)
+    st = cluster([node("n1", 8, inst("a", 6, loaded_at=NOW - 4))], [a, b])
+    cfg = PLAIN.model_copy(update={"min_residency_s": 10.0, "retry_poll_s": 30})
+    d = ensure("b", st, NOW, cfg)
+    assert isinstance(d, Wait) and d.retry_after_s == pytest.approx(6.0)
+    assert isinstance(ensure("b", st, NOW + 6, cfg), Place)
+
+
+def test_p8_pinned_blockers_reject_at_once_naming_them_and_the_shortfall():
+    c = spec("c", gb=12)
+    pa, pb = spec("A", gb=20, pinned=True), spec("B", gb=10, pinned=True)
+    st = cluster([node("mac-2", 36, inst("A", 20), inst("B", 10))], [pa, pb, c])
+    d = ensure("c", st, NOW, PLAIN)
+    assert isinstance(d, Reject) and d.code == "blocked" and d.retry_after_s is None
+    assert "pinned models A, B hold 30.0 GiB" in d.message and "mac-2" in d.message and "needs 12.0 GiB" in d.message
+    assert {b.instance.model for b in d.blockers} == {"A", "B"}
+
+
+# P9
+def test_p9_missing_files_are_not_retried():
+    a = spec("a")
+    st = cluster([node("n1", 8)], [a])
+    d = retry_after_failure(LoadFailure(model="a", node_id="n1", reason="not_found", message="no such dir"), st, NOW, PLAIN)
+    assert isinstance(d, Reject) and d.code == "load_failed" and "not found" in d.message
+
+
+def test_p9_other_failures_retry_once_after_evicting_every_evictable_instance():
+    a, b, c, p = spec("a", gb=2), spec("b", gb=1), spec("c", gb=1), spec("p", gb=1, pinned=True)
+    st = cluster([node("n1", 8, inst("b", 1), inst("c", 1), inst("p", 1))], [a, b, c, p])
+    first = LoadFailure(model="a", node_id="n1", reason="out_of_memory")
+    d = retry_after_failure(first, st, NOW, PLAIN)
+    assert isinstance(d, Place) and d.node_id == "n1" and set(d.evict) == {ref("b", "n1"), ref("c", "n1")}
+    d = retry_after_failure(first.model_copy(update={"attempt": 2}), st, NOW, PLAIN)
+    assert isinstance(d, Reject) and d.code == "load_failed"
+
+
+def test_p9_retry_goes_elsewhere_when_the_failed_node_has_nothing_more_to_evict():
+    a = spec("a", gb=2)
+    st = cluster([node("n1", 8), node("n2", 8)], [a])
+    d = retry_after_failure(LoadFailure(model="a", node_id="n1", reason="error"), st, NOW, PLAIN)
+    assert isinstance(d, Place) and d.node_id == "n2"
+
+
+# E1-E4
+@pytest.mark.parametrize(
+    "protected_inst,protected_spec,protection",
+    [
+        (dict(), dict(pinned=True), "pinned"),
+        (dict(in_flight=1), dict(), "busy"),
+        (dict(status="loading"), dict(), "loading"),
+        (dict(status="draining"), dict(), "draining"),
+        (dict(loaded_at=NOW - 1), dict(), "young"),
+        (dict(), dict(min_copies=1), "min_copies"),
+    ],
+)
+def test_e1_to_e4_protected_instances_are_never_chosen(protected_inst, protected_spec, protection):
+    old = spec("old", gb=3, **protected_spec)
+    other, new = spec("other", gb=3), spec("new", gb=3)
+    st = cluster(
+        [node("n1", 6.5, inst("old", 3, last_used=0, **protected_inst), inst("other", 3, last_used=NOW - 1))],
+        [old, other, new],
+    )
+    cfg = PLAIN.model_copy(update={"min_residency_s": 10.0})
+    for strategy in ("lru", "cost", "fewest"):
+        d = ensure("new", st, NOW, cfg.model_copy(update={"eviction": strategy}))
+        assert isinstance(d, Place) and d.evict == (ref("other", "n1"),), (strategy, protection)
+
+
+# E5
+def test_e5_keep_warm_goes_last_even_when_it_is_the_oldest():
+    emb = spec("emb", "embedding", gb=1, keep_warm=True, role="utility")
+    a, b = spec("a", gb=1), spec("b", gb=1)
+    st = cluster([node("n1", 2, inst("emb", 1, last_used=0), inst("a", 1, last_used=NOW - 1))], [emb, a, b])
+    for strategy in ("lru", "cost", "fewest"):
+        d = ensure("b", st, NOW, PLAIN.model_copy(update={"eviction": strategy}))
+        assert d.evict == (ref("a", "n1"),), strategy
+
+
+def test_e5_keep_warm_is_evicted_when_nothing_else_will_do():
+    emb = spec("emb", "embedding", gb=1, keep_warm=True)
+    b = spec("b", gb=2)
+    st = cluster([node("n1", 2, inst("emb", 1))], [emb, b])
+    assert ensure("b", st, NOW, PLAIN).evict == (ref("emb", "n1"),)
+
+
+# E6
+def test_e6_no_needless_victims():
+    # lru order is a (oldest), b, big; once big is needed, a and b are redundant and kept.
+    a, b, big, new = spec("a", gb=1), spec("b", gb=1), spec("big", gb=6), spec("new", gb=6)
+    st = cluster(
+        [node("n1", 8, inst("a", 1, last_used=1), inst("b", 1, last_used=2), inst("big", 6, last_used=3))],
+        [a, b, big, new],
+    )
+    d = ensure("new", st, NOW, PLAIN.model_copy(update={"eviction": "lru"}))
+    assert d.evict == (ref("big", "n1"),)
+
+
+# E7
+def test_e7_lru_evicts_same_kind_first():
+    llm_old = spec("llm-old", gb=2)
+    emb_older = spec("emb", "embedding", gb=2)
+    new = spec("new", gb=2)
+    st = cluster([node("n1", 4, inst("emb", 2, last_used=1), inst("llm-old", 2, last_used=5))], [llm_old, emb_older, new])
+    assert ensure("new", st, NOW, PLAIN.model_copy(update={"eviction": "lru"})).evict == (ref("llm-old", "n1"),)
+
+
+def test_e7_fewest_frees_memory_with_one_big_eviction():
+    smalls = [spec(f"s{i}", gb=1) for i in range(4)]
+    big, new = spec("big", gb=4), spec("new", gb=4)
+    st = cluster(
+        [node("n1", 8, *(inst(s.name, 1, last_used=1 + i) for i, s in enumerate(smalls)), inst("big", 4, last_used=NOW - 1))],
+        smalls + [big, new],
+    )
+    assert ensure("new", st, NOW, PLAIN.model_copy(update={"eviction": "fewest"})).evict == (ref("big", "n1"),)
+    assert len(ensure("new", st, NOW, PLAIN.model_copy(update={"eviction": "lru"})).evict) == 4
+
+
+def test_e7_cost_keeps_cheap_small_utilities_and_drops_the_idle_large_model():
+    emb = spec("emb", "embedding", gb=0.5, role="utility")
+    rr = spec("rr", "rerank", gb=0.5, role="utility")
+    idle_big = spec("idle-big", gb=20)
+    new = spec("new", gb=20)
+    st = cluster(
+        [node("n1", 40, inst("emb", 0.5, last_used=NOW - 600), inst("rr", 0.5, last_used=NOW - 500), inst("idle-big", 20, last_used=NOW - 300))],
+        [emb, rr, idle_big, new],
+    )
+    assert ensure("new", st, NOW, PLAIN.model_copy(update={"eviction": "cost"})).evict == (ref("idle-big", "n1"),)
+
+
+def test_e7_cost_prefers_to_lose_what_reloads_fast():
+    fast = spec("fast", gb=4, load_seconds_estimate=2.0)
+    slow = spec("slow", gb=4, load_seconds_estimate=60.0)
+    new = spec("new", gb=4)
+    st = cluster([node("n1", 8, inst("slow", 4, last_used=NOW - 100), inst("fast", 4, last_used=NOW - 50))], [fast, slow, new])
+    assert ensure("new", st, NOW, PLAIN.model_copy(update={"eviction": "cost"})).evict == (ref("fast", "n1"),)
+
+
+# E8
+def test_e8_no_victims_on_other_nodes_for_a_memory_shortfall():
+    a, b, new = spec("a", gb=6), spec("b", gb=6), spec("new", gb=4)
+    st = cluster([node("n1", 8, inst("a", 6, last_used=NOW - 10)), node("n2", 6, inst("b", 6, last_used=1))], [a, b, new])
+    d = ensure("new", st, NOW, PLAIN.model_copy(update={"eviction": "lru"}))
+    assert all(v.node_id == d.node_id for v in d.evict)
+
+
+# The transitions used by the controller and the simulator
+def test_transitions_track_a_request_lifecycle():
+    a = spec("a", gb=2)
+    st = cluster([node("n1", 8)], [a])
+    d = ensure("a", st, NOW, PLAIN)
+    st = apply_place(st, d, NOW)
+    assert st.node("n1").instance("a").status == "loading"
+    assert isinstance(ensure("a", st, NOW, PLAIN), Wait)
+    st = mark_loaded(st, ref("a", "n1"), NOW + 3, load_seconds=3.0)
+    st = start_request(st, ref("a", "n1"), NOW + 4)
+    assert st.node("n1").instance("a").in_flight == 1
+    st = finish_request(st, ref("a", "n1"), NOW + 5)
+    i = st.node("n1").instance("a")
+    assert (i.in_flight, i.last_used, i.load_seconds, i.loaded_at) == (0, NOW + 5, 3.0, NOW + 3)
+
+
+def test_state_rejects_inconsistent_snapshots():
+    a = spec("a")
+    with pytest.raises(ValueError, match="catalog lacks"):
+        cluster([node("n1", 8, inst("a", 1))], [])
+    with pytest.raises(ValueError, match="twice"):
+        cluster([node("n1", 8, inst("a", 1), inst("a", 1))], [a])
+    with pytest.raises(ValueError, match="duplicate node"):
+        cluster([node("n1", 8), node("n1", 8)], [a])
+    with pytest.raises(ValueError, match="min_copies"):
+        spec("b", min_copies=3, max_copies=2)
+    with pytest.raises(ValueError):
+        PolicyConfig(eviction="random")
+    assert isinstance(ClusterState(), ClusterState)
