@@ -13,6 +13,7 @@ class CapExcess:
     label: str
     members: frozenset[InstanceRef]
     excess: int
+    cluster_wide: bool = False
 
 
 def _excess(label: str, cap: int | None, members: list[InstanceRef]) -> CapExcess | None:
@@ -41,7 +42,7 @@ def global_cap_excesses(spec: ModelSpec, state: ClusterState, config: PolicyConf
             same_kind,
         ),
     ]
-    return [e for e in found if e is not None]
+    return [CapExcess(e.label, e.members, e.excess, cluster_wide=True) for e in found if e is not None]
 
 
 def node_cap(node_id: str, config: PolicyConfig) -> int | None:

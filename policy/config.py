@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import ByteSize, Field
 
 from policy._frozen import Frozen
 from policy.specs import DeviceKind, ModelKind
@@ -39,10 +39,11 @@ class PolicyConfig(Frozen):
     max_per_device_per_node: dict[DeviceKind | Literal["total"], int] = Field(default_factory=dict)
 
     # Headroom kept free on every node: a fixed amount plus a fraction of its usable memory.
-    safety_margin_bytes: int = Field(default=512 * MIB, ge=0)
+    # Sizes take integers or strings such as "512MiB".
+    safety_margin_bytes: ByteSize = ByteSize(512 * MIB)
     safety_margin_fraction: float = Field(default=0.02, ge=0, lt=1)
     # Reserved per instance on top of weights and KV when its spec does not say.
-    instance_overhead_bytes: int = Field(default=256 * MIB, ge=0)
+    instance_overhead_bytes: ByteSize = ByteSize(256 * MIB)
 
     eviction: EvictionStrategy = "cost"
     cost: CostWeights = CostWeights()
@@ -62,5 +63,5 @@ class PolicyConfig(Frozen):
     default_idle_ttl_s: float | None = Field(default=None, gt=0)
 
     # For reload-time estimates before a load was measured: seconds = base + bytes / bandwidth.
-    load_bandwidth_bytes_per_s: float = Field(default=2.0 * GIB, gt=0)
+    load_bandwidth_bytes_per_s: ByteSize = ByteSize(2 * GIB)
     load_base_s: float = Field(default=1.0, ge=0)

@@ -1,7 +1,7 @@
 """Which instances may be evicted, in what order each strategy gives them up, and the smallest set
 that makes room. Ordering is where strategies differ; safety (protections) is the same for all."""
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from policy.caps import CapExcess
@@ -59,7 +59,8 @@ def protection_of(
 
 def keep_value(inst: InstanceState, spec: ModelSpec, now: float, config: PolicyConfig) -> float:
     """The `cost` strategy's estimate of what losing an instance costs: reload seconds, times a
-    weight for utility models, times an estimated reuse rate of 1 / (idle seconds + floor)."""
+    weight for utility models, times an estimated reuse rate of 1 / (idle seconds + floor).
+    (A frequency term, requests served / age, was tried in the simulator and reloaded more.)"""
     weight = config.cost.utility_weight if spec.role == "utility" else 1.0
     idle_s = max(0.0, now - inst.last_used)
     return reload_seconds(inst, spec, config) * weight / (idle_s + config.cost.idle_floor_s)
@@ -119,31 +120,49 @@ class Need:
         refs = {v.ref for v in victims}
         return all(len(refs & e.members) >= e.excess for e in self.excesses)
 
-    def helped_by(self, c: Candidate, chosen: Sequence[Candidate]) -> bool:
-        if c.ref.node_id == self.node_id and self.memory_bytes > sum(
-            v.inst.bytes for v in chosen if v.ref.node_id == self.node_id
-        ):
-            return True
-        refs = {v.ref for v in chosen}
-        return any(c.ref in e.members and len(refs & e.members) < e.excess for e in self.excesses)
 
-    @property
-    def empty(self) -> bool:
-        return self.memory_bytes <= 0 and not self.excesses
-
-
-def select_victims(ordered: Sequence[Candidate], need: Need) -> tuple[Candidate, ...] | None:
-    """Greedy in the strategy's order, taking only candidates that still help, then pruning any
-    victim the rest already cover (most valuable first). Returns None if even all of them fall short.
-    The result is minimal: no single victim can be dropped (property-tested)."""
+def select_victims(
+    local: Sequence[Candidate], elsewhere: Sequence[Candidate], need: Need, key: Callable[[Candidate], tuple]
+) -> tuple[Candidate, ...] | None:
+    """Greedy in the strategy's order over the node's own candidates and (while a cluster-wide cap
+    is still broken) candidates on other nodes (`elsewhere` may list this node's too: they are
+    skipped there), taking only those that still help; then pruning any victim
+    the rest already cover, most valuable first. None if even all of them fall short. The result is
+    minimal: no single victim can be dropped (property-tested). Both inputs are sorted by `key`."""
     chosen: list[Candidate] = []
-    for c in ordered:
-        if need.met_by(chosen):
-            break
-        if need.helped_by(c, chosen):
-            chosen.append(c)
-    if not need.met_by(chosen):
-        return None
+    freed = 0
+    counts = [0] * len(need.excesses)
+
+    def met() -> bool:
+        return freed >= need.memory_bytes and all(n >= e.excess for n, e in zip(counts, need.excesses))
+
+    def cluster_caps_open() -> bool:
+        return any(e.cluster_wide and n < e.excess for n, e in zip(counts, need.excesses))
+
+    li = ei = 0
+    while not met():
+        take_local = li < len(local)
+        take_elsewhere = ei < len(elsewhere) and cluster_caps_open()
+        if take_local and take_elsewhere:
+            take_local = key(local[li]) <= key(elsewhere[ei])
+        if take_local:
+            c, li = local[li], li + 1
+        elif take_elsewhere:
+            c, ei = elsewhere[ei], ei + 1
+            if c.ref.node_id == need.node_id:
+                continue
+        else:
+            return None
+        frees_memory = c.ref.node_id == need.node_id and freed < need.memory_bytes
+        fills = [j for j, e in enumerate(need.excesses) if counts[j] < e.excess and c.ref in e.members]
+        if not frees_memory and not fills:
+            continue
+        chosen.append(c)
+        if c.ref.node_id == need.node_id:
+            freed += c.inst.bytes
+        for j, e in enumerate(need.excesses):
+            if c.ref in e.members:
+                counts[j] += 1
     for c in reversed(list(chosen)):
         rest = [v for v in chosen if v is not c]
         if need.met_by(rest):

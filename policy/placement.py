@@ -63,11 +63,12 @@ def _need_on(
     return Need(node_id=node.node_id, memory_bytes=memory, excesses=excesses)
 
 
-def _relevant(ordered: list[Candidate], need: Need) -> list[Candidate]:
+def _relevant(pool: list[Candidate], need: Need) -> list[Candidate]:
+    """Candidates that can help this node: its own instances, and members of broken caps."""
     members: set[InstanceRef] = set()
     for e in need.excesses:
         members |= e.members
-    return [c for c in ordered if c.ref.node_id == need.node_id or c.ref in members]
+    return [c for c in pool if c.ref.node_id == need.node_id or c.ref in members]
 
 
 def plan_placement(
@@ -97,6 +98,17 @@ def plan_placement(
     allowed = {None} | (PASSING_PROTECTIONS if passing_evictable else set())
     everyone = candidates(state, now, config, oracle_keep_values)
     pool = [c for c in everyone if c.protection in allowed]
+    by_node: dict[str, list[Candidate]] = {}
+    for c in pool:
+        by_node.setdefault(c.ref.node_id, []).append(c)
+    # Victims elsewhere only ever help cluster-wide caps: sort those once, not once per node.
+    global_members = frozenset().union(*(e.members for e in global_excesses))
+    elsewhere = [c for c in pool if c.ref in global_members]
+
+    def key_for(pressure: bool):
+        return lambda c: eviction_order_key(c, config.eviction, spec.kind, pressure, oracle)
+
+    elsewhere_sorted = {p: sorted(elsewhere, key=key_for(p)) for p in (False, True)} if elsewhere else {}
 
     plans: list[tuple[tuple, Plan]] = []
     shortfalls: list[NodeShortfall] = []
@@ -105,11 +117,10 @@ def plan_placement(
         assert device is not None
         need = _need_on(spec, node, device, state, config, global_excesses)
         pressure = need.memory_bytes > 0
-        usable = _relevant(pool, need)
-        ordered = sorted(usable, key=lambda c: eviction_order_key(c, config.eviction, spec.kind, pressure, oracle))
-        victims = select_victims(ordered, need)
+        local = sorted(by_node.get(node.node_id, []), key=key_for(pressure))
+        victims = select_victims(local, elsewhere_sorted.get(pressure, []), need, key_for(pressure))
         if victims is None:
-            shortfalls.append(_shortfall(node, need, usable, everyone))
+            shortfalls.append(_shortfall(node, need, _relevant(pool, need), everyone))
             continue
         freed_here = sum(v.inst.bytes for v in victims if v.ref.node_id == node.node_id)
         free_after = free_bytes(node) + freed_here - required_bytes(spec, config)

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import ByteSize, Field, model_validator
 
 from policy._frozen import Frozen
 
@@ -20,12 +20,13 @@ class ModelSpec(Frozen):
 
     name: str = Field(min_length=1)
     kind: ModelKind
-    weight_bytes: int = Field(ge=0)
-    kv_bytes_per_token: int = Field(default=0, ge=0)
+    # Sizes take integers or strings such as "4.5GiB" or "160KiB".
+    weight_bytes: ByteSize
+    kv_bytes_per_token: ByteSize = ByteSize(0)
     reserve_context_tokens: int = Field(default=4096, ge=0)
     reserve_concurrency: int = Field(default=1, ge=1)
     # None: use PolicyConfig.instance_overhead_bytes (process, imports, activations).
-    overhead_bytes: int | None = Field(default=None, ge=0)
+    overhead_bytes: ByteSize | None = None
     role: Role = "primary"
     pinned: bool = False
     keep_warm: bool = False

@@ -1,0 +1,135 @@
+"""`python -m bench.residency`: replay every trace under every strategy, print the table, write JSON.
+
+--markdown FILE also writes the table as a Markdown page (docs/residency-simulation.md)."""
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+from bench.residency.catalog import NODES, ONE_MAC, empty_cluster, model_specs
+from bench.residency.scale import time_one_decision
+from bench.residency.simulate import belady, count_only, orchard, simulate
+from bench.residency.traces import WORKDAY_UTILITIES, bursts, workday, zipf
+from policy import PolicyConfig
+
+COLUMNS = [
+    ("hit_rate", "hit rate"),
+    ("reloads", "reloads"),
+    ("gb_reloaded", "GB reloaded"),
+    ("reload_s", "reload s"),
+    ("utility_reloads", "utility reloads"),
+    ("waited", "waited"),
+    ("rejected", "rejected"),
+    ("unsafe_loads", "unsafe loads"),
+    ("served_overcommitted", "served overcommitted"),
+    ("p95_start_delay_s", "p95 start delay s"),
+]
+
+
+def strategies(trace, keep_warm: frozenset[str]):
+    """(row name, decider, keep-warm set) for every row of one trace's table."""
+    base = PolicyConfig()
+    yield "count-only LRU, 1 per kind per node", count_only(1), keep_warm
+    yield "count-only LRU, 2 per kind per node", count_only(2), keep_warm
+    for name in ("lru", "cost", "fewest"):
+        yield f"orchard {name}", orchard(base.model_copy(update={"eviction": name})), keep_warm
+    if keep_warm:
+        yield "orchard cost, keep-warm off", orchard(base), frozenset()
+    yield "offline Belady (knows the future)", belady(base, trace), keep_warm
+
+
+def run(quick: bool) -> dict:
+    scale = 0.2 if quick else 1.0
+    traces = {
+        "zipf": (zipf(requests=int(5000 * scale)), frozenset(), NODES),
+        "bursts": (bursts(hours=2.0 * scale), frozenset(), NODES),
+        "workday": (workday(hours=8.0 * scale), frozenset(WORKDAY_UTILITIES), ONE_MAC),
+    }
+    results: dict = {"traces": {}}
+    for trace_name, (trace, keep_warm, nodes) in traces.items():
+        rows = {}
+        for name, decide, warm in strategies(trace, keep_warm):
+            started = time.perf_counter()
+            tally = simulate(trace, empty_cluster(model_specs(warm), nodes), decide, PolicyConfig())
+            rows[name] = tally.row() | {"sim_wall_s": round(time.perf_counter() - started, 2)}
+        results["traces"][trace_name] = {
+            "requests": len(trace),
+            "keep_warm": sorted(keep_warm),
+            "nodes": {n: usable for n, _, usable in nodes},
+            "rows": rows,
+        }
+    results["decision_at_scale"] = time_one_decision(nodes=100, models=1000)
+    results["machine"] = {"python": platform.python_version(), "processor": platform.machine()}
+    return results
+
+
+def table(results: dict) -> str:
+    lines = []
+    for trace_name, t in results["traces"].items():
+        warm = f"; keep-warm: {', '.join(t['keep_warm'])}" if t["keep_warm"] else ""
+        nodes = ", ".join(f"{n} {gb} GiB" for n, gb in t["nodes"].items())
+        lines.append(f"\n### {trace_name} ({t['requests']} requests; usable memory: {nodes}{warm})\n")
+        lines.append("| strategy | " + " | ".join(title for _, title in COLUMNS) + " |")
+        lines.append("|---|" + "---:|" * len(COLUMNS))
+        for name, row in t["rows"].items():
+            cells = [f"{row[k]:.1%}" if k == "hit_rate" else str(row[k]) for k, _ in COLUMNS]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    s = results["decision_at_scale"]
+    lines.append(
+        f"\nOne `ensure` decision at {s['nodes']} nodes x {s['models']} models ({s['instances']} instances loaded, "
+        f"a global cap in force, eviction needed): median {s['median_ms']:.1f} ms, max {s['max_ms']:.1f} ms "
+        f"over {s['runs']} runs.\n"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a fifth of each trace (for smoke tests)")
+    parser.add_argument("--json", default="bench/results/residency.json")
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args()
+    results = run(args.quick)
+    text = table(results)
+    print(text)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    if args.markdown:
+        Path(args.markdown).write_text(MARKDOWN_HEAD + text + MARKDOWN_TAIL)
+        print(f"wrote {args.markdown}")
+
+
+MARKDOWN_HEAD = """# Residency simulation
+
+Produced by `make bench-residency` (`python -m bench.residency --markdown docs/residency-simulation.md`);
+the JSON is in `bench/results/residency.json`. What the columns mean and how the simulator works is in
+the last section.
+"""
+
+MARKDOWN_TAIL = """
+## How to read it
+
+- Cluster: four Macs with 96, 48, 36 and 24 GiB usable (bench/residency/catalog.py); catalog of ten
+  4.5-70 GB LLM/VLMs (8K context x 2 reserved KV) and fifteen small embedders, rerankers, STT and TTS
+  models. Loads take 1 s + size / 2 GiB/s. Every Orchard row uses the shipped `PolicyConfig` defaults
+  (512 MiB + 2% safety margin, 256 MiB per-instance overhead, 10 s minimum residency, wait up to 60 s).
+- hit rate: requests served at once by a ready instance. reloads / GB reloaded / reload s: loads of a
+  model that had been loaded before (first loads are the same for every strategy and not counted).
+  utility reloads: those of embedders, rerankers, STT and TTS. waited: requests that had to wait for
+  a busy or young instance at least once. rejected: requests refused (nothing could be placed, or
+  still waiting after 60 s). unsafe loads: placements that put more on a node than its usable memory
+  (the OOM or swap the Lemonade discussion describes; Orchard must show 0). served overcommitted:
+  requests that started on such a node: in the simulator they are fast hits, on a real Mac they swap
+  or fail. p95 start delay: arrival to start of service, loads and waits included.
+- count-only LRU is today's anchor (policy/count_only.py): 2 slots per model kind per node, LRU per
+  kind, memory-blind. offline Belady is a reference that knows every future arrival: Orchard's safety
+  rules with victims ordered by true next use (reload seconds / time to next use, per byte under memory
+  pressure). It is a strong heuristic, not a proven optimum for variable sizes.
+"""
+
+
+if __name__ == "__main__":
+    main()

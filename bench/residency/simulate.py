@@ -1,0 +1,176 @@
+"""Replays a trace against a simulated cluster through policy/ and counts what each strategy costs.
+
+The simulation is event driven: arrivals, retries, loads finishing, requests finishing. Every
+decision goes through the same pure functions and state transitions the controller uses."""
+
+import bisect
+import heapq
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bench.residency.traces import Request
+from policy import ClusterState, InstanceRef, Place, PolicyConfig, Reject, Use, Wait, count_only_lru, ensure
+from policy.config import GIB
+from policy.memory import estimated_load_seconds
+from policy.transitions import apply_place, finish_request, mark_loaded, start_request
+
+Decider = Callable[[str, ClusterState, float, float], object]
+
+# Anything still waiting after this long is turned away, by every strategy alike.
+WAIT_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Tally:
+    requests: int = 0
+    hits: int = 0
+    loads: int = 0
+    reloads: int = 0
+    bytes_reloaded: int = 0
+    reload_seconds: float = 0.0
+    utility_reloads: int = 0
+    evictions: int = 0
+    waited: int = 0
+    rejected: int = 0
+    unsafe_loads: int = 0
+    served_overcommitted: int = 0
+    start_delays: list[float] = field(default_factory=list)
+
+    def row(self) -> dict:
+        delays = sorted(self.start_delays)
+        p95 = delays[int(0.95 * (len(delays) - 1))] if delays else 0.0
+        return {
+            "requests": self.requests,
+            "hit_rate": round(self.hits / max(1, self.requests), 4),
+            "loads": self.loads,
+            "reloads": self.reloads,
+            "gb_reloaded": round(self.bytes_reloaded / GIB, 1),
+            "reload_s": round(self.reload_seconds, 1),
+            "evictions": self.evictions,
+            "waited": self.waited,
+            "rejected": self.rejected,
+            "utility_reloads": self.utility_reloads,
+            "unsafe_loads": self.unsafe_loads,
+            "served_overcommitted": self.served_overcommitted,
+            "mean_start_delay_s": round(sum(delays) / max(1, len(delays)), 2),
+            "p95_start_delay_s": round(p95, 2),
+        }
+
+
+def orchard(config: PolicyConfig) -> Decider:
+    return lambda model, state, now, waited: ensure(model, state, now, config, waited_s=waited)
+
+
+def count_only(max_loaded_models: int) -> Decider:
+    return lambda model, state, now, waited: count_only_lru(model, state, now, max_loaded_models)
+
+
+def belady(config: PolicyConfig, trace: list[Request]) -> Decider:
+    """Offline reference: Orchard's safety rules, but victims ordered by the true next use.
+
+    Keep value = reload seconds / seconds until the model is next asked for (0 if never again);
+    under memory pressure it is taken per byte, so a large model not needed for long goes first."""
+    arrivals: dict[str, list[float]] = defaultdict(list)
+    for r in trace:
+        arrivals[r.model].append(r.arrival)
+
+    def keep_values(state: ClusterState, now: float) -> dict[InstanceRef, float]:
+        values = {}
+        for node in state.nodes:
+            for inst in node.instances:
+                times = arrivals.get(inst.model, [])
+                i = bisect.bisect_right(times, now)
+                reload = estimated_load_seconds(inst.bytes, config)
+                values[InstanceRef(node_id=node.node_id, model=inst.model)] = (
+                    reload / max(times[i] - now, 1e-3) if i < len(times) else 0.0
+                )
+        return values
+
+    return lambda model, state, now, waited: ensure(
+        model, state, now, config, waited_s=waited, oracle_keep_values=keep_values(state, now)
+    )
+
+
+def overcommitted(state: ClusterState, node_id: str) -> bool:
+    node = state.node(node_id)
+    assert node is not None
+    return node.foreign_bytes + sum(i.bytes for i in node.instances) > node.usable_bytes
+
+
+def simulate(trace: list[Request], state: ClusterState, decide: Decider, config: PolicyConfig) -> Tally:
+    tally = Tally(requests=len(trace))
+    events: list[tuple[float, int, str, object]] = []
+    seq = 0
+
+    def push(t: float, kind: str, payload: object) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, seq, kind, payload))
+
+    for i, r in enumerate(trace):
+        push(r.arrival, "ask", i)
+    joined: dict[InstanceRef, list[int]] = defaultdict(list)  # requests waiting for a load
+    ever_loaded: set[str] = set()
+    waited_once: set[int] = set()
+
+    def start(i: int, ref: InstanceRef, now: float) -> None:
+        nonlocal state
+        state = start_request(state, ref, now)
+        if overcommitted(state, ref.node_id):
+            tally.served_overcommitted += 1
+        tally.start_delays.append(now - trace[i].arrival)
+        push(now + trace[i].duration, "done", (i, ref))
+
+    while events:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "ask":
+            i = payload
+            r = trace[i]
+            waited = now - r.arrival
+            d = decide(r.model, state, now, waited)
+            if isinstance(d, Use):
+                if waited == 0:
+                    tally.hits += 1
+                start(i, d.instance, now)
+            elif isinstance(d, Place):
+                tally.evictions += len(d.evict)
+                state = apply_place(state, d, now)
+                ref = InstanceRef(node_id=d.node_id, model=d.model)
+                load_s = estimated_load_seconds(d.bytes, config)
+                tally.loads += 1
+                if d.model in ever_loaded:
+                    tally.reloads += 1
+                    tally.bytes_reloaded += d.bytes
+                    tally.reload_seconds += load_s
+                    if state.catalog[d.model].role == "utility":
+                        tally.utility_reloads += 1
+                ever_loaded.add(d.model)
+                if overcommitted(state, d.node_id):
+                    tally.unsafe_loads += 1
+                joined[ref].append(i)
+                push(now + load_s, "loaded", (ref, load_s))
+            elif isinstance(d, Wait) and d.code == "loading":
+                ref = next(
+                    InstanceRef(node_id=n.node_id, model=r.model)
+                    for n in state.nodes
+                    if (x := n.instance(r.model)) is not None and x.status == "loading"
+                )
+                joined[ref].append(i)
+            elif isinstance(d, Wait) and waited < WAIT_TIMEOUT_S:
+                if i not in waited_once:
+                    waited_once.add(i)
+                    tally.waited += 1
+                push(now + d.retry_after_s, "ask", i)
+            else:
+                assert isinstance(d, (Reject, Wait))
+                tally.rejected += 1
+        elif kind == "loaded":
+            ref, load_s = payload
+            state = mark_loaded(state, ref, now, load_s)
+            for i in joined.pop(ref, []):
+                start(i, ref, now)
+        else:
+            i, ref = payload
+            state = finish_request(state, ref, now)
+    return tally

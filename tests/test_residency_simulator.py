@@ -1,0 +1,47 @@
+"""The trace simulator's bookkeeping, on short traces (the full run is `make run`)."""
+
+from bench.residency.catalog import NODES, ONE_MAC, empty_cluster, model_specs
+from bench.residency.scale import time_one_decision
+from bench.residency.simulate import belady, count_only, orchard, simulate
+from bench.residency.traces import bursts, workday, zipf
+from policy import PolicyConfig
+
+
+def test_traces_are_deterministic_and_ordered():
+    for make in (lambda: zipf(requests=300), lambda: bursts(hours=0.3), lambda: workday(hours=0.5)):
+        a, b = make(), make()
+        assert a == b and a
+        assert all(x.arrival <= y.arrival for x, y in zip(a, a[1:]))
+
+
+def test_orchard_never_overcommits_and_every_request_is_accounted_for():
+    trace = zipf(requests=600)
+    config = PolicyConfig()
+    for name in ("lru", "cost", "fewest"):
+        tally = simulate(trace, empty_cluster(model_specs(), NODES), orchard(config.model_copy(update={"eviction": name})), config)
+        row = tally.row()
+        assert row["unsafe_loads"] == 0 and row["served_overcommitted"] == 0, name
+        assert len(tally.start_delays) + tally.rejected == len(trace), name
+        assert tally.loads >= len({r.model for r in trace}) - tally.rejected
+        assert 0 < row["hit_rate"] < 1
+
+
+def test_count_only_overcommits_a_small_mac_where_orchard_does_not():
+    trace = workday(hours=1.5)
+    config = PolicyConfig()
+    old = simulate(trace, empty_cluster(model_specs(), ONE_MAC), count_only(2), config)
+    new = simulate(trace, empty_cluster(model_specs(), ONE_MAC), orchard(config), config)
+    assert old.unsafe_loads > 0 and old.served_overcommitted > 0
+    assert new.unsafe_loads == 0 and new.served_overcommitted == 0
+
+
+def test_belady_reference_runs_under_the_same_rules():
+    trace = bursts(hours=0.3)
+    config = PolicyConfig()
+    tally = simulate(trace, empty_cluster(model_specs(), NODES), belady(config, trace), config)
+    assert tally.unsafe_loads == 0 and len(tally.start_delays) + tally.rejected == len(trace)
+
+
+def test_decision_at_scale_places_with_an_eviction():
+    result = time_one_decision(nodes=20, models=200, runs=1)
+    assert result["evicted"] >= 1 and result["instances"] > 100
