@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-all bench clean
+.PHONY: venv run test test-all bench-residency clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -m ''
+
+bench-residency: $(STAMP)
+	$(PY) -m bench.residency --markdown docs/residency-simulation.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
