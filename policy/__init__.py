@@ -5,6 +5,7 @@ written down in docs/residency.md, each pointing at its test."""
 
 from policy.cluster_state import ClusterState, InstanceRef, InstanceState, NodeState
 from policy.config import CostWeights, PolicyConfig
+from policy.copies import plan_copies
 from policy.count_only import count_only_lru
 from policy.decisions import Blocker, Decision, LoadFailure, Place, Reject, Unload, Use, Wait
 from policy.memory import free_bytes, required_bytes
@@ -35,6 +36,7 @@ __all__ = [
     "Wait",
     "count_only_lru",
     "ensure",
+    "plan_copies",
     "free_bytes",
     "required_bytes",
     "retry_after_failure",

@@ -248,11 +248,11 @@ def ensure(
         spec, state, now, config, exclude_nodes=exclude_nodes, oracle_keep_values=oracle_keep_values
     )
     if plan is not None:
-        return _place(spec, plan, config)
+        return place_from_plan(spec, plan, config)
     return _refuse(spec, state, now, config, shortfalls, eligible, waited_s, exclude_nodes)
 
 
-def _place(spec: ModelSpec, plan: Plan, config: PolicyConfig) -> Place:
+def place_from_plan(spec: ModelSpec, plan: Plan, config: PolicyConfig) -> Place:
     reason = "fits without eviction" if not plan.victims else "evicting " + ", ".join(
         str(v.ref) for v in plan.victims
     )

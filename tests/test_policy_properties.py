@@ -17,8 +17,10 @@ from policy import (
     Use,
     Wait,
     ensure,
+    plan_copies,
     sweep,
 )
+from policy.transitions import apply_place
 from policy.config import GIB
 
 NOW = 10_000.0
@@ -241,3 +243,25 @@ def test_sweep_unloads_exactly_the_expired_idle_instances(state, config):
         drained = sum(1 for x, r in chosen if x.model == model and r == "draining")
         if idle_unloaded:
             assert len(ready) - drained - idle_unloaded >= spec.min_copies
+
+
+@SETTINGS
+@given(st.one_of(clusters(), clusters(pressure=True)), st.one_of(configs(), configs(pressure=True)))
+def test_plan_copies_starts_only_valid_copies(state, config):
+    places = plan_copies(state, NOW, config)
+    assert places == plan_copies(state, NOW, config)
+    assert len({p.model for p in places}) == len(places)
+    work = state
+    for place in places:
+        spec = work.catalog[place.model]
+        live = [i for n in work.nodes if n.alive for i in n.instances if i.model == spec.name and i.status in ("ready", "loading")]
+        assert len(live) < spec.max_copies  # C3
+        if len(live) >= spec.min_copies:  # C2: a scale-up, which must not evict
+            assert live and all(i.status == "ready" and i.in_flight >= spec.reserve_concurrency for i in live)
+            assert place.evict == ()
+        node = work.node(place.node_id)
+        assert eligible(work, spec, node)
+        for v in place.evict:
+            assert protection(work, work.node(v.node_id), v.model, NOW, config) is None
+        assert feasible_after(work, spec, node.node_id, set(place.evict), config)
+        work = apply_place(work, place, NOW)

@@ -14,6 +14,7 @@ from policy import (
     Use,
     Wait,
     ensure,
+    plan_copies,
     retry_after_failure,
 )
 from policy.config import GIB
@@ -391,3 +392,33 @@ def test_state_rejects_inconsistent_snapshots():
     with pytest.raises(ValueError):
         PolicyConfig(eviction="random")
     assert isinstance(ClusterState(), ClusterState)
+
+
+# C1-C3
+def test_c1_min_copies_are_started_even_by_evicting():
+    keep = spec("keep", gb=4, min_copies=2, max_copies=2, pinned=True)
+    idle = spec("idle", gb=4)
+    st = cluster([node("n1", 8, inst("keep", 4)), node("n2", 4, inst("idle", 4))], [keep, idle])
+    (place,) = plan_copies(st, NOW, PLAIN)
+    assert place.model == "keep" and place.node_id == "n2" and place.evict == (ref("idle", "n2"),)
+
+
+def test_c2_a_saturated_model_gets_one_more_copy_only_where_it_fits_freely():
+    hot = spec("hot", gb=2, reserve_concurrency=4, max_copies=3)
+    other = spec("other", gb=6)
+    st = cluster([node("n1", 8, inst("hot", 2, in_flight=4)), node("n2", 6, inst("other", 6)), node("n3", 4)], [hot, other])
+    assert plan_copies(st, NOW, PLAIN) == (
+        Place(model="hot", node_id="n3", device="metal", bytes=2 * GIB, reason="fits without eviction"),
+    )
+    st_full = cluster([node("n1", 8, inst("hot", 2, in_flight=4)), node("n2", 6, inst("other", 6))], [hot, other])
+    assert plan_copies(st_full, NOW, PLAIN) == ()  # would need an eviction: no scale-up
+    st_calm = cluster([node("n1", 8, inst("hot", 2, in_flight=3)), node("n3", 4)], [hot, other])
+    assert plan_copies(st_calm, NOW, PLAIN) == ()
+
+
+def test_c3_never_beyond_max_copies_nor_beside_a_loading_copy():
+    hot = spec("hot", gb=1, reserve_concurrency=1, max_copies=2)
+    two = cluster([node("n1", 8, inst("hot", 1, in_flight=5)), node("n2", 8, inst("hot", 1, in_flight=5)), node("n3", 8)], [hot])
+    assert plan_copies(two, NOW, PLAIN) == ()
+    loading = cluster([node("n1", 8, inst("hot", 1, in_flight=5)), node("n2", 8, inst("hot", 1, status="loading")), node("n3", 8)], [hot.model_copy(update={"max_copies": 3})])
+    assert plan_copies(loading, NOW, PLAIN) == ()
