@@ -1,1 +1,7 @@
-"""MLX engines and the model-server actor (issues 3 and 4). Empty until then."""
+"""MLX engines, the model-preparation step, and (issue 4) the model-server actor.
+
+Importing the package loads Debian's OpenBLAS before any MLX import (deployments/blas.py)."""
+
+from deployments.blas import preload_openblas
+
+preload_openblas()

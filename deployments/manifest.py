@@ -1,0 +1,45 @@
+"""The prepared model set's manifest: what the router's model registry reads."""
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from deployments.engine import Frozen
+from policy.specs import ModelKind
+
+MANIFEST_NAME = "manifest.json"
+
+
+class ManifestEntry(Frozen):
+    name: str
+    kind: ModelKind
+    path: str  # relative to the models folder
+    weight_bytes: int = Field(ge=0)  # sum of the *.safetensors sizes (== MLX active memory once loaded)
+    kv_bytes_per_token: int = Field(default=0, ge=0)
+    weights: Literal["real", "random"]
+    architecture: str
+    source: str  # where the weights came from
+
+
+class Manifest(Frozen):
+    models: tuple[ManifestEntry, ...]
+
+    def entry(self, name: str) -> ManifestEntry:
+        for e in self.models:
+            if e.name == name:
+                return e
+        raise KeyError(f"no model {name!r} in the manifest")
+
+
+def read_manifest(models_dir: Path) -> Manifest:
+    return Manifest.model_validate_json((Path(models_dir) / MANIFEST_NAME).read_text())
+
+
+def write_manifest(models_dir: Path, manifest: Manifest) -> None:
+    (Path(models_dir) / MANIFEST_NAME).write_text(json.dumps(manifest.model_dump(), indent=2) + "\n")
+
+
+def safetensors_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
