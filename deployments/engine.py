@@ -18,7 +18,8 @@ class MemoryReport(Frozen):
     """What the engine holds, in bytes, for the node agent and the residency controller."""
 
     weight_bytes: int = Field(ge=0)
-    kv_bytes_in_use: int = Field(default=0, ge=0)
+    kv_bytes_in_use: int = Field(default=0, ge=0)  # KV of the requests running now
+    prefix_cache_bytes: int = Field(default=0, ge=0)  # KV kept for reuse by later requests
     kv_bytes_reserved: int = Field(default=0, ge=0)
     active_bytes: int = Field(default=0, ge=0)  # mx.get_active_memory() of this process
     peak_bytes: int = Field(default=0, ge=0)

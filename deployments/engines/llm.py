@@ -1,0 +1,493 @@
+"""The LLM engine: mlx-lm's own BatchGenerator driven by one loop on one MLX thread.
+
+Requests join and leave the running batch at any step (continuous batching). The asyncio side only
+validates, enqueues and reads deltas: every MLX call, tokenizer call and KV cache lives on the
+engine's worker thread, because MLX streams are thread-local. Deltas of one engine step reach the
+event loop in one hand-off, whatever the number of streams. Prompt prefixes are reused across
+requests through mlx-lm's LRUPromptCache."""
+
+import asyncio
+import gc
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import deployments  # noqa: F401  (OpenBLAS before MLX)
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
+from pydantic import Field, model_validator
+
+from deployments.engine import Engine, Frozen, MemoryReport, RequestError
+from deployments.manifest import safetensors_bytes
+from deployments.worker import MLXWorker
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class GenerationRequest(Frozen):
+    """One completion. Exactly one of prompt (raw text), messages (chat) or prompt_tokens."""
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_tokens: list[int] | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=8)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    logit_bias: dict[int, float] | None = None
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "GenerationRequest":
+        given = [x is not None for x in (self.prompt, self.messages, self.prompt_tokens)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, messages or prompt_tokens")
+        return self
+
+
+class TokenLogprob(Frozen):
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = Field(default_factory=list)
+
+
+class Usage(Frozen):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Delta(Frozen):
+    """A piece of one stream. The last one has finish_reason and usage set."""
+
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    error_code: str | None = None
+
+
+def seeded_sampler(temp: float, top_p: float, min_p: float, top_k: int, seed: int) -> Callable[[mx.array], mx.array]:
+    """mlx-lm's sampling chain with a per-request PRNG key, so a seed holds inside a shared batch
+    (the global MLX RNG would make it depend on the other requests)."""
+    methods = []
+    if 0 < top_p < 1.0:
+        methods.append(lambda x: apply_top_p(x, top_p))
+    if min_p:
+        methods.append(lambda x: apply_min_p(x, min_p))
+    if top_k > 0:
+        methods.append(lambda x: apply_top_k(x, top_k))
+    key = [mx.random.key(seed)]
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        for method in methods:
+            logprobs = method(logprobs)
+        key[0], step = mx.random.split(key[0])
+        return mx.random.categorical(logprobs * (1 / temp), key=step)
+
+    return sampler
+
+
+@dataclass(eq=False)
+class _Stream:
+    """Worker-thread state of one running request."""
+
+    request: GenerationRequest
+    tokens: list[int]
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    detokenizer: Any
+    stops: Any
+    uid: int = -1
+    cached: int = 0
+    completion: int = 0
+    pending: list[Delta] = field(default_factory=list)
+
+
+class LLMEngine(Engine):
+    kind = "llm"
+
+    def __init__(
+        self,
+        name: str,
+        path: str,
+        *,
+        max_batch: int = 64,
+        prefill_batch: int = 8,
+        prefill_step: int = 2048,
+        context_length: int | None = None,
+        prompt_cache_entries: int = 16,
+        prompt_cache_bytes: int = 512 * 1024**2,
+        reserve_context_tokens: int = 4096,
+        reserve_concurrency: int = 1,
+    ):
+        super().__init__(name, path)
+        self.max_batch = max_batch
+        self.prefill_batch = prefill_batch
+        self.prefill_step = prefill_step
+        self._context_length = context_length
+        self._prompt_cache_entries = prompt_cache_entries
+        self._prompt_cache_bytes = prompt_cache_bytes
+        self.reserve_context_tokens = reserve_context_tokens
+        self.reserve_concurrency = reserve_concurrency
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[int, _Stream] = {}
+        self._ids = itertools.count()
+        self._worker: MLXWorker | None = None
+        self._loop_done: Any = None
+        self._stopping = threading.Event()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def _load(self) -> None:
+        self._worker = MLXWorker(self.name)
+        await self._worker.run(self._load_on_worker)
+        self._loop_done = self._worker.submit(self._run_loop)
+
+    def _load_on_worker(self) -> None:
+        self.model, self.tokenizer, config = mlx_lm.load(self.path, return_config=True)
+        self.weight_bytes = safetensors_bytes(self.path)
+        self.context_length = self._context_length or int(config.get("max_position_embeddings") or 4096)
+        self.kv_bytes_per_token = _kv_bytes_per_token(config)
+        self.eos_ids = sorted(self.tokenizer.eos_token_ids)
+        self.prompt_cache = LRUPromptCache(max_size=self._prompt_cache_entries, max_bytes=self._prompt_cache_bytes)
+        self.generator = self._new_generator()
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            stop_tokens=[[t] for t in self.eos_ids],
+            completion_batch_size=self.max_batch,
+            prefill_batch_size=self.prefill_batch,
+            prefill_step_size=self.prefill_step,
+            stream=mx.default_stream(mx.default_device()),
+        )
+
+    async def _stop(self) -> None:
+        self._stopping.set()
+        self._commands.put(("wake", None))
+        if self._loop_done is not None:
+            await asyncio.wrap_future(self._loop_done)
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    def running_requests(self) -> int:
+        return len(self._streams)
+
+    def memory(self) -> MemoryReport:
+        generator = getattr(self, "generator", None)
+        return MemoryReport(
+            weight_bytes=getattr(self, "weight_bytes", 0),
+            kv_bytes_in_use=generator.prompt_cache_nbytes if generator is not None else 0,
+            prefix_cache_bytes=self.prompt_cache.nbytes if generator is not None else 0,
+            kv_bytes_reserved=getattr(self, "kv_bytes_per_token", 0) * self.reserve_context_tokens * self.reserve_concurrency,
+            active_bytes=mx.get_active_memory(),
+            peak_bytes=mx.get_peak_memory(),
+            load_seconds=self._load_seconds,
+        )
+
+    # ---- the request API (event loop side) --------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        """Stream the deltas of one request. Closing the iterator early cancels the request and
+        frees its KV cache at once."""
+        self._check_ready()
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[Delta] = asyncio.Queue()
+        request_id = next(self._ids)
+        self._commands.put(("add", (request_id, request, loop, out)))
+        finished = False
+        try:
+            while True:
+                delta = await out.get()
+                finished = delta.finish_reason is not None
+                yield delta
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("cancel", request_id))
+
+    async def complete(self, request: GenerationRequest) -> Delta:
+        """The whole completion as one Delta (text, tokens, finish reason, usage)."""
+        text, tokens, logprobs, last = [], [], [], Delta()
+        async for delta in self.generate(request):
+            text.append(delta.text)
+            tokens.extend(delta.token_ids)
+            logprobs.extend(delta.logprobs or [])
+            last = delta
+        if last.finish_reason == "error":
+            raise RequestError(last.error_code or "internal", last.error or "generation failed")
+        return Delta(
+            text="".join(text), token_ids=tokens, logprobs=logprobs if request.logprobs else None,
+            finish_reason=last.finish_reason, usage=last.usage,
+        )
+
+    # ---- the loop (worker thread) ----------------------------------------------------------
+    def _run_loop(self) -> None:
+        streams: dict[int, _Stream] = {}  # by request id
+        try:
+            self._serve(streams)
+        except Exception as e:  # a bug here must surface in health, and no stream may hang
+            self._status, self._detail = "failed", f"engine loop crashed: {type(e).__name__}: {e}"
+            for stream in streams.values():
+                self._finish(stream, "error", error=self._detail, code="internal")
+            _hand_off(list(streams.values()))
+            raise
+        leftovers = list(streams.values())
+        for stream in leftovers:
+            self._finish(stream, "cancelled", error="engine stopped", code="engine_stopped")
+        _hand_off(leftovers)
+        self._streams = {}
+        self._release_on_worker()
+
+    def _release_on_worker(self) -> None:
+        """Drop the model, batch and caches on the thread whose stream made them (as mlx-lm's
+        server does): arrays still being computed there must not outlive it."""
+        mx.synchronize()
+        del self.generator
+        self.prompt_cache = LRUPromptCache(max_size=1)
+        self.model = None
+        gc.collect()
+        mx.clear_cache()
+
+    def _serve(self, streams: dict[int, _Stream]) -> None:
+        by_uid: dict[int, int] = {}  # generator uid -> request id
+        while not self._stopping.is_set():
+            outbox: list[_Stream] = []
+            try:
+                command = self._commands.get(block=not by_uid)
+                self._handle(command, streams, by_uid, outbox)
+                while True:
+                    self._handle(self._commands.get_nowait(), streams, by_uid, outbox)
+            except queue.Empty:
+                pass
+            self._streams = streams
+            if by_uid:
+                self._step(streams, by_uid, outbox)
+            _hand_off(outbox)
+
+    def _step(self, streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]) -> None:
+        """One BatchGenerator step for every running request."""
+        try:
+            _, responses = self.generator.next()
+        except Exception as e:  # a broken step must not kill the engine: fail this batch, go on
+            for rid in list(streams):
+                stream = streams.pop(rid)
+                self._finish(stream, "error", error=f"{type(e).__name__}: {e}", code="internal")
+                outbox.append(stream)
+            by_uid.clear()
+            self.generator = self._new_generator()
+            return
+        for r in responses:
+            rid = by_uid.get(r.uid)
+            if rid is None:
+                continue
+            stream = streams[rid]
+            outbox.append(stream)
+            if not self._advance(stream, r):
+                continue
+            by_uid.pop(r.uid)
+            streams.pop(rid)
+            if r.finish_reason is None:  # cut by a stop string: still in the batch
+                self.generator.remove([r.uid])
+            elif r.prompt_cache is not None:
+                self.prompt_cache.insert_cache(self.name, r.all_tokens[:], r.prompt_cache, cache_type="assistant")
+
+    def _handle(
+        self, command: tuple[str, Any], streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]
+    ) -> None:
+        kind, payload = command
+        if kind == "add":
+            rid, request, loop, out = payload
+            try:
+                stream = self._admit(request, loop, out)
+            except Exception as e:
+                code = e.code if isinstance(e, RequestError) else "internal"
+                message = e.message if isinstance(e, RequestError) else f"{type(e).__name__}: {e}"
+                failed = Delta(finish_reason="error", error=message, error_code=code)
+                _put(loop, [(out, failed)])
+                return
+            streams[rid] = stream
+            by_uid[stream.uid] = rid
+        elif kind == "cancel":
+            stream = streams.pop(payload, None)
+            if stream is not None:
+                by_uid.pop(stream.uid, None)
+                self.generator.remove([stream.uid])  # drops its KV cache now
+                mx.synchronize()
+                self._finish(stream, "cancelled")
+                outbox.append(stream)
+
+    def _admit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> _Stream:
+        tokens = self._tokenize(request)
+        if not tokens:
+            raise RequestError("invalid_request", "the prompt is empty")
+        if len(tokens) + request.max_tokens > self.context_length:
+            raise RequestError(
+                "context_length_exceeded",
+                f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) exceeds the context of "
+                f"{self.context_length} tokens",
+            )
+        vocab = self.model.args.vocab_size if hasattr(self.model, "args") else None
+        if vocab and any(t < 0 or t >= vocab for t in tokens):
+            raise RequestError("invalid_request", f"prompt token ids must lie in [0, {vocab})")
+        cache, rest = self.prompt_cache.fetch_nearest_cache(self.name, tokens)
+        if cache is not None and not rest:
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                rest = tokens[-1:]
+            else:
+                cache, rest = None, tokens
+        cached = len(tokens) - len(rest)
+        stream = _Stream(
+            request=request, tokens=tokens, loop=loop, out=out, detokenizer=self.tokenizer.detokenizer,
+            stops=_stop_filter(request.stop), cached=cached,
+        )
+        (stream.uid,) = self.generator.insert(
+            [rest],
+            max_tokens=[request.max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[tokens[:cached]],
+            samplers=[_sampler(request)],
+            logits_processors=[_processors(request)],
+            stop_sequences=[StopSequences([[t] for t in self.eos_ids])],
+        )
+        return stream
+
+    def _tokenize(self, request: GenerationRequest) -> list[int]:
+        if request.prompt_tokens is not None:
+            return list(request.prompt_tokens)
+        if request.messages is not None:
+            if not request.messages:
+                raise RequestError("invalid_request", "messages is empty")
+            try:
+                tokens = self.tokenizer.apply_chat_template(
+                    request.messages, add_generation_prompt=True, **request.chat_template_kwargs
+                )
+            except Exception as e:
+                raise RequestError("invalid_request", f"the chat template rejected the messages: {e}") from e
+            return list(tokens["input_ids"] if isinstance(tokens, dict) else tokens)
+        return self.tokenizer.encode(request.prompt, add_special_tokens=False) if request.prompt else []
+
+    def _advance(self, stream: _Stream, r: Any) -> bool:
+        """Take one generated token; returns whether the stream is finished."""
+        eos = r.finish_reason == "stop"
+        if not eos:
+            stream.completion += 1
+            stream.detokenizer.add_token(r.token)
+        if r.finish_reason is not None:
+            stream.detokenizer.finalize()
+        text = stream.stops.push(stream.detokenizer.last_segment) if stream.stops else stream.detokenizer.last_segment
+        logprobs = self._logprobs(stream.request, r) if stream.request.logprobs and not eos else None
+        token_ids = [] if eos else [r.token]
+        stream.pending.append(Delta(text=text, token_ids=token_ids, logprobs=logprobs))
+        if stream.stops and stream.stops.stopped:
+            self._finish(stream, "stop")
+            return True
+        if r.finish_reason is not None:
+            if stream.stops:
+                stream.pending.append(Delta(text=stream.stops.flush()))
+            self._finish(stream, r.finish_reason)
+            return True
+        return False
+
+    def _logprobs(self, request: GenerationRequest, r: Any) -> list[TokenLogprob]:
+        row = r.logprobs
+        top: list[tuple[int, str, float]] = []
+        if request.top_logprobs:
+            ids = mx.argpartition(-row, request.top_logprobs - 1)[: request.top_logprobs]
+            values = row[ids]
+            pairs = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
+            top = [(i, self.tokenizer.decode([i]), v) for i, v in pairs]
+        return [TokenLogprob(token_id=r.token, token=self.tokenizer.decode([r.token]), logprob=row[r.token].item(), top=top)]
+
+    def _finish(self, stream: _Stream, reason: FinishReason, error: str | None = None, code: str | None = None) -> None:
+        usage = Usage(prompt_tokens=len(stream.tokens), completion_tokens=stream.completion, cached_tokens=stream.cached)
+        stream.pending.append(Delta(finish_reason=reason, usage=usage, error=error, error_code=code))
+
+
+def _merged(stream: _Stream) -> Delta:
+    """What one step produced for a stream, as one delta."""
+    pending, stream.pending = stream.pending, []
+    return Delta(
+        text="".join(d.text for d in pending),
+        token_ids=[t for d in pending for t in d.token_ids],
+        logprobs=[lp for d in pending for lp in (d.logprobs or [])] if stream.request.logprobs else None,
+        finish_reason=pending[-1].finish_reason,
+        usage=pending[-1].usage,
+        error=pending[-1].error,
+        error_code=pending[-1].error_code,
+    )
+
+
+def _hand_off(streams: list[_Stream]) -> None:
+    """One thread-safe call per event loop per step carries the deltas of all its streams."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
+    for stream in dict.fromkeys(streams):  # each stream once, in order
+        if stream.pending:
+            by_loop.setdefault(stream.loop, []).append((stream.out, _merged(stream)))
+    for loop, items in by_loop.items():
+        _put(loop, items)
+
+
+def _put(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Delta]]) -> None:
+    def put_all() -> None:
+        for out, delta in items:
+            out.put_nowait(delta)
+
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:
+        pass  # that event loop is closed: its client is gone
+
+
+def _stop_filter(stops: list[str]):
+    from deployments.engines.text_stream import StopStringFilter
+
+    return StopStringFilter(stops) if stops else None
+
+
+def _sampler(request: GenerationRequest):
+    if request.temperature == 0:
+        return None  # the generator's shared greedy sampler: one batched argmax for all greedy rows
+    if request.seed is not None:
+        return seeded_sampler(request.temperature, request.top_p, request.min_p, request.top_k, request.seed)
+    return make_sampler(temp=request.temperature, top_p=request.top_p, min_p=request.min_p, top_k=request.top_k)
+
+
+def _processors(request: GenerationRequest):
+    return make_logits_processors(
+        logit_bias=request.logit_bias,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty or None,
+        frequency_penalty=request.frequency_penalty or None,
+    )
+
+
+def _kv_bytes_per_token(config: dict, dtype_bytes: int = 4) -> int:
+    """2 (K and V) x layers x KV heads x head dim x bytes: what one token of context costs."""
+    text = config.get("text_config", config)
+    heads = text.get("num_attention_heads", 1)
+    head_dim = text.get("head_dim") or text.get("hidden_size", 0) // heads
+    kv_heads = text.get("num_key_value_heads", heads)
+    return 2 * text.get("num_hidden_layers", 0) * kv_heads * head_dim * dtype_bytes

@@ -1,0 +1,76 @@
+"""A ~10M-parameter llama with random weights: the fast model for engine and cluster tests.
+
+Real architecture (mlx-lm's llama), real config, safetensors and an offline-trained BPE tokenizer
+with a ChatML template, so `mlx_lm.load(path)` treats it exactly like a hub folder. Float32: on the
+Linux CPU build only float32 matmuls go through BLAS. KV per token = 2 x 8 layers x 4 heads x 64 x
+4 bytes = 16 KiB."""
+
+import json
+from pathlib import Path
+
+import deployments  # noqa: F401  (OpenBLAS before MLX)
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models import llama
+
+from deployments.manifest import ManifestEntry, safetensors_bytes
+from deployments.model_prep import fresh_dir, is_ready, mark_ready
+from deployments.model_prep.tokenizer import train_tokenizer
+
+NAME = "llama-10m"
+KIND = "llm"
+VERSION = "1"
+SEED = 10
+
+CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 256,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1024,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 2048,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+def kv_bytes_per_token(config: dict, dtype_bytes: int = 4) -> int:
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def entry(dest: Path) -> ManifestEntry:
+    return ManifestEntry(
+        name=NAME,
+        kind=KIND,
+        path=Path(dest).name,
+        weight_bytes=safetensors_bytes(dest),
+        kv_bytes_per_token=kv_bytes_per_token(CONFIG),
+        weights="random",
+        architecture="llama",
+        source="random weights (seed 10), Orchard model_prep",
+    )
+
+
+def build(dest: Path) -> ManifestEntry:
+    dest = Path(dest)
+    if is_ready(dest, VERSION):
+        return entry(dest)
+    fresh_dir(dest)
+    tokenizer = train_tokenizer(dest, vocab_size=CONFIG["vocab_size"])
+    config = dict(CONFIG, eos_token_id=tokenizer.token_to_id("<|im_end|>"), bos_token_id=None)
+    mx.random.seed(SEED)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    # Default inits give logits that saturate; small weights keep sampling meaningful.
+    model.update(tree_map(lambda p: p * 0.02 if p.ndim == 2 else p, model.parameters()))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    mark_ready(dest, VERSION)
+    return entry(dest)
