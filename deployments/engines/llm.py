@@ -24,6 +24,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 from pydantic import Field, model_validator
 
 from deployments.engine import Engine, Frozen, MemoryReport, RequestError
+from deployments.estimate import kv_bytes_per_token
 from deployments.manifest import safetensors_bytes
 from deployments.worker import MLXWorker
 
@@ -137,7 +138,7 @@ class LLMEngine(Engine):
         prefill_batch: int = 8,
         prefill_step: int = 2048,
         context_length: int | None = None,
-        prompt_cache_entries: int = 16,
+        prompt_cache_entries: int = 16,  # 0: no prefix reuse
         prompt_cache_bytes: int = 512 * 1024**2,
         reserve_context_tokens: int = 4096,
         reserve_concurrency: int = 1,
@@ -168,9 +169,9 @@ class LLMEngine(Engine):
         self.model, self.tokenizer, config = mlx_lm.load(self.path, return_config=True)
         self.weight_bytes = safetensors_bytes(self.path)
         self.context_length = self._context_length or int(config.get("max_position_embeddings") or 4096)
-        self.kv_bytes_per_token = _kv_bytes_per_token(config)
+        self.kv_bytes_per_token = kv_bytes_per_token(config)
         self.eos_ids = sorted(self.tokenizer.eos_token_ids)
-        self.prompt_cache = LRUPromptCache(max_size=self._prompt_cache_entries, max_bytes=self._prompt_cache_bytes)
+        self.prompt_cache = LRUPromptCache(max_size=max(1, self._prompt_cache_entries), max_bytes=self._prompt_cache_bytes)
         self.generator = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -310,7 +311,7 @@ class LLMEngine(Engine):
             streams.pop(rid)
             if r.finish_reason is None:  # cut by a stop string: still in the batch
                 self.generator.remove([r.uid])
-            elif r.prompt_cache is not None:
+            elif r.prompt_cache is not None and self._prompt_cache_entries > 0:
                 self.prompt_cache.insert_cache(self.name, r.all_tokens[:], r.prompt_cache, cache_type="assistant")
 
     def _handle(
@@ -351,7 +352,9 @@ class LLMEngine(Engine):
         vocab = self.model.args.vocab_size if hasattr(self.model, "args") else None
         if vocab and any(t < 0 or t >= vocab for t in tokens):
             raise RequestError("invalid_request", f"prompt token ids must lie in [0, {vocab})")
-        cache, rest = self.prompt_cache.fetch_nearest_cache(self.name, tokens)
+        cache, rest = None, tokens
+        if self._prompt_cache_entries > 0:
+            cache, rest = self.prompt_cache.fetch_nearest_cache(self.name, tokens)
         if cache is not None and not rest:
             if can_trim_prompt_cache(cache):
                 trim_prompt_cache(cache, 1)
@@ -483,11 +486,3 @@ def _processors(request: GenerationRequest):
         frequency_penalty=request.frequency_penalty or None,
     )
 
-
-def _kv_bytes_per_token(config: dict, dtype_bytes: int = 4) -> int:
-    """2 (K and V) x layers x KV heads x head dim x bytes: what one token of context costs."""
-    text = config.get("text_config", config)
-    heads = text.get("num_attention_heads", 1)
-    head_dim = text.get("head_dim") or text.get("hidden_size", 0) // heads
-    kv_heads = text.get("num_key_value_heads", heads)
-    return 2 * text.get("num_hidden_layers", 0) * kv_heads * head_dim * dtype_bytes

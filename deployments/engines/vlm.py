@@ -17,7 +17,7 @@ from typing import Any, Literal
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 from deployments.engine import Engine, Frozen, MemoryReport, RequestError
 from deployments.engines.text_stream import StopStringFilter
-from deployments.manifest import safetensors_bytes
+from deployments.estimate import estimate
 from deployments.worker import MLXWorker
 
 _DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,", re.IGNORECASE)
@@ -64,11 +64,10 @@ class VLMEngine(Engine):
     async def _load(self) -> None:
         self._worker = MLXWorker(self.name)
         self._model, self._processor = await self._worker.run(self._load_on_worker)
-        text = self._model.config.text_config
-        head_dim = text.hidden_size // text.num_attention_heads
-        self._kv_per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 4
-        self._context = text.max_position_embeddings
-        self._weight_bytes = safetensors_bytes(Path(self.path))
+        size = estimate(self.path, self.kind)
+        self._kv_per_token = size.kv_bytes_per_token
+        self._weight_bytes = size.weight_bytes
+        self._context = self._model.config.text_config.max_position_embeddings
 
     def _load_on_worker(self):
         import mlx_vlm

@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama
 
+from deployments.estimate import kv_bytes_per_token
 from deployments.manifest import ManifestEntry, safetensors_bytes
 from deployments.model_prep import fresh_dir, is_ready, mark_ready
 from deployments.model_prep.tokenizer import train_tokenizer
@@ -40,18 +41,13 @@ CONFIG = {
 }
 
 
-def kv_bytes_per_token(config: dict, dtype_bytes: int = 4) -> int:
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
-
-
 def entry(dest: Path) -> ManifestEntry:
     return ManifestEntry(
         name=NAME,
         kind=KIND,
         path=Path(dest).name,
         weight_bytes=safetensors_bytes(dest),
-        kv_bytes_per_token=kv_bytes_per_token(CONFIG),
+        kv_bytes_per_token=kv_bytes_per_token(CONFIG),  # 16 KiB
         weights="random",
         architecture="llama",
         source="random weights (seed 10), Orchard model_prep",

