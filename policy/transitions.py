@@ -16,18 +16,26 @@ def _node(state: ClusterState, node_id: str) -> NodeState:
     return node
 
 
+def _set_instances(state: ClusterState, node: NodeState, instances: tuple[InstanceState, ...]) -> ClusterState:
+    """Replace a node's instances. The node's last reported headroom moves by what our instances
+    took or gave back, so it stays a projection of "now" until the next report replaces it."""
+    update: dict[str, object] = {"instances": instances}
+    if node.reported_headroom_bytes is not None:
+        delta = sum(i.bytes for i in node.instances) - sum(i.bytes for i in instances)
+        update["reported_headroom_bytes"] = node.reported_headroom_bytes + delta
+    return _replace_node(state, node.model_copy(update=update))
+
+
 def _update_instance(state: ClusterState, ref: InstanceRef, **changes: object) -> ClusterState:
     node = _node(state, ref.node_id)
     if node.instance(ref.model) is None:
         raise KeyError(f"no instance {ref}")
-    instances = tuple(i.model_copy(update=changes) if i.model == ref.model else i for i in node.instances)
-    return _replace_node(state, node.model_copy(update={"instances": instances}))
+    return _set_instances(state, node, tuple(i.model_copy(update=changes) if i.model == ref.model else i for i in node.instances))
 
 
 def remove_instance(state: ClusterState, ref: InstanceRef) -> ClusterState:
     node = _node(state, ref.node_id)
-    instances = tuple(i for i in node.instances if i.model != ref.model)
-    return _replace_node(state, node.model_copy(update={"instances": instances}))
+    return _set_instances(state, node, tuple(i for i in node.instances if i.model != ref.model))
 
 
 def apply_place(state: ClusterState, place: Place, now: float) -> ClusterState:
@@ -40,7 +48,7 @@ def apply_place(state: ClusterState, place: Place, now: float) -> ClusterState:
     new = InstanceState(
         model=place.model, device=place.device, bytes=place.bytes, status="loading", last_used=now, loaded_at=now
     )
-    return _replace_node(state, node.model_copy(update={"instances": node.instances + (new,)}))
+    return _set_instances(state, node, node.instances + (new,))
 
 
 def mark_loaded(

@@ -422,3 +422,12 @@ def test_c3_never_beyond_max_copies_nor_beside_a_loading_copy():
     assert plan_copies(two, NOW, PLAIN) == ()
     loading = cluster([node("n1", 8, inst("hot", 1, in_flight=5)), node("n2", 8, inst("hot", 1, status="loading")), node("n3", 8)], [hot.model_copy(update={"max_copies": 3})])
     assert plan_copies(loading, NOW, PLAIN) == ()
+
+
+def test_transitions_project_the_reported_headroom_until_the_next_report():
+    a, b = spec("a", gb=2), spec("b", gb=3)
+    st = cluster([node("n1", 8, inst("a", 2), reported_headroom_bytes=5 * GIB)], [a, b])
+    st = apply_place(st, Place(model="b", node_id="n1", device="metal", bytes=3 * GIB, evict=(ref("a", "n1"),)), NOW)
+    assert st.node("n1").reported_headroom_bytes == 4 * GIB  # +2 freed, -3 placed
+    st = mark_loaded(st, ref("b", "n1"), NOW, 1.0, measured_bytes=int(2.5 * GIB))
+    assert st.node("n1").reported_headroom_bytes == int(4.5 * GIB)

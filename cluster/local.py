@@ -1,0 +1,402 @@
+"""A local multi-node Ray cluster on one machine, for the demo (`make run`) and tests.
+
+    python -m cluster.local start --nodes "head:6,mac-1:3,mac-2:2"   # name:budget_gib[:device], head first
+    python -m cluster.local status
+    python -m cluster.local stop
+
+Each node is one `ray start --block` process (in a session of its own, so a Ctrl-C at the shell does not
+reach it), recorded with its pid in <dir>/orchard-local.json; `stop` lists those processes, their descendants
+and any process whose command line names this cluster's temp dir, SIGTERMs the `ray start` processes and
+SIGKILLs what is left after a grace period. It never runs `ray stop`, which would kill every Ray on the
+machine.
+
+Why each setting (see docs/cluster.md): all nodes of one machine report the whole machine's RAM, so each
+declares a budget label; RAY_AUTH_MODE=disabled on every node and driver (mixed modes fail with
+InvalidAuthToken); node IP 127.0.0.2 on Linux because 127.0.0.1 is rewritten to the machine's address
+(macOS has no 127.0.0.2 and needs RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 instead); a small object store (Ray
+would reserve 30% of RAM per node); a project-local RAY_TMPDIR so nothing lands in /tmp/ray; every port
+chosen free, because other Ray instances may run on the same machine.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pydantic import Field
+
+from cluster.node_agent import LABEL_BUDGET, LABEL_DEVICE, LABEL_NODE
+from policy._frozen import Frozen
+from policy.specs import DEVICE_KINDS
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = ROOT / ".ray"
+STATE_FILE = "orchard-local.json"
+MIB = 1 << 20
+
+
+class LocalNode(Frozen):
+    name: str = Field(min_length=1)
+    budget_gib: float | None = Field(default=None, gt=0)
+    device: str | None = None
+
+    def labels(self) -> dict[str, str]:
+        out = {LABEL_NODE: self.name}
+        if self.budget_gib is not None:
+            out[LABEL_BUDGET] = f"{self.budget_gib:g}"
+        if self.device is not None:
+            out[LABEL_DEVICE] = self.device
+        return out
+
+
+def parse_nodes(spec: str) -> list[LocalNode]:
+    """'head:6,mac-1:3,mac-2:2:cpu' -> nodes; the first is the head. Budget and device are optional."""
+    from ray._private.label_utils import validate_node_label_syntax
+
+    nodes = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        fields = part.split(":")
+        if len(fields) > 3:
+            raise ValueError(f"node {part!r}: expected name[:budget_gib[:device]]")
+        name = fields[0]
+        budget = float(fields[1]) if len(fields) > 1 and fields[1] else None
+        device = fields[2] if len(fields) > 2 and fields[2] else None
+        if device is not None and device not in DEVICE_KINDS:
+            raise ValueError(f"node {name}: device {device!r} is not one of {DEVICE_KINDS}")
+        node = LocalNode(name=name, budget_gib=budget, device=device)
+        validate_node_label_syntax(node.labels())
+        nodes.append(node)
+    names = [n.name for n in nodes]
+    if not nodes or len(names) != len(set(names)):
+        raise ValueError(f"need at least one node and unique names, got {names}")
+    return nodes
+
+
+def default_ip() -> str:
+    return "127.0.0.1" if sys.platform == "darwin" else "127.0.0.2"
+
+
+def ray_env(temp_root: Path) -> dict[str, str]:
+    """The environment every node and every driver of this cluster must share."""
+    env = dict(os.environ)
+    env["RAY_AUTH_MODE"] = "disabled"
+    env["RAY_TMPDIR"] = str(temp_root)
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # `ray start --block` drains a node for up to 30 s on SIGTERM (for Serve on Kubernetes); a local demo
+    # has nothing to migrate, so stop at once.
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+    if sys.platform == "darwin":
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
+    return env
+
+
+def _free_port(ip: str) -> int:
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+def _port_open(ip: str, port: int) -> bool:
+    try:
+        with socket.create_connection((ip, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _ray_cli() -> list[str]:
+    exe = Path(sys.executable).parent / "ray"
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("ray")
+    return [found] if found else [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_state(temp_root: Path = DEFAULT_DIR) -> dict | None:
+    path = Path(temp_root) / STATE_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _connect(state: dict):
+    """Connect this process to the cluster as a driver (for status and the start check)."""
+    os.environ.update({k: v for k, v in ray_env(Path(state["temp_root"])).items() if k.startswith("RAY_")})
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=state["address"], log_to_driver=False, configure_logging=False, _node_ip_address=state["ip"])
+    return ray
+
+
+def start(
+    nodes: list[LocalNode],
+    *,
+    temp_root: Path = DEFAULT_DIR,
+    ip: str | None = None,
+    port: int = 6379,
+    dashboard: bool = True,
+    dashboard_port: int = 8265,
+    head_cpus: int = 2,
+    worker_cpus: int = 1,
+    object_store_mib: int = 80,
+    timeout_s: float = 120.0,
+    log=print,
+) -> dict:
+    """Start the head and one worker per further node, wait until all are alive, and return the state
+    (also written to <temp_root>/orchard-local.json). On failure, stops whatever it started."""
+    temp_root = Path(temp_root).resolve()
+    old = read_state(temp_root)
+    if old and any(_alive(n["pid"]) for n in old["nodes"]):
+        raise RuntimeError(f"a local cluster from {temp_root} is running ({old['address']}); stop it first")
+    ip = ip or default_ip()
+    if _port_open(ip, port):
+        raise RuntimeError(f"port {ip}:{port} is taken (another Ray?); pass --port")
+    if dashboard and _port_open("127.0.0.1", dashboard_port):
+        raise RuntimeError(f"dashboard port 127.0.0.1:{dashboard_port} is taken; pass --dashboard-port or --no-dashboard")
+    (temp_root / "logs").mkdir(parents=True, exist_ok=True)
+    env = ray_env(temp_root)
+    address = f"{ip}:{port}"
+    state = {
+        "address": address,
+        "ip": ip,
+        "temp_root": str(temp_root),
+        "dashboard": f"http://127.0.0.1:{dashboard_port}" if dashboard else None,
+        "nodes": [],
+    }
+    common = ["--block", "--disable-usage-stats", f"--node-ip-address={ip}", f"--object-store-memory={object_store_mib * MIB}"]
+
+    def spawn(node: LocalNode, args: list[str]) -> None:
+        """Start one node and wait until `ray start` says it is up. One at a time: nodes starting together
+        in one session dir can pick the same plasma socket name and one raylet dies with "bind: Address
+        already in use" (seen here)."""
+        labels = ",".join(f"{k}={v}" for k, v in node.labels().items())
+        logfile = temp_root / "logs" / f"{node.name}.log"
+        offset = logfile.stat().st_size if logfile.exists() else 0
+        cmd = _ray_cli() + ["start", *args, *common, f"--labels={labels}"]
+        # Fresh free ports per node: the default 52365 for the dashboard agent would collide between nodes.
+        cmd += [f"--dashboard-agent-listen-port={_free_port(ip)}", f"--metrics-export-port={_free_port(ip)}"]
+        with open(logfile, "ab") as out:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        state["nodes"].append({**node.model_dump(), "pid": proc.pid, "log": str(logfile)})
+        _write_state(temp_root, state)
+        while True:
+            with open(logfile, "rb") as f:
+                f.seek(offset)
+                if b"Ray runtime started" in f.read():
+                    return
+            _check_started(state, deadline)
+            time.sleep(0.2)
+
+    started = time.monotonic()
+    deadline = started + timeout_s
+    try:
+        head, workers = nodes[0], nodes[1:]
+        head_args = ["--head", f"--port={port}", f"--num-cpus={head_cpus}", f"--ray-client-server-port={_free_port(ip)}"]
+        if dashboard:
+            head_args += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
+        else:
+            head_args += ["--include-dashboard=false"]
+        spawn(head, head_args)
+        for node in workers:
+            spawn(node, [f"--address={address}", f"--num-cpus={worker_cpus}"])
+        ray = _connect(state)
+        want = {n.name for n in nodes}
+        while True:
+            alive = {e["Labels"].get(LABEL_NODE) for e in ray.nodes() if e["Alive"]}
+            if want <= alive:
+                break
+            _check_started(state, deadline)
+            time.sleep(0.3)
+        ray.shutdown()
+    except BaseException:
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()  # before the GCS goes, or the driver waits 60 s and aborts
+        log(f"start failed after {time.monotonic() - started:.1f} s; logs in {temp_root / 'logs'}")
+        stop(temp_root, log=lambda *_: None)
+        raise
+    state["started_s"] = round(time.monotonic() - started, 1)
+    _write_state(temp_root, state)
+    log(f"Orchard local cluster up in {state['started_s']} s: {len(nodes)} nodes at {address}")
+    if dashboard:
+        log(f"dashboard: {state['dashboard']}")
+    log(f"connect with: RAY_ADDRESS={address} RAY_AUTH_MODE=disabled RAY_TMPDIR={temp_root}")
+    return state
+
+
+def _check_started(state: dict, deadline: float) -> None:
+    for n in state["nodes"]:
+        if not _alive(n["pid"]) or _reaped(n["pid"]):
+            tail = Path(n["log"]).read_text(errors="replace")[-2000:] if Path(n["log"]).exists() else ""
+            raise RuntimeError(f"node {n['name']} exited during start:\n{tail}")
+    if time.monotonic() > deadline:
+        raise TimeoutError("nodes did not all come up in time")
+
+
+def _reaped(pid: int) -> bool:
+    """True if pid is our exited child (a zombie until waited for)."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == pid
+    except ChildProcessError:
+        return False
+
+
+def _write_state(temp_root: Path, state: dict) -> None:
+    tmp = temp_root / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(temp_root / STATE_FILE)
+
+
+def _cluster_processes(temp_root: Path, leaders: list[int]) -> dict:
+    """This cluster's processes: each node's `ray start` process and its descendants (raylet, GCS,
+    agents, and workers, which Ray puts in sessions of their own and renames `ray::...`), plus any process
+    whose command line names this cluster's temp dir (orphans); only ours, since the directory is ours."""
+    import psutil
+
+    found: dict[int, psutil.Process] = {}
+    for pid in leaders:
+        try:
+            leader = psutil.Process(pid)
+            for p in [leader, *leader.children(recursive=True)]:
+                found[p.pid] = p
+        except psutil.NoSuchProcess:
+            continue
+    marker = str(temp_root)
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid != os.getpid() and any(marker in a for a in (p.info["cmdline"] or [])):
+                found.setdefault(p.pid, p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    found.pop(os.getpid(), None)
+    return found
+
+
+def stop(temp_root: Path = DEFAULT_DIR, *, grace_s: float = 10.0, log=print) -> int:
+    """Stop what `start` started: SIGTERM each node's `ray start --block` process (it tears down its raylet,
+    GCS and agents; the workers follow their raylet), wait up to grace_s, then SIGKILL whatever of those
+    processes (listed before signalling) is left. Returns how many processes there were."""
+    import psutil
+
+    temp_root = Path(temp_root).resolve()
+    state = read_state(temp_root)
+    leaders = [n["pid"] for n in reversed(state["nodes"])] if state else []
+    procs = _cluster_processes(temp_root, leaders)
+    for pid in leaders:
+        try:
+            os.kill(pid, signal.SIGTERM)  # `ray start --block` then stops its own processes
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    alive = list(procs.values())
+    while alive and time.monotonic() < deadline:
+        for pid in leaders:
+            _reaped(pid)
+        _, alive = psutil.wait_procs(alive, timeout=0.2)
+    if alive and os.environ.get("ORCHARD_LOCAL_DEBUG"):
+        log("SIGKILL: " + ", ".join(f"{p.pid}:{_name(p)}" for p in alive))
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    for pid in leaders:
+        _reaped(pid)
+    if state:
+        (temp_root / STATE_FILE).unlink(missing_ok=True)
+    if state or procs:
+        log(f"stopped {len(leaders)} node(s), {len(procs)} process(es), {len(alive)} of them with SIGKILL")
+    else:
+        log(f"no local cluster in {temp_root}")
+    return len(procs)
+
+
+def _name(p) -> str:
+    try:
+        return p.name()
+    except Exception:
+        return "?"
+
+
+def status(temp_root: Path = DEFAULT_DIR) -> list[dict]:
+    """Nodes as Ray sees them: Orchard name, Ray node id, alive, labels, CPUs."""
+    state = read_state(Path(temp_root).resolve())
+    if not state:
+        raise RuntimeError(f"no local cluster in {temp_root}")
+    ray = _connect(state)
+    try:
+        rows = [
+            {
+                "node": e["Labels"].get(LABEL_NODE, e["NodeID"][:8]),
+                "ray_node_id": e["NodeID"],
+                "alive": e["Alive"],
+                "cpus": e["Resources"].get("CPU", 0),
+                "labels": {k: v for k, v in e["Labels"].items() if not k.startswith("ray.io/")},
+            }
+            for e in ray.nodes()
+        ]
+    finally:
+        ray.shutdown()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cluster.local", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="RAY_TMPDIR of this cluster (default: .ray/)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("start")
+    s.add_argument("--nodes", default="head:6,mac-1:3,mac-2:2", help="name:budget_gib[:device],... (head first)")
+    s.add_argument("--ip", default=None, help="node IP (default 127.0.0.2; 127.0.0.1 on macOS)")
+    s.add_argument("--port", type=int, default=6379)
+    s.add_argument("--dashboard-port", type=int, default=8265)
+    s.add_argument("--no-dashboard", action="store_true")
+    s.add_argument("--head-cpus", type=int, default=2)
+    s.add_argument("--worker-cpus", type=int, default=1)
+    s.add_argument("--object-store-mib", type=int, default=80)
+    s.add_argument("--timeout", type=float, default=120.0)
+    sub.add_parser("stop")
+    sub.add_parser("status")
+    a = ap.parse_args(argv)
+    if a.cmd == "start":
+        state = start(
+            parse_nodes(a.nodes),
+            temp_root=a.dir,
+            ip=a.ip,
+            port=a.port,
+            dashboard=not a.no_dashboard,
+            dashboard_port=a.dashboard_port,
+            head_cpus=a.head_cpus,
+            worker_cpus=a.worker_cpus,
+            object_store_mib=a.object_store_mib,
+            timeout_s=a.timeout,
+        )
+        print(state["address"])
+    elif a.cmd == "stop":
+        stop(a.dir)
+    else:
+        for row in status(a.dir):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(row["labels"].items()))
+            print(f"{row['node']:<12} {'alive' if row['alive'] else 'dead ':<6} cpus={row['cpus']:g} {row['ray_node_id'][:12]} {labels}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""One small actor per Ray node that measures that node's memory on request.
+
+Why an actor per node: only a process on the node itself can read its unified memory (and, on a Mac, its
+recommended working set from Metal). The agent is detached and named, so the router or the residency
+controller, from any process, finds it again by name after a redeploy; it takes no CPU slot (num_cpus=0)
+because placement is by memory, Orchard's job, not Ray's.
+
+Node identity comes from Ray node labels (`ray start --labels` or `Cluster.add_node(labels=...)`); in Ray
+2.60 `ray.nodes()` entries carry them under "Labels" (with Ray's own "ray.io/node-id" added), and inside a
+process `ray.get_runtime_context().get_node_labels()` gives its own node's.
+"""
+
+import logging
+import time
+
+import ray
+from pydantic import Field
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster.node_report import NodeReport, gib_to_bytes, read_report
+from policy._frozen import Frozen
+from policy.specs import DEVICE_KINDS, DeviceKind
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "orchard"
+AGENT_PREFIX = "orchard-agent:"
+LABEL_NODE = "orchard.node"
+LABEL_BUDGET = "orchard.budget_gib"
+LABEL_DEVICE = "orchard.device"
+
+
+class NodeIdentity(Frozen):
+    """Who a Ray node is to Orchard, read from its labels."""
+
+    node_id: str = Field(min_length=1)
+    ray_node_id: str = Field(min_length=1)
+    labels: dict[str, str] = Field(default_factory=dict)
+    budget_bytes: int | None = Field(default=None, gt=0)
+    device: DeviceKind | None = None
+
+
+def agent_name(node_id: str) -> str:
+    return f"{AGENT_PREFIX}{node_id}"
+
+
+def identity_from_labels(ray_node_id: str, labels: dict[str, str]) -> NodeIdentity:
+    """Parse Orchard's labels. Without orchard.node the name is the Ray node id's first 8 characters, which
+    is stable for the node's life but changes on restart: real clusters should name their nodes."""
+    name = labels.get(LABEL_NODE) or ray_node_id[:8]
+    budget = labels.get(LABEL_BUDGET)
+    budget_bytes = None
+    if budget not in (None, ""):
+        try:
+            budget_bytes = gib_to_bytes(float(budget))
+        except ValueError as e:
+            raise ValueError(f"node {name}: label {LABEL_BUDGET}={budget!r} is not a number") from e
+        if budget_bytes <= 0:
+            raise ValueError(f"node {name}: label {LABEL_BUDGET}={budget!r} must be positive")
+    device = labels.get(LABEL_DEVICE) or None
+    if device is not None and device not in DEVICE_KINDS:
+        raise ValueError(f"node {name}: label {LABEL_DEVICE}={device!r} is not one of {DEVICE_KINDS}")
+    return NodeIdentity(node_id=name, ray_node_id=ray_node_id, labels=dict(labels), budget_bytes=budget_bytes, device=device)
+
+
+def alive_nodes() -> list[NodeIdentity]:
+    """Alive Ray nodes with their Orchard identity, sorted by Ray node id. A node whose labels do not parse,
+    or whose Orchard name another alive node already has, is skipped with a warning rather than taking
+    the whole cluster view down."""
+    seen: dict[str, NodeIdentity] = {}
+    for entry in sorted(ray.nodes(), key=lambda e: e["NodeID"]):
+        if not entry.get("Alive"):
+            continue
+        try:
+            ident = identity_from_labels(entry["NodeID"], dict(entry.get("Labels") or {}))
+        except ValueError as e:
+            log.warning("skipping Ray node %s: %s", entry["NodeID"], e)
+            continue
+        if ident.node_id in seen:
+            log.warning(
+                "Ray nodes %s and %s are both named %r; using the first",
+                seen[ident.node_id].ray_node_id,
+                ident.ray_node_id,
+                ident.node_id,
+            )
+            continue
+        seen[ident.node_id] = ident
+    return list(seen.values())
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class NodeAgent:
+    """Measures its own node. It reads identity from its node's labels, so a report always describes the
+    node the agent actually runs on."""
+
+    def __init__(self) -> None:
+        ctx = ray.get_runtime_context()
+        self._ident = identity_from_labels(ctx.get_node_id(), dict(ctx.get_node_labels()))
+
+    def identity(self) -> dict:
+        return self._ident.model_dump()
+
+    def report(self, used_by_orchard_bytes: int = 0) -> dict:
+        """A NodeReport measured now, as a dict (plain data crosses process boundaries cheaply and without
+        the caller importing this module's classes). used_by_orchard_bytes: what Orchard's instances on
+        this node hold, as the caller knows it; it only matters under a declared budget."""
+        i = self._ident
+        return read_report(
+            i.node_id,
+            i.ray_node_id,
+            i.labels,
+            i.budget_bytes,
+            used_by_orchard_bytes=used_by_orchard_bytes,
+            device_override=i.device,
+        ).model_dump(mode="json")
+
+    def __repr__(self) -> str:
+        return f"NodeAgent({self._ident.node_id})"
+
+
+def _start_agent(ident: NodeIdentity):
+    return NodeAgent.options(
+        name=agent_name(ident.node_id),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,  # two callers racing end up with the same agent
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=ident.ray_node_id, soft=False),
+    ).remote()
+
+
+def get_agent(node_id: str):
+    """The named agent of a node, or None if there is none."""
+    try:
+        return ray.get_actor(agent_name(node_id), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def ensure_agents(timeout_s: float = 30.0) -> dict[str, "ray.actor.ActorHandle"]:
+    """One agent per alive node, started where missing; returns {Orchard node name: handle}.
+
+    Every agent answers `identity()` before this returns, so a returned handle is live and on the right
+    node. An agent found by name but dead, unresponsive or on another Ray node (the node restarted under
+    the same Orchard name) is killed and started again. Call it from the driver or a Serve replica
+    (anywhere ray is initialised); it is idempotent and costs one round trip per agent when all exist.
+    """
+    if not ray.is_initialized():
+        raise RuntimeError("ensure_agents needs a connected Ray (ray.init or a Ray worker)")
+    deadline = time.monotonic() + timeout_s
+    nodes = alive_nodes()
+    handles = {n.node_id: get_agent(n.node_id) or _start_agent(n) for n in nodes}
+    pending = {n.node_id: handles[n.node_id].identity.remote() for n in nodes}
+    restarted: set[str] = set()
+    while pending:
+        ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
+        by_ref = {ref: node_id for node_id, ref in pending.items()}
+        for ref in ready:
+            node_id = by_ref[ref]
+            want = next(n for n in nodes if n.node_id == node_id)
+            try:
+                got = ray.get(ref).get("ray_node_id")
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError) as e:
+                got = f"unreachable ({type(e).__name__})"
+            if got == want.ray_node_id:
+                del pending[node_id]
+                continue
+            if node_id in restarted:
+                raise RuntimeError(f"agent for node {node_id} is {got}, expected Ray node {want.ray_node_id}")
+            log.warning("agent for %s is %s, not on Ray node %s: restarting it", node_id, got, want.ray_node_id)
+            restarted.add(node_id)
+            ray.kill(handles[node_id], no_restart=True)
+            handles[node_id] = _restart(want, deadline)
+            pending[node_id] = handles[node_id].identity.remote()
+        if pending and time.monotonic() >= deadline:
+            raise TimeoutError(f"node agents did not answer within {timeout_s} s: {sorted(pending)}")
+    return handles
+
+
+def _restart(ident: NodeIdentity, deadline: float):
+    """After ray.kill the name is freed asynchronously; get_if_exists could return the dying actor, so wait
+    until the name is gone first."""
+    while get_agent(ident.node_id) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _start_agent(ident)
+
+
+def collect_reports(agents: dict, used_by_orchard_bytes: dict[str, int] | None = None, timeout_s: float = 10.0) -> dict[str, NodeReport]:
+    """Ask every agent at once; nodes that do not answer in time (or died) are left out, which the caller
+    reads as 'no report from that node now'."""
+    used = used_by_orchard_bytes or {}
+    refs = {node_id: h.report.remote(used.get(node_id, 0)) for node_id, h in agents.items()}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    ready_set = set(ready)
+    out: dict[str, NodeReport] = {}
+    for node_id, ref in refs.items():
+        if ref not in ready_set:
+            continue
+        try:
+            out[node_id] = NodeReport.model_validate(ray.get(ref))
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError) as e:
+            log.warning("no report from node %s: %s", node_id, type(e).__name__)
+    return out

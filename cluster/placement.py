@@ -1,0 +1,113 @@
+"""Creating, finding and removing model-server actors.
+
+Each loaded model instance is a detached, named Ray actor ("orchard:<model>@<node_id>", namespace
+"orchard") pinned to one node by a hard node affinity: Apple GPUs are not a Ray resource, so the
+node is Orchard's policy's choice, not Ray's. Detached, so a router redeploy does not kill loaded
+models, and named, so a new router finds them again (find_model_servers)."""
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+
+from deployments.manifest import ManifestEntry
+from deployments.model_server import model_server_options, remote_model_server
+
+NAMESPACE = "orchard"
+PREFIX = "orchard:"
+
+
+def actor_name(model: str, node_id: str) -> str:
+    return f"{PREFIX}{model}@{node_id}"
+
+
+def _entry(model: ManifestEntry | dict | tuple[str, str, str]) -> ManifestEntry:
+    """A manifest entry, or (kind, name, path) for a folder outside any manifest (path absolute)."""
+    if isinstance(model, ManifestEntry):
+        return model
+    if isinstance(model, dict):
+        return ManifestEntry.model_validate(model)
+    kind, name, path = model
+    return ManifestEntry(
+        name=name, kind=kind, path=str(path), weight_bytes=0, weights="real", architecture="unknown", source=str(path)
+    )
+
+
+def create_model_server(
+    model: ManifestEntry | dict | tuple[str, str, str],
+    node_id: str,
+    *,
+    ray_node_id: str,
+    models_dir: str | Path | None = None,
+    options: dict[str, Any] | None = None,
+    ray_options: dict[str, Any] | None = None,
+) -> ActorHandle:
+    """Start the model server of `model` on the Ray node `ray_node_id` (hard affinity), named after
+    Orchard's `node_id`. The engine is not loaded yet: call `load`. `models_dir` is where the
+    entry's relative path lives on that node; `options` go to ModelServer (engine_options,
+    coalesce_tokens, coalesce_ms); `ray_options` override the actor options (max_concurrency,
+    runtime_env, ...). Raises ValueError if that name is taken (the model already runs there)."""
+    entry = _entry(model)
+    if not Path(entry.path).is_absolute() and models_dir is None:
+        raise ValueError(f"{entry.name}: give models_dir for the relative path {entry.path!r}")
+    opts = model_server_options(ray_node_id=ray_node_id, name=actor_name(entry.name, node_id), namespace=NAMESPACE)
+    opts.update(ray_options or {})
+    return remote_model_server().options(**opts).remote(entry, str(models_dir or "/"), node_id, **(options or {}))
+
+
+def find_model_servers() -> list[tuple[str, ActorHandle]]:
+    """Live model servers, (name, handle) sorted by name. Works without the dashboard (GCS call)."""
+    found = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] != NAMESPACE or not actor["name"].startswith(PREFIX):
+            continue
+        try:
+            found.append((actor["name"], ray.get_actor(actor["name"], namespace=NAMESPACE)))
+        except ValueError:  # died between the listing and the lookup
+            continue
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def _name_taken(name: str) -> bool:
+    return any(a["namespace"] == NAMESPACE and a["name"] == name for a in ray.util.list_named_actors(all_namespaces=True))
+
+
+async def _ask(ref: ray.ObjectRef, timeout_s: float) -> Any:
+    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+
+
+async def kill_model_server(
+    server: ActorHandle | str, drain_timeout_s: float = 30.0, *, stop_timeout_s: float = 10.0, free_timeout_s: float = 10.0
+) -> int | None:
+    """Drain (wait up to drain_timeout_s for running requests), stop the engine (streams still
+    running end with engine_stopped instead of a dead actor), then ray.kill(no_restart=True) and
+    wait until the name is free, so the model can be placed there again at once. Returns how
+    many requests still ran at the kill; None if the server was already gone. Async: the router
+    calls it from its event loop and a drain takes seconds."""
+    name = server if isinstance(server, str) else None
+    if name is not None:
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return None
+    else:
+        handle = server
+    left = None
+    try:
+        if name is None:
+            name = (await _ask(handle.health.remote(), stop_timeout_s)).get("actor_name")
+        left = await _ask(handle.drain.remote(drain_timeout_s), drain_timeout_s + stop_timeout_s)
+        await _ask(handle.stop.remote(), stop_timeout_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+        if left is None:
+            return None  # died on its own; a detached actor's name frees itself
+    except (asyncio.TimeoutError, ray.exceptions.RayTaskError):
+        pass  # hung or failing: kill it anyway
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + free_timeout_s
+    while name and _name_taken(name) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return left

@@ -1,0 +1,418 @@
+"""The model-server actor: one loaded model instance (one engine) inside its own Ray actor process.
+
+Orchard's placement policy decides the node; `model_server_options` turns that decision into Ray
+actor options (num_cpus=0 and a hard node affinity: Apple GPUs are not a Ray resource). The actor
+streams LLM / VLM output coalesced, because every Ray stream item costs ~0.75 ms of CPU end to end
+(docs in shared/ray/README.md), and turns every failure into a `ModelServerError` that pickles
+across Ray, so the router can map it to OpenAI's error format. Importing this module stays light
+(no MLX): the router imports `ModelServerError` and `unwrap` from here."""
+
+import asyncio
+import contextlib
+import errno
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from deployments.engine import RequestError
+from deployments.manifest import ManifestEntry
+
+# HTTP status per code, for the router (OpenAI's error body carries `code`, `message`, `param`).
+HTTP_STATUS = {
+    "invalid_request": 400,
+    "context_length_exceeded": 400,
+    "unsupported": 400,
+    "not_found": 404,
+    "cancelled": 499,
+    "internal": 500,
+    "engine_stopped": 503,
+    "load_failed": 503,
+    "unavailable": 503,
+}
+
+# Which method serves which kind, and the words an error message uses for it.
+_SERVES = {
+    "generate": (("llm", "vlm"), "text generation"),
+    "embed": (("embedding",), "embeddings"),
+    "rerank": (("rerank",), "reranking"),
+    "transcribe": (("stt",), "transcription"),
+    "speak": (("tts",), "speech"),
+}
+_VLM_FIELDS = {"messages", "images", "max_tokens", "temperature", "top_p", "stop"}
+_STT_FORMATS = ("json", "text", "verbose_json")
+_END = object()
+
+
+class ModelServerError(Exception):
+    """A structured failure of one call, seen by the caller after Ray wraps it (see `unwrap`).
+    `code` is an engine RequestError code or one of not_found / load_failed / unavailable /
+    cancelled; `HTTP_STATUS[code]` is the status the router answers with."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(code, message, param)
+        self.code = code
+        self.message = message
+        self.param = param
+
+    def __reduce__(self):  # pickle by the three fields, whatever else was attached
+        return (type(self), (self.code, self.message, self.param))
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}" + (f" (param: {self.param})" if self.param else "")
+
+    @property
+    def status(self) -> int:
+        return HTTP_STATUS.get(self.code, 500)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "param": self.param}
+
+    @classmethod
+    def from_request_error(cls, e: RequestError) -> "ModelServerError":
+        return cls(e.code, e.message, e.param)
+
+
+def unwrap(exc: BaseException) -> ModelServerError:
+    """The ModelServerError behind whatever a call to a model server raised: Ray's RayTaskError
+    (whose `.cause` is the actor's exception), a FileNotFoundError from `load` (not_found), an
+    engine RequestError, a dead or unreachable actor (unavailable), a cancelled task (cancelled);
+    anything else is internal. The router can map every failure through this one function."""
+    import ray.exceptions as rex
+
+    seen = exc
+    for _ in range(8):  # RayTaskError chains (an actor calling an actor) nest causes
+        if isinstance(seen, ModelServerError) and not isinstance(seen, rex.RayTaskError):
+            return seen
+        cause = getattr(seen, "cause", None) if isinstance(seen, rex.RayTaskError) else None
+        if cause is None:
+            break
+        seen = cause
+    if isinstance(seen, ModelServerError):  # a dual RayTaskError(ModelServerError) without cause
+        return ModelServerError(seen.code, seen.message, seen.param)
+    if isinstance(seen, RequestError):
+        return ModelServerError.from_request_error(seen)
+    if isinstance(seen, FileNotFoundError):
+        return ModelServerError("not_found", str(seen), "model")
+    if isinstance(seen, (rex.TaskCancelledError, asyncio.CancelledError)):
+        return ModelServerError("cancelled", "the request was cancelled")
+    if isinstance(seen, (rex.RayActorError, rex.ActorUnavailableError)):
+        return ModelServerError("unavailable", f"the model server is unavailable: {seen}")
+    return ModelServerError("internal", f"{type(seen).__name__}: {seen}")
+
+
+def model_server_options(
+    *,
+    ray_node_id: str | None,
+    name: str | None = None,
+    namespace: str | None = None,
+    detached: bool = True,
+    max_concurrency: int = 1000,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Ray actor options for a ModelServer. num_cpus=0: memory, not Ray's CPU count, decides what
+    fits (the policy's job); a hard node affinity pins it where the policy chose; no restarts, as a
+    restarted actor would hold an unloaded engine; max_concurrency bounds the open streams."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": max_concurrency, "max_restarts": 0}
+    if ray_node_id is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray_node_id, soft=False)
+    if name is not None:
+        options["name"] = name
+        if namespace is not None:
+            options["namespace"] = namespace
+    if detached:
+        options["lifetime"] = "detached"
+    options.update(extra)
+    return options
+
+
+_REMOTE = None
+
+
+def remote_model_server():
+    """`ray.remote(ModelServer)`, made once per process; call `.options(**model_server_options(...))`."""
+    global _REMOTE
+    if _REMOTE is None:
+        import ray
+
+        _REMOTE = ray.remote(ModelServer)
+    return _REMOTE
+
+
+def _merge(items: list[dict]) -> dict:
+    """Deltas (as dicts) in order -> one delta: text and tokens joined, the last one's finish."""
+    if len(items) == 1:
+        return items[0]
+    out = dict(items[-1])
+    out["text"] = "".join(d.get("text") or "" for d in items)
+    if "token_ids" in out:
+        out["token_ids"] = [t for d in items for t in d.get("token_ids") or ()]
+    if "logprobs" in out:
+        given = [d["logprobs"] for d in items if d.get("logprobs") is not None]
+        out["logprobs"] = [lp for part in given for lp in part] if given else None
+    return out
+
+
+def _size(delta: dict) -> int:
+    """Tokens in a delta (an LLM delta lists them; a VLM delta is about one)."""
+    return len(delta["token_ids"]) if "token_ids" in delta else 1
+
+
+def _is_failure(delta: dict) -> bool:
+    """A first delta that only reports an error (admission failed, engine stopped)."""
+    failed = delta.get("finish_reason") == "error" or delta.get("error_code") is not None
+    return failed and not delta.get("text") and not delta.get("token_ids")
+
+
+class ModelServer:
+    """One engine (built by deployments.models.open_engine) behind a Ray actor. Methods valid only
+    for another kind raise ModelServerError("unsupported"); engine RequestErrors keep their code."""
+
+    def __init__(
+        self,
+        entry: ManifestEntry | dict,
+        models_dir: str,
+        node_id: str,
+        *,
+        engine_options: dict[str, Any] | None = None,
+        coalesce_tokens: int = 4,
+        coalesce_ms: float = 25.0,
+    ):
+        from deployments.models import open_engine
+
+        self.entry = entry if isinstance(entry, ManifestEntry) else ManifestEntry.model_validate(entry)
+        self.models_dir = models_dir
+        self.node_id = node_id
+        self.path = Path(models_dir) / self.entry.path
+        self.coalesce_tokens = coalesce_tokens
+        self.coalesce_ms = coalesce_ms
+        self.engine = open_engine(self.entry, Path(models_dir), **(engine_options or {}))
+        self._in_flight = 0
+        self._load_lock = asyncio.Lock()
+
+    def __repr__(self) -> str:  # the Ray dashboard shows it
+        return f"ModelServer({self.entry.name}@{self.node_id}, {self.engine.health().status})"
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def load(self) -> dict:
+        """Load the engine; the MemoryReport (bytes, load_seconds) as a dict. FileNotFoundError when
+        the model folder is missing on this node (the caller's not_found), ModelServerError
+        ("load_failed") when the engine fails; loading twice returns the report of the first."""
+        async with self._load_lock:
+            if self.engine.health().status == "ready":
+                return self.memory()
+            if not self.path.is_dir():
+                raise FileNotFoundError(
+                    errno.ENOENT, f"model folder of {self.entry.name} not found on node {self.node_id}", str(self.path)
+                )
+            try:
+                await self.engine.load()
+            except Exception as e:
+                raise ModelServerError(
+                    "load_failed", f"{self.entry.name} failed to load on node {self.node_id}: {type(e).__name__}: {e}"
+                ) from e
+            return self.memory()
+
+    def health(self) -> dict:
+        """Engine health plus this server's node and its calls in flight (streams included)."""
+        import ray
+
+        report = self.engine.health().model_dump()
+        name = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
+        report.update(node_id=self.node_id, in_flight=self._in_flight, actor_name=name)
+        return report
+
+    def memory(self) -> dict:
+        return self.engine.memory().model_dump()
+
+    def running(self) -> int:
+        return max(self._in_flight, self.engine.running_requests())
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait until no request runs (or timeout_s); how many still run. New calls are not refused:
+        the router stops sending before it drains."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while self.running() and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+        return self.running()
+
+    async def stop(self) -> None:
+        """Stop the engine: running streams end (engine_stopped), later calls fail the same way."""
+        await self.engine.stop()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _engine_for(self, method: str) -> Any:
+        kinds, what = _SERVES[method]
+        if self.entry.kind not in kinds:
+            raise ModelServerError(
+                "unsupported", f"model {self.entry.name} ({self.entry.kind}) does not serve {what}", "model"
+            )
+        return self.engine
+
+    @contextlib.asynccontextmanager
+    async def _call(self):
+        """Count the call for drain and turn every failure into a ModelServerError."""
+        self._in_flight += 1
+        try:
+            yield
+        except ModelServerError:
+            raise
+        except RequestError as e:
+            raise ModelServerError.from_request_error(e) from e
+        except Exception as e:
+            raise ModelServerError("internal", f"{type(e).__name__}: {e}") from e
+        finally:
+            self._in_flight -= 1
+
+    def _open_stream(self, request: Any) -> AsyncIterator:
+        """The engine's delta stream for a request dict (validated here, so a bad field is an
+        invalid_request naming it)."""
+        if self.entry.kind == "llm":
+            from deployments.engines.llm import GenerationRequest
+
+            try:
+                parsed = request if isinstance(request, GenerationRequest) else GenerationRequest.model_validate(request)
+            except ValidationError as e:
+                first = e.errors()[0]
+                param = ".".join(str(p) for p in first["loc"]) or None
+                raise ModelServerError("invalid_request", f"{param + ': ' if param else ''}{first['msg']}", param) from None
+            return self.engine.generate(parsed)
+        if not isinstance(request, dict) or "messages" not in request:
+            raise ModelServerError("invalid_request", "a VLM request is a dict with messages (and images)", "messages")
+        unknown = sorted(set(request) - _VLM_FIELDS)
+        if unknown:
+            raise ModelServerError("invalid_request", f"unsupported field(s) for a VLM model: {', '.join(unknown)}", unknown[0])
+        options = {k: v for k, v in request.items() if k not in ("messages", "images")}
+        return self.engine.generate(request["messages"], images=request.get("images") or [], **options)
+
+    async def generate(
+        self, request: dict, *, coalesce_tokens: int | None = None, coalesce_ms: float | None = None
+    ) -> AsyncIterator[dict]:
+        """Stream Delta dicts (Delta.model_dump(); a VLM's VLMDelta), coalesced: the first delta at
+        once, then merged until `coalesce_tokens` tokens or `coalesce_ms` ms have gathered; the
+        final one (finish_reason, usage) always goes out. A request that fails before any output
+        raises ModelServerError (the router can still answer 4xx); a failure after output ends the
+        stream with finish_reason "error" and error / error_code. Cancelling the Ray generator (or
+        closing this one) cancels the engine request."""
+        engine_stream = None
+        queue: asyncio.Queue = asyncio.Queue()
+        pump = None
+        async with self._call():
+            self._engine_for("generate")
+            engine_stream = self._open_stream(request)
+            pump = asyncio.create_task(self._pump(engine_stream, queue))
+            most = max(1, coalesce_tokens or self.coalesce_tokens)
+            wait_s = (self.coalesce_ms if coalesce_ms is None else coalesce_ms) / 1000.0
+            try:
+                first = await queue.get()
+                if first is _END:
+                    return
+                if isinstance(first, BaseException):
+                    raise first
+                if _is_failure(first):
+                    raise ModelServerError(first.get("error_code") or "internal", first.get("error") or "generation failed")
+                yield first
+                if first.get("finish_reason") is not None:
+                    return
+                buffer: list[dict] = []
+                gathered, since = 0, 0.0
+                while True:
+                    if buffer:
+                        left = since + wait_s - time.monotonic()
+                        try:
+                            item = await asyncio.wait_for(queue.get(), left) if left > 0 else queue.get_nowait()
+                        except (asyncio.TimeoutError, asyncio.QueueEmpty):
+                            yield _merge(buffer)
+                            buffer, gathered = [], 0
+                            continue
+                    else:
+                        item = await queue.get()
+                    if item is _END:
+                        if buffer:
+                            yield _merge(buffer)
+                        return
+                    if isinstance(item, BaseException):  # output already went out: end the stream
+                        error = unwrap(item)
+                        yield _merge(buffer + [{"text": "", "finish_reason": "error", "error": error.message, "error_code": error.code}])
+                        return
+                    if not buffer:
+                        since = time.monotonic()
+                    buffer.append(item)
+                    gathered += _size(item)
+                    if item.get("finish_reason") is not None:
+                        yield _merge(buffer)
+                        return
+                    if gathered >= most:
+                        yield _merge(buffer)
+                        buffer, gathered = [], 0
+            finally:
+                if pump is not None and not pump.done():
+                    pump.cancel()  # cancels the engine request (its generator's finally)
+                    with contextlib.suppress(BaseException):
+                        await pump
+
+    @staticmethod
+    async def _pump(stream: AsyncIterator, queue: asyncio.Queue) -> None:
+        """Engine deltas -> queue as dicts, so the consumer can wait with a deadline without
+        cancelling the engine stream."""
+        try:
+            async for delta in stream:
+                queue.put_nowait(delta.model_dump())
+            queue.put_nowait(_END)
+        except Exception as e:
+            queue.put_nowait(e)
+        finally:
+            await stream.aclose()
+
+    async def embed(self, texts: list[str] | str, dimensions: int | None = None) -> dict:
+        """EmbeddingResult as a dict: vectors, prompt_tokens, dimensions."""
+        async with self._call():
+            result = await self._engine_for("embed").embed(texts, dimensions=dimensions)
+            return result.model_dump()
+
+    async def rerank(self, query: str, documents: list[str], top_n: int | None = None) -> dict:
+        """RerankResult as a dict: model, results (index, relevance_score; best first), usage."""
+        async with self._call():
+            result = await self._engine_for("rerank").rerank(query, documents, top_n=top_n)
+            return result.model_dump(mode="json")
+
+    async def transcribe(
+        self,
+        audio: bytes,
+        language: str | None = None,
+        temperature: float = 0.0,
+        prompt: str | None = None,
+        response_format: str = "json",
+    ) -> dict:
+        """The Transcription (text, language, duration_s, segments) plus `body`: OpenAI's response
+        for `response_format` (a dict, or a str for "text")."""
+        async with self._call():
+            engine = self._engine_for("transcribe")
+            if response_format not in _STT_FORMATS:
+                raise ModelServerError(
+                    "unsupported", f"response_format {response_format!r} is not supported; use one of {', '.join(_STT_FORMATS)}",
+                    "response_format",
+                )
+            result = await engine.transcribe(audio, language=language, temperature=temperature, prompt=prompt)
+            out = result.model_dump(mode="json")
+            out["segments"] = [{"start": s.start, "end": s.end, "text": s.text} for s in result.segments]
+            out["body"] = result.response(response_format)
+            return out
+
+    async def speak(self, text: str, voice: str | None = None, speed: float = 1.0, response_format: str = "wav") -> bytes:
+        """Encoded audio bytes (wav or pcm, OpenAI's formats the engine can write)."""
+        async with self._call():
+            engine = self._engine_for("speak")
+            from deployments.engines.tts import FORMATS, encode
+
+            if response_format not in FORMATS:
+                raise ModelServerError(
+                    "unsupported", f"response_format {response_format!r} is not supported; use one of {', '.join(FORMATS)}",
+                    "response_format",
+                )
+            speech = await engine.speak(text, voice=voice, speed=speed)
+            return await asyncio.to_thread(encode, speech, response_format)

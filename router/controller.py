@@ -1,0 +1,411 @@
+"""The residency controller: the one owner of the cluster view and of every placement decision.
+
+Shaped like llama-swap's scheduler: one asyncio loop, events in (a request wants a model, a lease
+ends, a load finishes or fails, a node reports or dies, a sweep tick, an operator's load / unload /
+pin), decisions from policy/ (pure), side effects out through a small `Effects` interface (start an
+instance on a node, drain and stop one, publish an event). State is touched only on that loop, so
+it needs no lock. Unit tests drive it with an in-memory Effects; the Ray one lives beside it.
+
+The controller is never on the token path: `acquire` returns a lease naming the instance, the
+ingress streams straight from it, and `release` ends the lease."""
+
+import asyncio
+import itertools
+from collections import deque
+from typing import Literal, Protocol
+
+from pydantic import Field
+
+from policy import (
+    ClusterState,
+    InstanceRef,
+    LoadFailure,
+    ModelSpec,
+    NodeState,
+    Place,
+    PolicyConfig,
+    Reject,
+    Use,
+    Wait,
+    ensure,
+    plan_copies,
+    retry_after_failure,
+    sweep,
+)
+from policy._frozen import Frozen
+from policy.memory import gib
+from policy.placement import place_from_plan, plan_placement
+from policy.specs import DeviceKind
+from policy.transitions import apply_place, finish_request, mark_loaded, remove_instance, start_request
+
+EventKind = Literal[
+    "placed", "loaded", "load_failed", "evicted", "unloaded", "rejected", "node_up", "node_dead", "pinned", "unpinned", "lease_expired"
+]
+
+
+class ClusterEvent(Frozen):
+    """One line of the placement / eviction / rejection log (GET /v1/cluster/events)."""
+
+    seq: int
+    at: float
+    kind: EventKind
+    model: str | None = None
+    node_id: str | None = None
+    reason: str = ""
+    bytes: int | None = None
+    seconds: float | None = None
+
+
+class Lease(Frozen):
+    lease_id: str
+    model: str
+    node_id: str
+    acquired_at: float
+
+
+class LoadResult(Frozen):
+    bytes: int = Field(ge=0)  # measured: weights + KV reservation + overhead
+    load_seconds: float = Field(ge=0)
+
+
+class LoadError(Exception):
+    """A start_instance that did not end in a loaded instance."""
+
+    def __init__(self, reason: Literal["not_found", "out_of_memory", "error"], message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class ControllerError(Exception):
+    """What the HTTP layer returns verbatim: status, OpenAI error code, message, Retry-After."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class Effects(Protocol):
+    def now(self) -> float: ...
+
+    async def start_instance(self, place: Place, spec: ModelSpec) -> LoadResult: ...
+
+    async def stop_instance(self, instance: InstanceRef, reason: str) -> None: ...
+
+    def publish(self, event: ClusterEvent) -> None: ...
+
+
+class ResidencyController:
+    def __init__(
+        self,
+        catalog: dict[str, ModelSpec],
+        config: PolicyConfig,
+        effects: Effects,
+        *,
+        max_events: int = 2000,
+        max_lease_s: float = 3600.0,
+    ):
+        self.config = config
+        self.effects = effects
+        self.state = ClusterState(catalog=dict(catalog))
+        self.max_lease_s = max_lease_s
+        self._events: deque[ClusterEvent] = deque(maxlen=max_events)
+        self._seq = itertools.count(1)
+        self._lease_ids = itertools.count(1)
+        self._leases: dict[str, Lease] = {}
+        self._failures: dict[str, tuple[float, ControllerError]] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._changed = asyncio.Event()
+
+    # ---- events in --------------------------------------------------------------------------
+    def report_node(
+        self,
+        node_id: str,
+        *,
+        devices: tuple[DeviceKind, ...],
+        total_bytes: int,
+        usable_bytes: int,
+        free_bytes: int,
+        labels: dict[str, str] | None = None,
+    ) -> None:
+        """A node agent's measurement. Memory that is neither free nor held by our instances is
+        someone else's (foreign); the measured free memory becomes the node's reported headroom."""
+        old = self.state.node(node_id)
+        instances = old.instances if old is not None and old.alive else ()
+        ours = sum(i.bytes for i in instances)
+        node = NodeState(
+            node_id=node_id,
+            labels=labels or {},
+            devices=devices,
+            total_bytes=total_bytes,
+            usable_bytes=min(usable_bytes, total_bytes),
+            foreign_bytes=max(0, usable_bytes - free_bytes - ours),
+            reported_headroom_bytes=free_bytes,
+            instances=instances,
+            alive=True,
+            draining=old.draining if old is not None else False,
+        )
+        nodes = tuple(n for n in self.state.nodes if n.node_id != node_id) + (node,)
+        self.state = self.state.model_copy(update={"nodes": tuple(sorted(nodes, key=lambda n: n.node_id))})
+        if old is None or not old.alive:
+            self._record("node_up", node_id=node_id, bytes=usable_bytes, reason=f"{gib(usable_bytes)} usable")
+        self._wake()
+
+    def node_dead(self, node_id: str, reason: str = "node stopped reporting") -> None:
+        """Drop a dead node's instances and leases; requests for its models re-place elsewhere."""
+        node = self.state.node(node_id)
+        if node is None or not node.alive:
+            return
+        for inst in node.instances:
+            self._record("unloaded", model=inst.model, node_id=node_id, reason="node dead", bytes=inst.bytes)
+        for lease_id, lease in list(self._leases.items()):
+            if lease.node_id == node_id:
+                del self._leases[lease_id]
+        dead = node.model_copy(update={"alive": False, "instances": ()})
+        self.state = self.state.model_copy(update={"nodes": tuple(dead if n.node_id == node_id else n for n in self.state.nodes)})
+        self._record("node_dead", node_id=node_id, reason=reason)
+        self._wake()
+
+    def adopt_instance(self, node_id: str, model: str, device: DeviceKind, nbytes: int, load_seconds: float | None = None) -> None:
+        """A running instance found after a restart (its actor outlived the old controller)."""
+        node = self.state.node(node_id)
+        if node is None or model not in self.state.catalog or node.instance(model) is not None:
+            return
+        place = Place(model=model, node_id=node_id, device=device, bytes=nbytes, reason="adopted")
+        now = self.effects.now()
+        self.state = mark_loaded(apply_place(self.state, place, now), InstanceRef(node_id=node_id, model=model), now, load_seconds or 0.0)
+        self._record("loaded", model=model, node_id=node_id, bytes=nbytes, reason="adopted a running instance")
+
+    # ---- requests -----------------------------------------------------------------------------
+    async def acquire(self, model: str) -> Lease:
+        """A lease on a ready instance of `model`, placing (and evicting) as the policy decides and
+        waiting while it says so. Raises ControllerError with the policy's reason otherwise."""
+        started = self.effects.now()
+        while True:
+            now = self.effects.now()
+            failure = self._failures.get(model)
+            if failure is not None and failure[0] >= started:
+                raise failure[1]
+            decision = ensure(model, self.state, now, self.config, waited_s=now - started)
+            if isinstance(decision, Use):
+                self.state = start_request(self.state, decision.instance, now)
+                lease = Lease(lease_id=f"L{next(self._lease_ids)}", model=model, node_id=decision.instance.node_id, acquired_at=now)
+                self._leases[lease.lease_id] = lease
+                return lease
+            if isinstance(decision, Place):
+                self._begin_place(decision)
+                continue
+            if isinstance(decision, Wait):
+                await self._wait_for_change(decision.retry_after_s)
+                continue
+            assert isinstance(decision, Reject)
+            self._record("rejected", model=model, reason=decision.message)
+            raise _error_for(decision)
+
+    def release(self, lease_id: str) -> None:
+        """End a lease (stream finished, failed, or the client went away). Idempotent."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return
+        node = self.state.node(lease.node_id)
+        if node is not None and node.instance(lease.model) is not None:
+            self.state = finish_request(self.state, InstanceRef(node_id=lease.node_id, model=lease.model), self.effects.now())
+        self._wake()
+
+    # ---- ticks and operator actions -----------------------------------------------------------
+    def tick(self) -> None:
+        """Periodic: expire forgotten leases, unload idle / drained / dead instances, start copies."""
+        now = self.effects.now()
+        for lease_id, lease in list(self._leases.items()):
+            if now - lease.acquired_at > self.max_lease_s:
+                self.release(lease_id)
+                self._record("lease_expired", model=lease.model, node_id=lease.node_id, reason=f"held over {self.max_lease_s:.0f} s")
+        for unload in sweep(self.state, now, self.config):
+            if unload.reason == "node_dead":
+                self.node_dead(unload.instance.node_id)
+            else:
+                self._unload(unload.instance, unload.reason)
+        for place in plan_copies(self.state, now, self.config):
+            self._begin_place(place)
+
+    async def load(self, model: str, node_id: str | None = None) -> InstanceRef:
+        """Operator load: where the policy says, or on `node_id` (an extra copy there when the model
+        is elsewhere, within max_copies). Returns once the instance is ready."""
+        spec = self._spec(model)
+        started = self.effects.now()
+        if node_id is not None:
+            self._place_on(spec, node_id)
+        while True:
+            for n in self.state.nodes:
+                inst = n.instance(model) if n.alive and node_id in (None, n.node_id) else None
+                if inst is not None and inst.status == "ready":
+                    return InstanceRef(node_id=n.node_id, model=model)
+            failure = self._failures.get(model)
+            if failure is not None and failure[0] >= started:
+                raise failure[1]
+            if node_id is not None:
+                if self.state.node(node_id).instance(model) is None:
+                    raise ControllerError(503, "model_unloaded", f"model {model} left {node_id} before it was ready")
+                await self._wait_for_change(self.config.retry_poll_s)
+                continue
+            now = self.effects.now()
+            decision = ensure(model, self.state, now, self.config, waited_s=now - started)
+            if isinstance(decision, Place):
+                self._begin_place(decision)
+            elif isinstance(decision, Reject):
+                self._record("rejected", model=model, reason=decision.message)
+                raise _error_for(decision)
+            elif isinstance(decision, Wait):
+                await self._wait_for_change(decision.retry_after_s)
+
+    def _place_on(self, spec: ModelSpec, node_id: str) -> None:
+        node = self.state.node(node_id)
+        if node is None or not node.alive:
+            raise ControllerError(404, "node_not_found", f"no alive node {node_id!r}")
+        if node.instance(spec.name) is not None:
+            return
+        if self._copies(spec.name) >= spec.max_copies:
+            raise ControllerError(
+                409, "model_already_loaded",
+                f"model {spec.name} already has {self._copies(spec.name)} copies (max_copies={spec.max_copies}): unload it first",
+            )
+        others = frozenset(n.node_id for n in self.state.nodes if n.node_id != node_id)
+        plan, shortfalls, eligible = plan_placement(spec, self.state, self.effects.now(), self.config, exclude_nodes=others)
+        if plan is None:
+            why = "its constraints exclude it" if not eligible else "it does not fit even after every allowed eviction, or a cap forbids it"
+            self._record("rejected", model=spec.name, node_id=node_id, reason=why)
+            raise ControllerError(503, "model_blocked", f"cannot place model {spec.name} on {node_id}: {why}")
+        self._begin_place(place_from_plan(spec, plan, self.config))
+
+    def unload(self, model: str) -> list[InstanceRef]:
+        """Operator unload of every copy. A copy with requests in flight drains first (the Effects
+        drain before they stop); pinned models must be unpinned first."""
+        spec = self._spec(model)
+        if spec.pinned:
+            raise ControllerError(409, "model_pinned", f"model {model} is pinned: unpin it first")
+        refs = [InstanceRef(node_id=n.node_id, model=model) for n in self.state.nodes if n.alive and n.instance(model) is not None]
+        for ref in refs:
+            self._unload(ref, "unloaded by the operator")
+        return refs
+
+    def pin(self, model: str, pinned: bool = True) -> ModelSpec:
+        spec = self._spec(model).model_copy(update={"pinned": pinned})
+        self.state = self.state.model_copy(update={"catalog": {**self.state.catalog, model: spec}})
+        self._record("pinned" if pinned else "unpinned", model=model)
+        self._wake()
+        return spec
+
+    # ---- views --------------------------------------------------------------------------------
+    def events(self, since: int = 0) -> list[ClusterEvent]:
+        return [e for e in self._events if e.seq > since]
+
+    def leases(self) -> list[Lease]:
+        return list(self._leases.values())
+
+    # ---- effects out --------------------------------------------------------------------------
+    def _begin_place(self, place: Place) -> None:
+        """Apply the decision to the state now (so the next decision sees it), then carry it out."""
+        now = self.effects.now()
+        self._failures.pop(place.model, None)
+        for victim in place.evict:
+            inst = self.state.node(victim.node_id).instance(victim.model)
+            self._record("evicted", model=victim.model, node_id=victim.node_id, bytes=inst.bytes if inst else None, reason=f"to place {place.model}: {place.reason}")
+            self._spawn(self.effects.stop_instance(victim, f"evicted for {place.model}"))
+        self.state = apply_place(self.state, place, now)
+        self._record("placed", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=place.reason)
+        self._spawn(self._load(place, attempt=1))
+
+    async def _load(self, place: Place, attempt: int) -> None:
+        ref = InstanceRef(node_id=place.node_id, model=place.model)
+        spec = self.state.catalog[place.model]
+        try:
+            result = await self.effects.start_instance(place, spec)
+        except LoadError as e:
+            self._load_failed(place, ref, e.reason, e.message, attempt)
+            return
+        except Exception as e:  # an effect that broke must not leave the model "loading" forever
+            self._load_failed(place, ref, "error", f"{type(e).__name__}: {e}", attempt)
+            return
+        node = self.state.node(place.node_id)
+        if node is None or not node.alive or node.instance(place.model) is None:
+            self._spawn(self.effects.stop_instance(ref, "its node died or it was unloaded while loading"))
+            return
+        self.state = mark_loaded(self.state, ref, self.effects.now(), result.load_seconds, result.bytes)
+        self._record("loaded", model=place.model, node_id=place.node_id, bytes=result.bytes, seconds=result.load_seconds)
+        self._wake()
+
+    def _load_failed(self, place: Place, ref: InstanceRef, reason: str, message: str, attempt: int) -> None:
+        self._record("load_failed", model=place.model, node_id=place.node_id, reason=f"{reason}: {message}")
+        node = self.state.node(place.node_id)
+        if node is not None and node.instance(place.model) is not None:
+            self.state = remove_instance(self.state, ref)
+        self._spawn(self.effects.stop_instance(ref, "failed to load"))
+        failure = LoadFailure(model=place.model, node_id=place.node_id, reason=reason, message=message, attempt=attempt)
+        retry = retry_after_failure(failure, self.state, self.effects.now(), self.config)
+        if isinstance(retry, Place):
+            for victim in retry.evict:
+                self._record("evicted", model=victim.model, node_id=victim.node_id, reason=f"retrying {place.model}: {retry.reason}")
+                self._spawn(self.effects.stop_instance(victim, f"evicted to retry {place.model}"))
+            self.state = apply_place(self.state, retry, self.effects.now())
+            self._record("placed", model=retry.model, node_id=retry.node_id, bytes=retry.bytes, reason=retry.reason)
+            self._spawn(self._load(retry, attempt=attempt + 1))
+        else:
+            self._failures[place.model] = (self.effects.now(), _error_for(retry))
+        self._wake()
+
+    def _unload(self, ref: InstanceRef, reason: str) -> None:
+        node = self.state.node(ref.node_id)
+        inst = node.instance(ref.model) if node is not None else None
+        if inst is None:
+            return
+        self.state = remove_instance(self.state, ref)
+        for lease_id, lease in list(self._leases.items()):
+            if lease.node_id == ref.node_id and lease.model == ref.model:
+                del self._leases[lease_id]
+        self._record("unloaded", model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=reason)
+        self._spawn(self.effects.stop_instance(ref, reason))
+        self._wake()
+
+    # ---- plumbing -----------------------------------------------------------------------------
+    def _spec(self, model: str) -> ModelSpec:
+        spec = self.state.catalog.get(model)
+        if spec is None:
+            raise ControllerError(404, "model_not_found", f"model {model!r} is not in the registry")
+        return spec
+
+    def _copies(self, model: str) -> int:
+        return sum(1 for n in self.state.nodes if n.alive and n.instance(model) is not None)
+
+    def _record(self, kind: EventKind, **fields) -> None:
+        event = ClusterEvent(seq=next(self._seq), at=self.effects.now(), kind=kind, **fields)
+        self._events.append(event)
+        self.effects.publish(event)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_for_change(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    async def settle(self) -> None:
+        """Wait for every started load and stop (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def _error_for(reject: Reject) -> ControllerError:
+    if reject.code == "unknown_model":
+        return ControllerError(404, "model_not_found", reject.message)
+    return ControllerError(503, f"model_{reject.code}", reject.message, reject.retry_after_s)

@@ -1,0 +1,225 @@
+"""The residency controller's loop, driven by an in-memory Effects (a fake of our own interface,
+not of Ray: the Ray effects are exercised by the cluster tests)."""
+
+import asyncio
+import time
+
+import pytest
+from builders import spec
+
+from policy import InstanceRef, Place, PolicyConfig
+from policy.config import GIB
+from router.controller import ControllerError, LoadError, LoadResult, ResidencyController
+
+PLAIN = PolicyConfig(safety_margin_bytes=0, safety_margin_fraction=0.0, instance_overhead_bytes=0, min_residency_s=0.0, retry_poll_s=0.01, wait_timeout_s=0.2)
+
+
+class FakeEffects:
+    """A clock that runs (so waits time out) and that tests can move forward, loads that take no
+    time (or fail as told), and a log of every effect."""
+
+    def __init__(self):
+        self.t = 1000.0
+        self._t0 = time.monotonic()
+        self.started: list[Place] = []
+        self.stopped: list[tuple[InstanceRef, str]] = []
+        self.published = []
+        self.fail: dict[str, list[str]] = {}  # model -> reasons for its next loads
+        self.gate: asyncio.Event | None = None
+
+    def now(self) -> float:
+        return self.t + time.monotonic() - self._t0
+
+    async def start_instance(self, place, spec):
+        self.started.append(place)
+        if self.gate is not None:
+            await self.gate.wait()
+        await asyncio.sleep(0)
+        reasons = self.fail.get(place.model)
+        if reasons:
+            raise LoadError(reasons.pop(0), "simulated")
+        return LoadResult(bytes=place.bytes, load_seconds=0.5)
+
+    async def stop_instance(self, instance, reason):
+        self.stopped.append((instance, reason))
+
+    def publish(self, event):
+        self.published.append(event)
+
+
+def make(specs, nodes=(("n1", 8), ("n2", 4)), config=PLAIN):
+    effects = FakeEffects()
+    c = ResidencyController({s.name: s for s in specs}, config, effects)
+    for node_id, gb in nodes:
+        c.report_node(node_id, devices=("metal", "cpu"), total_bytes=gb * GIB, usable_bytes=gb * GIB, free_bytes=gb * GIB)
+    return c, effects
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_first_request_places_loads_and_leases():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)])
+        lease = await c.acquire("a")
+        return c, fx, lease
+
+    c, fx, lease = run(scenario())
+    assert lease.node_id == "n2"  # pack: the tighter fit
+    assert [p.model for p in fx.started] == ["a"]
+    inst = c.state.node("n2").instance("a")
+    assert inst.status == "ready" and inst.in_flight == 1
+    c.release(lease.lease_id)
+    c.release(lease.lease_id)  # idempotent
+    assert c.state.node("n2").instance("a").in_flight == 0
+    assert [e.kind for e in c.events()] == ["node_up", "node_up", "placed", "loaded"]
+
+
+def test_concurrent_requests_share_one_load():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)])
+        fx.gate = asyncio.Event()
+        tasks = [asyncio.create_task(c.acquire("a")) for _ in range(5)]
+        await asyncio.sleep(0.01)
+        fx.gate.set()
+        return fx, await asyncio.gather(*tasks)
+
+    fx, leases = run(scenario())
+    assert len(fx.started) == 1 and len({l.lease_id for l in leases}) == 5
+
+
+def test_eviction_stops_the_victim_and_busy_instances_are_waited_for():
+    async def scenario():
+        c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
+        lease_a = await c.acquire("a")
+        waiting = asyncio.create_task(c.acquire("b"))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # a is busy: never evicted under a live lease
+        c.release(lease_a.lease_id)
+        lease_b = await asyncio.wait_for(waiting, 1)
+        await c.settle()
+        return c, fx, lease_b
+
+    c, fx, lease_b = run(scenario())
+    assert lease_b.model == "b" and [r.model for r, _ in fx.stopped] == ["a"]
+    kinds = [e.kind for e in c.events()]
+    assert "evicted" in kinds and kinds.index("evicted") < kinds.index("placed", kinds.index("evicted") - 1)
+
+
+def test_wait_times_out_into_a_503_with_retry_after():
+    async def scenario():
+        c, _ = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
+        await c.acquire("a")
+        with pytest.raises(ControllerError) as info:
+            await c.acquire("b")
+        return info.value
+
+    err = run(scenario())
+    assert err.status == 503 and err.code == "model_busy" and err.retry_after_s and "busy models a" in err.message
+
+
+def test_pinned_blocker_is_rejected_at_once_and_unknown_models_are_404():
+    async def scenario():
+        c, _ = make([spec("a", gb=6, pinned=True), spec("b", gb=6)], nodes=(("n1", 8),))
+        c.release((await c.acquire("a")).lease_id)
+        errors = []
+        for model in ("b", "ghost"):
+            with pytest.raises(ControllerError) as info:
+                await c.acquire(model)
+            errors.append(info.value)
+        return c, errors
+
+    c, (blocked, unknown) = run(scenario())
+    assert (blocked.status, blocked.code, blocked.retry_after_s) == (503, "model_blocked", None)
+    assert "pinned models a hold 6.0 GiB" in blocked.message
+    assert (unknown.status, unknown.code) == (404, "model_not_found")
+    assert c.events()[-1].kind == "rejected"
+
+
+def test_failed_load_is_retried_once_then_reported():
+    async def scenario():
+        c, fx = make([spec("a", gb=3), spec("b", gb=3)])
+        fx.fail["a"] = ["out_of_memory"]
+        lease = await c.acquire("a")  # second attempt succeeds
+        fx.fail["b"] = ["error", "error"]
+        with pytest.raises(ControllerError) as info:
+            await c.acquire("b")
+        fx.fail["b"] = ["not_found"]
+        with pytest.raises(ControllerError) as missing:
+            await c.acquire("b")
+        return fx, lease, info.value, missing.value
+
+    fx, lease, twice, missing = run(scenario())
+    assert lease.model == "a" and [p.model for p in fx.started].count("a") == 2
+    assert twice.code == "model_load_failed" and "failed 2 times" in twice.message
+    assert missing.code == "model_load_failed" and "not found" in missing.message
+
+
+def test_dead_node_drops_its_instances_and_the_next_request_replaces_elsewhere():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)])
+        first = await c.acquire("a")
+        c.release(first.lease_id)
+        c.node_dead(first.node_id)
+        second = await c.acquire("a")
+        return c, first, second
+
+    c, first, second = run(scenario())
+    assert first.node_id != second.node_id
+    assert not c.state.node(first.node_id).alive and c.state.node(first.node_id).instances == ()
+    assert [e.kind for e in c.events()].count("node_dead") == 1
+
+
+def test_idle_timeout_and_operator_actions():
+    async def scenario():
+        c, fx = make([spec("a", gb=3, idle_ttl_s=60), spec("p", gb=1)])
+        c.release((await c.acquire("a")).lease_id)
+        fx.t += 61
+        c.tick()
+        idle_unloaded = c.state.node("n2").instance("a") is None
+        where = await c.load("p", node_id="n1")
+        c.pin("p")
+        with pytest.raises(ControllerError) as pinned:
+            c.unload("p")
+        c.pin("p", False)
+        unloaded = c.unload("p")
+        await c.settle()
+        return c, fx, idle_unloaded, where, pinned.value, unloaded
+
+    c, fx, idle_unloaded, where, pinned, unloaded = run(scenario())
+    assert idle_unloaded and where == InstanceRef(node_id="n1", model="p")
+    assert pinned.status == 409 and unloaded == [where]
+    assert {r.model for r, _ in fx.stopped} == {"a", "p"}
+    assert [e.kind for e in c.events()].count("unloaded") == 2
+
+
+def test_forgotten_leases_expire():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)])
+        c.max_lease_s = 10
+        await c.acquire("a")
+        fx.t += 11
+        c.tick()
+        return c
+
+    c = run(scenario())
+    assert c.leases() == [] and c.state.node("n2").instance("a").in_flight == 0
+    assert c.events()[-1].kind == "lease_expired"
+
+
+def test_node_reports_turn_into_foreign_memory_and_headroom():
+    c, _ = make([spec("a", gb=3)], nodes=())
+    c.report_node("mac", devices=("metal", "cpu"), total_bytes=64 * GIB, usable_bytes=48 * GIB, free_bytes=40 * GIB)
+    node = c.state.node("mac")
+    assert node.foreign_bytes == 8 * GIB and node.reported_headroom_bytes == 40 * GIB
+
+
+def test_adopted_instances_are_served_without_a_load():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)])
+        c.adopt_instance("n1", "a", "metal", 3 * GIB, 2.0)
+        return fx, await c.acquire("a")
+
+    fx, lease = run(scenario())
+    assert lease.node_id == "n1" and fx.started == []

@@ -1,0 +1,208 @@
+"""The model-server actor on a real local Ray cluster with real MLX weights: streams are coalesced
+yet identical to the engine's own output, cancelling a stream frees the engine, failures reach the
+caller as structured ModelServerErrors, and detached named servers are found again and removed
+after a drain."""
+
+import os
+
+# Before `import ray` (shared/ray/README.md pitfalls 1 and 2).
+os.environ["RAY_AUTH_MODE"] = "disabled"
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import asyncio
+import pickle
+import shutil
+import tempfile
+import time
+
+import pytest
+import ray
+
+from cluster.placement import NAMESPACE, actor_name, create_model_server, find_model_servers, kill_model_server
+from deployments.engines.llm import GenerationRequest, LLMEngine
+from deployments.manifest import read_manifest
+from deployments.model_server import ModelServerError, unwrap
+
+NODE = "node-1"  # Orchard's name for the one node of this cluster
+LLAMA = actor_name("llama-10m", NODE)
+PROMPT = "Once upon a time, in a land far away, there lived a"
+
+
+@pytest.fixture(scope="module")
+def ray_node():
+    """A one-node local cluster of its own (address="local", private temp dir: other sessions may
+    run Ray on this machine too)."""
+    temp = tempfile.mkdtemp(prefix="orchard-ms-", dir="/tmp")  # short: Ray's socket paths live here
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024**2,
+        log_to_driver=False, _temp_dir=temp,
+    )
+    try:
+        yield ray.get_runtime_context().get_node_id()
+    finally:
+        ray.shutdown()
+        if before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = before
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def manifest(models_dir):
+    return read_manifest(models_dir)
+
+
+def _start(manifest, models_dir, ray_node, model):
+    started = time.perf_counter()
+    handle = create_model_server(manifest.entry(model), NODE, ray_node_id=ray_node, models_dir=models_dir)
+    report = ray.get(handle.load.remote(), timeout=60)
+    print(f"\n{model}: actor create + load {time.perf_counter() - started:.2f} s (engine load {report['load_seconds']:.2f} s)")
+    return handle, report
+
+
+@pytest.fixture(scope="module")
+def llama(ray_node, manifest, models_dir):
+    handle, report = _start(manifest, models_dir, ray_node, "llama-10m")
+    yield handle, report
+    asyncio.run(kill_model_server(LLAMA, 1.0))
+
+
+@pytest.fixture(scope="module")
+def embedder(ray_node, manifest, models_dir):
+    handle, _ = _start(manifest, models_dir, ray_node, "all-minilm-l6-v2")
+    yield handle
+    asyncio.run(kill_model_server(actor_name("all-minilm-l6-v2", NODE), 1.0))
+
+
+@pytest.fixture(scope="module")
+def local_engine(models_dir):
+    """The same model in the test process: the reference output (loads in ~0.1 s)."""
+    engine = LLMEngine("llama-10m", str(models_dir / "llama-10m"))
+    asyncio.run(engine.load())
+    yield engine
+    asyncio.run(engine.stop())
+
+
+def _stream(handle, request: dict) -> tuple[list[dict], list[float]]:
+    """All items of a stream and the seconds each arrived after the call."""
+    started = time.perf_counter()
+    items, times = [], []
+    for ref in handle.generate.remote(request):
+        items.append(ray.get(ref, timeout=30))
+        times.append(time.perf_counter() - started)
+    return items, times
+
+
+def _running(handle) -> int:
+    health = ray.get(handle.health.remote())
+    return max(health["running_requests"], health["in_flight"])
+
+
+def _error(call) -> ModelServerError:
+    with pytest.raises(Exception) as info:
+        call()
+    return unwrap(info.value)
+
+
+def test_load_reports_memory_and_health(llama, manifest):
+    handle, report = llama
+    assert report["weight_bytes"] == manifest.entry("llama-10m").weight_bytes
+    assert report["load_seconds"] > 0 and report["active_bytes"] > 0.99 * report["weight_bytes"]  # file size incl. headers
+    health = ray.get(handle.health.remote())
+    assert (health["status"], health["kind"], health["node_id"], health["actor_name"]) == ("ready", "llm", NODE, LLAMA)
+    assert ray.get(handle.load.remote())["weight_bytes"] == report["weight_bytes"]  # loading twice is harmless
+    assert ray.get(handle.memory.remote())["weight_bytes"] == report["weight_bytes"]
+
+
+def test_stream_is_coalesced_and_equals_the_engine_output(llama, local_engine):
+    handle, _ = llama
+    request = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0}
+    items, times = _stream(handle, request)
+    tokens = [t for item in items for t in item["token_ids"]]
+    print(f"\n64-token stream: {len(items)} items, first after {times[0] * 1000:.0f} ms, last after {times[-1] * 1000:.0f} ms")
+    assert len(tokens) == 64 and len(items) < len(tokens)
+    # the first delta goes out alone, before the generation is over
+    assert len(items[0]["token_ids"]) == 1 and items[0]["finish_reason"] is None and times[0] < times[-1]
+    assert all(item["finish_reason"] is None and item["usage"] is None for item in items[:-1])
+    assert items[-1]["finish_reason"] == "length" and items[-1]["usage"]["completion_tokens"] == 64
+    reference = asyncio.run(local_engine.complete(GenerationRequest(**request)))
+    assert tokens == reference.token_ids
+    assert "".join(item["text"] for item in items) == reference.text
+    # the limits are per call: one token per item when asked
+    one_each = [ray.get(r) for r in handle.generate.remote(dict(request, max_tokens=8), coalesce_tokens=1)]
+    assert [len(item["token_ids"]) for item in one_each] == [1] * 8
+
+
+def test_cancelling_a_stream_cancels_the_engine_request(llama, local_engine):
+    handle, _ = llama
+    never_end = {e: -100.0 for e in local_engine.eos_ids}  # random weights may pick EOS: forbid it
+    stream = handle.generate.remote({"prompt": "Keep going", "max_tokens": 2000, "temperature": 0, "logit_bias": never_end})
+    for i, ref in enumerate(stream):
+        assert ray.get(ref, timeout=30)["finish_reason"] is None
+        if i == 2:
+            break
+    assert _running(handle) == 1
+    ray.cancel(stream)
+    deadline = time.monotonic() + 5
+    while _running(handle) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _running(handle) == 0
+    assert ray.get(handle.memory.remote())["kv_bytes_in_use"] == 0
+
+
+def test_embedding_server_returns_vectors(embedder):
+    out = ray.get(embedder.embed.remote(["a red apple", "a green pear"]))
+    assert out["dimensions"] == 384 and len(out["vectors"]) == 2 and out["prompt_tokens"] > 0
+    assert all(abs(sum(x * x for x in v) - 1) < 1e-3 for v in out["vectors"])
+    assert ray.get(embedder.embed.remote("one text", dimensions=64))["dimensions"] == 64
+
+
+def test_failures_reach_the_caller_as_model_server_errors(llama, embedder):
+    handle, _ = llama
+    bad = _error(lambda: _stream(handle, {"prompt": "x", "max_tokens": 0}))
+    assert (bad.code, bad.param, bad.status) == ("invalid_request", "max_tokens", 400)
+    too_long = _error(lambda: _stream(handle, {"prompt": "hi", "max_tokens": 5000}))
+    assert too_long.code == "context_length_exceeded"
+    assert _error(lambda: _stream(handle, {"prompt_tokens": [10**6], "max_tokens": 2})).code == "invalid_request"
+    assert _error(lambda: ray.get(embedder.embed.remote([]))).to_dict()["param"] == "input"
+    wrong = _error(lambda: ray.get(handle.embed.remote(["x"])))
+    assert (wrong.code, wrong.param) == ("unsupported", "model") and "llama-10m" in wrong.message
+    assert _error(lambda: _stream(embedder, {"prompt": "x"})).code == "unsupported"
+    assert _error(lambda: ray.get(embedder.speak.remote("hi"))).code == "unsupported"
+    # Ray's wrapper is itself a ModelServerError with the fields, and the error pickles alone
+    with pytest.raises(ModelServerError) as info:
+        ray.get(handle.rerank.remote("q", ["d"]))
+    assert info.value.code == "unsupported"
+    again = pickle.loads(pickle.dumps(unwrap(info.value)))
+    assert (again.code, again.param) == ("unsupported", "model") and "reranking" in again.message
+    assert _running(handle) == 0
+
+
+def test_a_missing_model_folder_is_not_found(ray_node):
+    ghost = create_model_server(("llm", "ghost", "/nonexistent/ghost"), NODE, ray_node_id=ray_node)
+    with pytest.raises(FileNotFoundError) as info:
+        ray.get(ghost.load.remote(), timeout=30)
+    assert unwrap(info.value).code == "not_found"
+    assert asyncio.run(kill_model_server(ghost, 1.0)) == 0
+    assert actor_name("ghost", NODE) not in dict(find_model_servers())
+
+
+def test_found_again_then_drained_and_killed(llama):
+    names = dict(find_model_servers())
+    assert LLAMA in names and actor_name("all-minilm-l6-v2", NODE) in names
+    fresh = ray.get_actor(LLAMA, namespace=NAMESPACE)
+    assert ray.get(fresh.health.remote())["status"] == "ready"
+    with pytest.raises(ValueError, match="already taken"):
+        create_model_server(("llm", "llama-10m", "/anywhere"), NODE, ray_node_id=ray.get_runtime_context().get_node_id())
+
+    stream = fresh.generate.remote({"prompt": PROMPT, "max_tokens": 48, "temperature": 0})
+    assert asyncio.run(kill_model_server(LLAMA, drain_timeout_s=20)) == 0  # waited for the stream
+    items = [ray.get(ref, timeout=10) for ref in stream]
+    assert sum(len(item["token_ids"]) for item in items) == 48 and items[-1]["finish_reason"] == "length"
+    with pytest.raises(ValueError):
+        ray.get_actor(LLAMA, namespace=NAMESPACE)
+    assert LLAMA not in dict(find_model_servers())
+    assert asyncio.run(kill_model_server(LLAMA, 1.0)) is None  # already gone
