@@ -93,8 +93,9 @@ def ray_env(temp_root: Path) -> dict[str, str]:
     # `ray start --block` drains a node for up to 30 s on SIGTERM (for Serve on Kubernetes); a local demo
     # has nothing to migrate, so stop at once.
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
-    if sys.platform == "darwin":
-        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
+    # Worker nodes abort without it on macOS; on Linux it is the default, but an inherited "0" (as tests set
+    # for cluster_utils) would abort them too.
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
     return env
 
 
@@ -130,6 +131,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _is_node_process(pid: int) -> bool:
+    """pid is alive and still a `ray start --block` (not a reused pid)."""
+    import psutil
+
+    try:
+        cmd = psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    return "start" in cmd and "--block" in cmd
+
+
 def read_state(temp_root: Path = DEFAULT_DIR) -> dict | None:
     path = Path(temp_root) / STATE_FILE
     return json.loads(path.read_text()) if path.exists() else None
@@ -163,7 +175,7 @@ def start(
     (also written to <temp_root>/orchard-local.json). On failure, stops whatever it started."""
     temp_root = Path(temp_root).resolve()
     old = read_state(temp_root)
-    if old and any(_alive(n["pid"]) for n in old["nodes"]):
+    if old and any(_is_node_process(n["pid"]) for n in old["nodes"]):
         raise RuntimeError(f"a local cluster from {temp_root} is running ({old['address']}); stop it first")
     ip = ip or default_ip()
     if _port_open(ip, port):
@@ -265,9 +277,11 @@ def _write_state(temp_root: Path, state: dict) -> None:
 
 
 def _cluster_processes(temp_root: Path, leaders: list[int]) -> dict:
-    """This cluster's processes: each node's `ray start` process and its descendants (raylet, GCS,
-    agents, and workers, which Ray puts in sessions of their own and renames `ray::...`), plus any process
-    whose command line names this cluster's temp dir (orphans); only ours, since the directory is ours."""
+    """This cluster's processes: each node's `ray start` process and its descendants (raylet, GCS, agents,
+    and workers, which Ray puts in sessions of their own and renames `ray::...`), plus orphans whose command
+    line points into this cluster's Ray session dirs (<temp_root>/ray/session_*: only Ray's own processes
+    name those, and the directory is ours). Never this process or its ancestors (a shell or wrapper whose
+    command line mentions the directory)."""
     import psutil
 
     found: dict[int, psutil.Process] = {}
@@ -278,14 +292,16 @@ def _cluster_processes(temp_root: Path, leaders: list[int]) -> dict:
                 found[p.pid] = p
         except psutil.NoSuchProcess:
             continue
-    marker = str(temp_root)
+    marker = str(temp_root / "ray" / "session_")
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if p.pid != os.getpid() and any(marker in a for a in (p.info["cmdline"] or [])):
+            if any(marker in a for a in (p.info["cmdline"] or [])):
                 found.setdefault(p.pid, p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    found.pop(os.getpid(), None)
+    me = psutil.Process()
+    for p in [me, *me.parents()]:
+        found.pop(p.pid, None)
     return found
 
 
@@ -341,6 +357,8 @@ def status(temp_root: Path = DEFAULT_DIR) -> list[dict]:
     state = read_state(Path(temp_root).resolve())
     if not state:
         raise RuntimeError(f"no local cluster in {temp_root}")
+    if not _is_node_process(state["nodes"][0]["pid"]):
+        raise RuntimeError(f"the local cluster in {temp_root} is not running (its head is gone); run stop")
     ray = _connect(state)
     try:
         rows = [

@@ -9,6 +9,7 @@ memory there is. A real Mac reports its own unified memory and needs no budget, 
 memory back for other work.
 """
 
+import functools
 import platform
 import sys
 import time
@@ -140,6 +141,7 @@ def measure(
     )
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_model() -> str:
     """The CPU's marketing name: /proc/cpuinfo on Linux, sysctl on macOS, else platform's guess."""
     try:

@@ -1,1 +1,2 @@
-"""The Serve ingress and the residency controller (issue 4). Empty until then."""
+"""The residency controller (controller.py, its Ray effects and Serve deployment) and, with the
+ingress, the OpenAI-compatible API."""

@@ -1,0 +1,66 @@
+"""The model registry: what ray-config.yaml lists, turned into the policy's ModelSpecs and the
+engines' manifest entries. A model's memory figures come from the config when given, else from
+its folder (deployments.estimate), so admission works before anything is loaded."""
+
+from pathlib import Path
+
+from pydantic import ByteSize, Field
+
+from deployments.estimate import estimate
+from deployments.manifest import ManifestEntry, read_manifest
+from policy import ModelSpec
+from policy._frozen import Frozen
+from policy.specs import ModelKind
+
+SPEC_FIELDS = set(ModelSpec.model_fields) - {"name", "kind", "weight_bytes", "kv_bytes_per_token"}
+
+
+class RegistryModel(Frozen):
+    """One `models:` entry: a name, a kind, a folder (absolute, or relative to models_dir; on a Mac
+    a Hugging Face repo id also works with the same loaders), optional sizes, and any ModelSpec
+    field (role, pinned, keep_warm, idle_ttl_s, constraints, copies, KV reservation)."""
+
+    name: str
+    kind: ModelKind
+    path: str | None = None  # default: the name, under models_dir
+    weight_bytes: ByteSize | None = None
+    kv_bytes_per_token: ByteSize | None = None
+    policy: dict = Field(default_factory=dict)
+
+
+def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, ModelSpec], dict[str, ManifestEntry]]:
+    """(catalog for policy/, manifest entries for the model servers). Fields that are ModelSpec's
+    may sit at the top level of an entry or under `policy:`."""
+    models_dir = Path(models_dir)
+    catalog: dict[str, ModelSpec] = {}
+    entries: dict[str, ManifestEntry] = {}
+    for raw in models:
+        raw = dict(raw)
+        policy = {k: raw.pop(k) for k in list(raw) if k in SPEC_FIELDS} | raw.pop("policy", {})
+        model = RegistryModel(**raw, policy=policy)
+        if model.name in catalog:
+            raise ValueError(f"model {model.name!r} is listed twice")
+        folder = Path(model.path) if model.path and Path(model.path).is_absolute() else models_dir / (model.path or model.name)
+        weight, kv = model.weight_bytes, model.kv_bytes_per_token
+        if (weight is None or kv is None) and folder.is_dir():
+            size = estimate(folder, model.kind)
+            weight = size.weight_bytes if weight is None else weight
+            kv = size.kv_bytes_per_token if kv is None else kv
+        if weight is None:
+            raise ValueError(f"model {model.name}: no weight_bytes given and no folder at {folder} to measure")
+        catalog[model.name] = ModelSpec(name=model.name, kind=model.kind, weight_bytes=weight, kv_bytes_per_token=kv or 0, **model.policy)
+        entries[model.name] = ManifestEntry(
+            name=model.name, kind=model.kind, path=str(folder), weight_bytes=int(weight), kv_bytes_per_token=int(kv or 0),
+            weights="real", architecture="unknown", source=str(folder),
+        )
+    return catalog, entries
+
+
+def from_manifest(models_dir: str | Path, overrides: dict[str, dict] | None = None) -> list[dict]:
+    """Registry entries for every model of a prepared set (deployments.models), with per-model
+    policy overrides (pinned, keep_warm, ...)."""
+    overrides = overrides or {}
+    return [
+        {"name": e.name, "kind": e.kind, "path": e.path, "weight_bytes": e.weight_bytes, "kv_bytes_per_token": e.kv_bytes_per_token, **overrides.get(e.name, {})}
+        for e in read_manifest(models_dir).models
+    ]

@@ -1,0 +1,149 @@
+"""The residency controller as a single-replica Serve deployment.
+
+It owns the ResidencyController (one asyncio loop: the replica's) and a watcher that, every
+`watch_period_s`, keeps one node agent per alive node, turns their memory reports into node
+events, marks nodes Ray no longer lists as dead, and ticks the controller (idle unloads, copies,
+forgotten leases). On start it adopts model servers that outlived a previous controller. The
+ingress calls it for leases and cluster operations only, never per token. Errors travel as plain
+dicts (`{"error": {...}}`) so the ingress can answer them in OpenAI's format."""
+
+import asyncio
+import logging
+from typing import Any
+
+from ray import serve
+
+from cluster.node_agent import alive_nodes, collect_reports, ensure_agents
+from cluster.placement import PREFIX, find_model_servers
+from policy import PolicyConfig
+from router.controller import ControllerError, ResidencyController
+from router.ray_effects import RayEffects
+from router.registry import from_config
+
+log = logging.getLogger("orchard.residency")
+
+
+def error_dict(e: ControllerError) -> dict[str, Any]:
+    return {"error": {"status": e.status, "code": e.code, "message": e.message, "retry_after_s": e.retry_after_s}}
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
+class ResidencyService:
+    async def __init__(self, models: list[dict], policy: dict, models_dir: str, watch_period_s: float = 1.0):
+        catalog, entries = from_config(models, models_dir)
+        self.effects = RayEffects(entries, models_dir)
+        self.controller = ResidencyController(catalog, PolicyConfig.model_validate(policy), self.effects)
+        self.watch_period_s = watch_period_s
+        await self._observe_nodes()
+        await self._adopt_running_servers()
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    # ---- the watcher ---------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.watch_period_s)
+            try:
+                await self._observe_nodes()
+                self.controller.tick()
+            except Exception:  # a failed round must not end the watcher
+                log.exception("node watch round failed")
+
+    async def _observe_nodes(self) -> None:
+        agents = await asyncio.to_thread(ensure_agents)
+        used = {n.node_id: sum(i.bytes for i in n.instances) for n in self.controller.state.nodes}
+        reports = await asyncio.to_thread(collect_reports, agents, used)
+        for node_id, report in reports.items():
+            self.effects.ray_node_ids[node_id] = report.ray_node_id
+            self.controller.report_node(
+                node_id, devices=report.devices, total_bytes=report.total_bytes, usable_bytes=report.usable_bytes,
+                free_bytes=report.free_bytes, labels=report.labels,
+            )
+        alive = {n.node_id for n in await asyncio.to_thread(alive_nodes)}
+        for node in self.controller.state.nodes:
+            if node.alive and node.node_id not in alive:
+                self.controller.node_dead(node.node_id, "Ray lists the node as dead")
+
+    async def _adopt_running_servers(self) -> None:
+        for name, handle in await asyncio.to_thread(find_model_servers):
+            model, _, node_id = name[len(PREFIX) :].rpartition("@")
+            node = self.controller.state.node(node_id)
+            if node is None or not node.alive:
+                continue
+            try:
+                health = await handle.health.remote()
+                memory = await handle.memory.remote()
+            except Exception:
+                continue
+            if health.get("status") == "ready":
+                self.controller.adopt_instance(
+                    node_id, model, node.devices[0], memory["weight_bytes"] + memory["kv_bytes_reserved"], memory["load_seconds"]
+                )
+
+    # ---- what the ingress calls ----------------------------------------------------------------
+    async def acquire(self, model: str) -> dict[str, Any]:
+        try:
+            lease = await self.controller.acquire(model)
+        except ControllerError as e:
+            return error_dict(e)
+        return lease.model_dump()
+
+    def release(self, lease_id: str) -> None:
+        self.controller.release(lease_id)
+
+    async def load(self, model: str, node_id: str | None = None) -> dict[str, Any]:
+        try:
+            ref = await self.controller.load(model, node_id)
+        except ControllerError as e:
+            return error_dict(e)
+        return {"model": ref.model, "node_id": ref.node_id, "status": "loaded"}
+
+    def unload(self, model: str) -> dict[str, Any]:
+        try:
+            refs = self.controller.unload(model)
+        except ControllerError as e:
+            return error_dict(e)
+        return {"model": model, "unloaded_from": [r.node_id for r in refs]}
+
+    def pin(self, model: str, pinned: bool) -> dict[str, Any]:
+        try:
+            spec = self.controller.pin(model, pinned)
+        except ControllerError as e:
+            return error_dict(e)
+        return {"model": model, "pinned": spec.pinned}
+
+    def models(self) -> list[dict[str, Any]]:
+        """Every registry model with its residency: loaded / loading / available, where, bytes."""
+        state = self.controller.state
+        out = []
+        for name, spec in sorted(state.catalog.items()):
+            copies = [(n.node_id, i) for n in state.nodes if n.alive for i in n.instances if i.model == name]
+            status = "loaded" if any(i.status == "ready" for _, i in copies) else "loading" if copies else "available"
+            out.append({
+                "id": name, "kind": spec.kind, "status": status, "pinned": spec.pinned, "keep_warm": spec.keep_warm,
+                "nodes": [node_id for node_id, _ in copies], "bytes": sum(i.bytes for _, i in copies) or None,
+            })
+        return out
+
+    def cluster(self) -> dict[str, Any]:
+        state = self.controller.state
+        leases = self.controller.leases()
+        return {
+            "nodes": [
+                {
+                    "node_id": n.node_id, "alive": n.alive, "draining": n.draining, "devices": list(n.devices), "labels": n.labels,
+                    "memory": {
+                        "total_bytes": n.total_bytes, "usable_bytes": n.usable_bytes, "foreign_bytes": n.foreign_bytes,
+                        "headroom_bytes": n.reported_headroom_bytes, "ours_bytes": sum(i.bytes for i in n.instances),
+                    },
+                    "instances": [
+                        i.model_dump() | {"leases": sum(1 for l in leases if l.node_id == n.node_id and l.model == i.model)}
+                        for i in n.instances
+                    ],
+                }
+                for n in state.nodes
+            ],
+            "policy": self.controller.config.model_dump(mode="json"),
+        }
+
+    def events(self, since: int = 0) -> list[dict[str, Any]]:
+        return [e.model_dump() for e in self.controller.events(since)]
