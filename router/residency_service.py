@@ -85,7 +85,7 @@ class ResidencyService:
             lease = await self.controller.acquire(model)
         except ControllerError as e:
             return error_dict(e)
-        return lease.model_dump()
+        return lease.model_dump() | {"kind": self.controller.state.catalog[model].kind}
 
     def release(self, lease_id: str) -> None:
         self.controller.release(lease_id)

@@ -1,0 +1,259 @@
+"""The OpenAI-compatible ingress and the app builder that `serve run ray-config.yaml` imports.
+
+The ingress is stateless (several replicas may run): per request it asks the residency service for
+a lease on an instance, streams straight from that instance's model-server actor (coalesced deltas,
+one Ray item per few tokens), and releases the lease at the end, on error and on client
+disconnect (the generation is cancelled in the engine). A per-item inactivity timeout keeps a
+frozen node from hanging a stream."""
+
+import asyncio
+import hmac
+from pathlib import Path
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field, ValidationError
+from ray import serve
+
+from cluster.placement import NAMESPACE, actor_name
+from deployments.model_server import HTTP_STATUS, unwrap
+from router import openai_protocol as oai
+from router.registry import from_manifest
+from router.residency_service import ResidencyService
+
+app = FastAPI(title="Orchard", description="Many MLX models, one OpenAI-compatible URL")
+
+
+def error(status: int, code: str, message: str, param: str | None = None, retry_after_s: float | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
+    return JSONResponse(oai.error_body(status, code, message, param), status_code=status, headers=headers)
+
+
+def lease_error(e: dict) -> JSONResponse:
+    e = e["error"]
+    return error(e["status"], e["code"], e["message"], "model" if e["status"] == 404 else None, e.get("retry_after_s"))
+
+
+class Unavailable(Exception):
+    """The instance died or stopped answering mid-request."""
+
+
+@serve.deployment(max_ongoing_requests=500, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, residency, chunk_timeout_s: float = 60.0, api_keys: list[str] | None = None):
+        self.residency = residency
+        self.chunk_timeout_s = chunk_timeout_s
+        self.api_keys = [k.encode() for k in api_keys or []]
+        self._actors: dict[str, Any] = {}
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    def _authorized(self, request: Request) -> bool:
+        if not self.api_keys:
+            return True
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip().encode()
+        return any(hmac.compare_digest(given, k) for k in self.api_keys)
+
+    async def _body(self, request: Request, model_type: type[BaseModel]):
+        if not self._authorized(request):
+            return None, error(401, "invalid_api_key", "a valid API key is required (Authorization: Bearer ...)")
+        try:
+            body = await request.json()
+        except Exception:
+            return None, error(400, "invalid_json", "the request body is not valid JSON")
+        try:
+            return model_type.model_validate(body), None
+        except ValidationError as e:
+            return None, JSONResponse(oai.validation_error_body(e), status_code=400)
+        except oai.ProtocolError as e:
+            return None, JSONResponse(e.body(), status_code=e.status)
+
+    def _actor(self, model: str, node_id: str):
+        name = actor_name(model, node_id)
+        handle = self._actors.get(name)
+        if handle is None:
+            handle = self._actors[name] = ray.get_actor(name, namespace=NAMESPACE)
+        return handle
+
+    async def _lease(self, model: str) -> tuple[dict | None, JSONResponse | None]:
+        lease = await self.residency.acquire.remote(model)
+        if "error" in lease:
+            return None, lease_error(lease)
+        return lease, None
+
+    async def _deltas(self, lease: dict, request: dict):
+        """The model server's coalesced deltas; releases the lease and cancels the generation when
+        the consumer stops early (client disconnect), fails, or finishes."""
+        stream = None
+        finished = False
+        try:
+            stream = self._actor(lease["model"], lease["node_id"]).generate.remote(request)
+            while True:
+                try:
+                    ref = await asyncio.wait_for(stream.__anext__(), self.chunk_timeout_s)
+                except StopAsyncIteration:
+                    finished = True
+                    return
+                except asyncio.TimeoutError:
+                    raise Unavailable(f"model {lease['model']} on {lease['node_id']} sent nothing for {self.chunk_timeout_s:.0f} s")
+                delta = await ref
+                yield delta
+                if delta.get("finish_reason"):
+                    finished = True
+                    return
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            self._actors.pop(actor_name(lease["model"], lease["node_id"]), None)
+            raise Unavailable(f"model {lease['model']} on {lease['node_id']} is unavailable: {type(e).__name__}") from e
+        finally:
+            if stream is not None and not finished:
+                ray.cancel(stream)
+            await self.residency.release.remote(lease["lease_id"])
+
+    # ---- models and cluster --------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def list_models(self, request: Request):
+        if not self._authorized(request):
+            return error(401, "invalid_api_key", "a valid API key is required")
+        models = await self.residency.models.remote()
+        return {"object": "list", "data": [{"id": m["id"], "object": "model", "created": 0, "owned_by": "orchard", "orchard": m} for m in models]}
+
+    @app.get("/v1/cluster")
+    async def cluster(self, request: Request):
+        if not self._authorized(request):
+            return error(401, "invalid_api_key", "a valid API key is required")
+        return await self.residency.cluster.remote()
+
+    @app.get("/v1/cluster/events")
+    async def events(self, request: Request, since: int = 0):
+        if not self._authorized(request):
+            return error(401, "invalid_api_key", "a valid API key is required")
+        return {"object": "list", "data": await self.residency.events.remote(since)}
+
+    @app.post("/v1/models/{model}/{action}")
+    async def model_action(self, request: Request, model: str, action: str):
+        if not self._authorized(request):
+            return error(401, "invalid_api_key", "a valid API key is required")
+        if action == "load":
+            try:
+                body = await request.json() if await request.body() else {}
+            except Exception:
+                return error(400, "invalid_json", "the request body is not valid JSON")
+            result = await self.residency.load.remote(model, (body or {}).get("node"))
+        elif action == "unload":
+            result = await self.residency.unload.remote(model)
+        elif action in ("pin", "unpin"):
+            result = await self.residency.pin.remote(model, action == "pin")
+        else:
+            return error(404, "unknown_action", f"no action {action!r}: use load, unload, pin or unpin")
+        return lease_error(result) if "error" in result else result
+
+    # ---- generation ----------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._generate(request, oai.ChatCompletionRequest, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._generate(request, oai.CompletionRequest, chat=False)
+
+    async def _generate(self, request: Request, body_type: type[BaseModel], chat: bool):
+        body, failure = await self._body(request, body_type)
+        if failure is not None:
+            return failure
+        lease, failure = await self._lease(body.model)
+        if failure is not None:
+            return failure
+        try:  # the engine's own request shape; the model server validates it again
+            if lease["kind"] == "vlm" and chat:
+                generation = oai.to_vlm_request(body)
+            elif lease["kind"] in ("llm", "vlm"):
+                generation = oai.generation_fields(body)
+            else:
+                raise oai.ProtocolError(400, "model_not_supported", f"model {body.model} is a {lease['kind']} model: it does not generate text", "model")
+            if chat and lease["kind"] == "llm" and body.has_images():
+                raise oai.ProtocolError(400, "unsupported_content", f"model {body.model} takes no images", "messages")
+        except oai.ProtocolError as e:
+            await self.residency.release.remote(lease["lease_id"])
+            return JSONResponse(e.body(), status_code=e.status)
+        request_id = oai.new_request_id("chat" if chat else "completion")
+        created = oai.now()
+        deltas = self._deltas(lease, generation)
+        try:  # the first item tells a bad request (4xx, nothing streamed yet) from a good one
+            first = await deltas.__anext__()
+        except StopAsyncIteration:
+            return error(500, "empty_stream", "the model returned nothing")
+        except Unavailable as e:
+            return error(503, "model_unavailable", str(e), retry_after_s=1)
+        except Exception as e:
+            failure = unwrap(e)
+            return error(failure.status, failure.code, failure.message, failure.param)
+        if body.stream:
+            encoder = oai.StreamEncoder(
+                "chat" if chat else "completion", body.model, request_id, created, include_usage=body.include_usage, statuses=HTTP_STATUS
+            )
+            return StreamingResponse(self._sse(first, deltas, encoder), media_type="text/event-stream")
+        collected = [first]
+        try:
+            async for delta in deltas:
+                collected.append(delta)
+        except Unavailable as e:
+            return error(503, "model_unavailable", str(e), retry_after_s=1)
+        respond = oai.chat_completion_response if chat else oai.completion_response
+        try:
+            return respond(body.model, request_id, created, oai.join_deltas(collected), statuses=HTTP_STATUS)
+        except oai.ProtocolError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+
+    async def _sse(self, first: dict, deltas, encoder: "oai.StreamEncoder"):
+        """SSE bytes; closing this generator (client gone) closes `deltas`, which cancels the
+        generation and releases the lease."""
+        try:
+            yield encoder.feed(first)
+            async for delta in deltas:
+                yield encoder.feed(delta)
+        except Unavailable as e:
+            yield encoder.error("model_unavailable", str(e), status=503)
+        finally:
+            await deltas.aclose()
+        yield encoder.close()
+
+    # ---- embeddings ----------------------------------------------------------------------------
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request):
+        body, failure = await self._body(request, oai.EmbeddingRequest)
+        if failure is not None:
+            return failure
+        lease, failure = await self._lease(body.model)
+        if failure is not None:
+            return failure
+        try:
+            result = await self._actor(lease["model"], lease["node_id"]).embed.remote(body.texts(), body.dimensions)
+        except Exception as e:
+            failure = unwrap(e)
+            return error(failure.status, failure.code, failure.message, failure.param)
+        finally:
+            await self.residency.release.remote(lease["lease_id"])
+        return oai.embedding_response(body.model, result["vectors"], result["prompt_tokens"], body.encoding_format)
+
+
+class AppArgs(BaseModel):
+    """The `args:` of ray-config.yaml. Without `models`, every model of the prepared set in
+    models_dir is registered (with `overrides` per model)."""
+
+    models_dir: str = "models"
+    models: list[dict] | None = None
+    overrides: dict[str, dict] = Field(default_factory=dict)
+    policy: dict = Field(default_factory=dict)
+    chunk_timeout_s: float = 60.0
+    api_keys: list[str] = Field(default_factory=list)
+    watch_period_s: float = 1.0
+
+
+def build_app(args: dict) -> serve.Application:
+    a = AppArgs.model_validate(args)
+    models_dir = str(Path(a.models_dir).resolve())
+    models = a.models if a.models is not None else from_manifest(models_dir, a.overrides)
+    residency = ResidencyService.bind(models, a.policy, models_dir, a.watch_period_s)
+    return Ingress.bind(residency, a.chunk_timeout_s, a.api_keys)

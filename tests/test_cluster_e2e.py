@@ -1,0 +1,162 @@
+"""End to end on a real 3-node Ray cluster on this machine (nodes with their own memory budgets),
+real MLX models, through HTTP with the official openai client: placement by headroom, rejection
+with the policy's reason, eviction, pinning, cluster operations, node death and re-placement."""
+
+import os
+import socket
+import time
+
+import httpx
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+ray = pytest.importorskip("ray")
+from openai import OpenAI  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from router.app import build_app  # noqa: E402
+
+MIB = 1024**2
+HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_args(name: str, budget_gib: float, cpus: int) -> dict:
+    return {"num_cpus": cpus, "labels": {"orchard.node": name, "orchard.budget_gib": str(budget_gib)}, "object_store_memory": 80 * MIB}
+
+
+@pytest.fixture(scope="module")
+def orchard(models_dir):
+    """Head (1.5 GiB budget) + mac-1 (0.6 GiB) + mac-2 (0.45 GiB); the Serve app on a free port."""
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args=node_args("head", 1.5, 2) | {"include_dashboard": False, "_system_config": HEALTH},
+    )
+    workers = {"mac-1": cluster.add_node(**node_args("mac-1", 0.6, 1)), "mac-2": cluster.add_node(**node_args("mac-2", 0.45, 1))}
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    policy = {"safety_margin_bytes": 16 * MIB, "safety_margin_fraction": 0, "instance_overhead_bytes": 64 * MIB, "min_residency_s": 0, "contention": "fail", "wait_timeout_s": 5}
+    overrides = {
+        "llama-10m": {"reserve_context_tokens": 2048},
+        "smollm2-135m-instruct": {"reserve_context_tokens": 1024},
+    }
+    models = __import__("router.registry", fromlist=["from_manifest"]).from_manifest(models_dir, overrides)
+    models.append({"name": "huge", "kind": "llm", "path": "llama-10m", "weight_bytes": "64GiB"})
+    serve.run(build_app({"models_dir": str(models_dir), "models": models, "policy": policy, "watch_period_s": 0.5}), name="orchard", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield {"cluster": cluster, "workers": workers, "client": client, "http": httpx.Client(base_url=base, timeout=120)}
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def where(orchard, model: str) -> list[str]:
+    data = orchard["http"].get("/v1/models").json()["data"]
+    return next(m["orchard"]["nodes"] for m in data if m["id"] == model)
+
+
+def test_models_lists_the_registry_with_residency(orchard):
+    data = orchard["http"].get("/v1/models").json()["data"]
+    ids = {m["id"] for m in data}
+    assert {"llama-10m", "smollm2-135m-instruct", "all-minilm-l6-v2", "huge"} <= ids
+    assert all(m["orchard"]["status"] in ("available", "loading", "loaded") for m in data)
+
+
+def test_first_request_loads_where_it_fits_and_answers(orchard):
+    client = orchard["client"]
+    reply = client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.usage.completion_tokens > 0 and reply.choices[0].finish_reason in ("stop", "length")
+    assert where(orchard, "smollm2-135m-instruct") == ["head"]  # only the head's budget holds it
+
+
+def test_streaming_with_usage(orchard):
+    chunks = list(orchard["client"].chat.completions.create(
+        model="llama-10m", messages=[{"role": "user", "content": "hi"}], max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}
+    ))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].usage.completion_tokens == 20
+
+
+def test_embeddings(orchard):
+    r = orchard["client"].embeddings.create(model="all-minilm-l6-v2", input=["A man is eating food.", "A man is eating a piece of bread."])
+    a, b = (d.embedding for d in r.data)
+    assert len(a) == 384 and abs(sum(x * y for x, y in zip(a, b)) - 0.7553) < 1e-3
+
+
+def test_a_model_larger_than_any_node_is_rejected_with_the_reason(orchard):
+    r = orchard["http"].post("/v1/chat/completions", json={"model": "huge", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert err["code"] == "model_too_large" and "64.0 GiB" in err["message"]
+    r = orchard["http"].post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_bad_body_is_a_400_in_openai_format(orchard):
+    r = orchard["http"].post("/v1/chat/completions", json={"model": "llama-10m", "messages": "not a list"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_pinned_model_is_never_evicted_and_the_reason_names_it(orchard):
+    http = orchard["http"]
+    assert http.post("/v1/models/smollm2-135m-instruct/pin").json()["pinned"] is True
+    try:
+        # the head is the only node that could hold a second large model; smollm2 is pinned there
+        r = http.post("/v1/models/whisper-tiny-en/load", json={"node": "head"})
+        assert r.status_code in (200, 503)
+        events = http.get("/v1/cluster/events").json()["data"]
+        assert not any(e["kind"] == "evicted" and e["model"] == "smollm2-135m-instruct" for e in events)
+    finally:
+        http.post("/v1/models/smollm2-135m-instruct/unpin")
+
+
+def test_explicit_load_unload_and_cluster_view(orchard):
+    http = orchard["http"]
+    r = http.post("/v1/models/bert-cross-encoder-random/load", json={"node": "mac-2"})
+    assert r.status_code == 200 and r.json()["node_id"] == "mac-2"
+    nodes = {n["node_id"]: n for n in http.get("/v1/cluster").json()["nodes"]}
+    assert {"head", "mac-1", "mac-2"} <= set(nodes)
+    assert any(i["model"] == "bert-cross-encoder-random" for i in nodes["mac-2"]["instances"])
+    assert nodes["mac-2"]["memory"]["usable_bytes"] == int(0.45 * 1024**3)
+    r = http.post("/v1/models/bert-cross-encoder-random/unload")
+    assert r.status_code == 200 and r.json()["unloaded_from"] == ["mac-2"]
+    kinds = [e["kind"] for e in http.get("/v1/cluster/events").json()["data"]]
+    assert "placed" in kinds and "loaded" in kinds and "unloaded" in kinds
+
+
+def test_filling_a_node_evicts(orchard):
+    http = orchard["http"]
+    # mac-1 (0.6 GiB) holds one of these two at a time next to nothing else
+    for model in ("whisper-tiny-en", "soprano-tiny-random", "whisper-tiny-en"):
+        r = http.post(f"/v1/models/{model}/load", json={"node": "mac-1"})
+        assert r.status_code == 200, r.text
+    events = http.get("/v1/cluster/events").json()["data"]
+    assert any(e["kind"] == "evicted" and e["node_id"] == "mac-1" for e in events)
+
+
+def test_a_dead_node_is_noticed_and_its_model_placed_again(orchard):
+    http = orchard["http"]
+    assert http.post("/v1/models/llama-10m/load", json={"node": "mac-2"}).status_code == 200
+    orchard["cluster"].remove_node(orchard["workers"]["mac-2"], allow_graceful=False)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        nodes = {n["node_id"]: n for n in http.get("/v1/cluster").json()["nodes"]}
+        if not nodes["mac-2"]["alive"]:
+            break
+        time.sleep(0.5)
+    assert not nodes["mac-2"]["alive"]
+    reply = orchard["client"].completions.create(model="llama-10m", prompt="Hello", max_tokens=5, temperature=0)
+    assert reply.usage.completion_tokens == 5
+    assert "mac-2" not in where(orchard, "llama-10m")
