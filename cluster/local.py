@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--timeout", type=float, default=120.0)
     sub.add_parser("stop")
     sub.add_parser("status")
+    sub.add_parser("address", help="print the address drivers connect to (RAY_ADDRESS)")
     a = ap.parse_args(argv)
     if a.cmd == "start":
         state = start(
@@ -409,6 +410,12 @@ def main(argv: list[str] | None = None) -> int:
         print(state["address"])
     elif a.cmd == "stop":
         stop(a.dir)
+    elif a.cmd == "address":
+        state = read_state(a.dir)
+        if state is None:
+            print("no local cluster is running", file=sys.stderr)
+            return 1
+        print(state["address"])
     else:
         for row in status(a.dir):
             labels = ",".join(f"{k}={v}" for k, v in sorted(row["labels"].items()))

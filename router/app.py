@@ -228,6 +228,9 @@ class Ingress:
         lease, failure = await self._lease(body.model)
         if failure is not None:
             return failure
+        if lease["kind"] != "embedding":
+            await self.residency.release.remote(lease["lease_id"])
+            return error(400, "model_not_supported", f"model {body.model} is a {lease['kind']} model, not an embedding model", "model")
         try:
             result = await self._actor(lease["model"], lease["node_id"]).embed.remote(body.texts(), body.dimensions)
         except Exception as e:

@@ -87,7 +87,7 @@ class ResidencyService:
             return error_dict(e)
         return lease.model_dump() | {"kind": self.controller.state.catalog[model].kind}
 
-    def release(self, lease_id: str) -> None:
+    async def release(self, lease_id: str) -> None:
         self.controller.release(lease_id)
 
     async def load(self, model: str, node_id: str | None = None) -> dict[str, Any]:
@@ -97,21 +97,21 @@ class ResidencyService:
             return error_dict(e)
         return {"model": ref.model, "node_id": ref.node_id, "status": "loaded"}
 
-    def unload(self, model: str) -> dict[str, Any]:
+    async def unload(self, model: str) -> dict[str, Any]:
         try:
             refs = self.controller.unload(model)
         except ControllerError as e:
             return error_dict(e)
         return {"model": model, "unloaded_from": [r.node_id for r in refs]}
 
-    def pin(self, model: str, pinned: bool) -> dict[str, Any]:
+    async def pin(self, model: str, pinned: bool) -> dict[str, Any]:
         try:
             spec = self.controller.pin(model, pinned)
         except ControllerError as e:
             return error_dict(e)
         return {"model": model, "pinned": spec.pinned}
 
-    def models(self) -> list[dict[str, Any]]:
+    async def models(self) -> list[dict[str, Any]]:
         """Every registry model with its residency: loaded / loading / available, where, bytes."""
         state = self.controller.state
         out = []
@@ -124,7 +124,7 @@ class ResidencyService:
             })
         return out
 
-    def cluster(self) -> dict[str, Any]:
+    async def cluster(self) -> dict[str, Any]:
         state = self.controller.state
         leases = self.controller.leases()
         return {
@@ -145,5 +145,5 @@ class ResidencyService:
             "policy": self.controller.config.model_dump(mode="json"),
         }
 
-    def events(self, since: int = 0) -> list[dict[str, Any]]:
+    async def events(self, since: int = 0) -> list[dict[str, Any]]:
         return [e.model_dump() for e in self.controller.events(since)]
