@@ -21,7 +21,7 @@ from cluster.placement import NAMESPACE, actor_name
 from deployments.model_server import HTTP_STATUS, unwrap
 from router import openai_protocol as oai
 from router.registry import from_manifest
-from router.residency_service import ResidencyService
+from router.residency_service import ON_HEAD, ResidencyService
 
 app = FastAPI(title="Orchard", description="Many MLX models, one OpenAI-compatible URL")
 
@@ -40,7 +40,7 @@ class Unavailable(Exception):
     """The instance died or stopped answering mid-request."""
 
 
-@serve.deployment(max_ongoing_requests=500, ray_actor_options={"num_cpus": 0})
+@serve.deployment(max_ongoing_requests=500, ray_actor_options=ON_HEAD)
 @serve.ingress(app)
 class Ingress:
     def __init__(self, residency, chunk_timeout_s: float = 60.0, api_keys: list[str] | None = None):

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from ray import serve
+from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 
 from cluster.node_agent import alive_nodes, collect_reports, ensure_agents
 from cluster.placement import PREFIX, find_model_servers
@@ -27,7 +28,11 @@ def error_dict(e: ControllerError) -> dict[str, Any]:
     return {"error": {"status": e.status, "code": e.code, "message": e.message, "retry_after_s": e.retry_after_s}}
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
+# On the head node: a worker node that dies must not take the cluster view with it.
+ON_HEAD = {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE_NAME: 0.001}}
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=10_000, ray_actor_options=ON_HEAD)
 class ResidencyService:
     async def __init__(self, models: list[dict], policy: dict, models_dir: str, watch_period_s: float = 1.0):
         catalog, entries = from_config(models, models_dir)

@@ -172,7 +172,7 @@ def test_a_dead_node_is_noticed_and_its_model_placed_again(orchard):
         if not nodes["mac-2"]["alive"]:
             break
         time.sleep(0.5)
-    assert not nodes["mac-2"]["alive"]
+    assert not nodes["mac-2"]["alive"] and nodes["mac-2"]["instances"] == []
     reply = orchard["client"].completions.create(model="llama-10m", prompt="Hello", max_tokens=5, temperature=0)
     assert reply.usage.completion_tokens == 5
     assert "mac-2" not in where(orchard, "llama-10m")
