@@ -2,11 +2,76 @@
 padded batches with an attention mask, so padding never changes a result and short inputs do not
 pay for long ones. Runs on the calling engine's worker thread."""
 
+import asyncio
+import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import numpy as np
+
+from deployments.engine import Engine, MemoryReport
+from deployments.manifest import safetensors_bytes
+from deployments.worker import MLXWorker
+
+
+class EncoderEngine(Engine):
+    """What the encoder engines (embeddings, rerank) share: a worker thread, a sequence-length limit
+    from the folder, batched forward passes, and no KV cache. Subclasses set `self.model` and
+    `self.tokenizer` in `_load_model` (on the worker)."""
+
+    def __init__(self, name: str, path: str, *, max_length: int | None = None, batch_size: int = 32):
+        super().__init__(name, path)
+        self._max_length = max_length
+        self.batch_size = batch_size
+        self.weight_bytes = 0
+        self._running = 0
+        self._worker: MLXWorker | None = None
+
+    async def _load(self) -> None:
+        self._worker = MLXWorker(self.name)
+        await self._worker.run(self._load_on_worker)
+
+    def _load_on_worker(self) -> None:
+        path = Path(self.path)
+        self._load_model(path)
+        config = json.loads((path / "config.json").read_text())
+        limits = [self._max_length, config.get("max_position_embeddings"), getattr(self.tokenizer, "model_max_length", None)]
+        st_config = path / "sentence_bert_config.json"
+        if st_config.exists():
+            limits.append(json.loads(st_config.read_text()).get("max_seq_length"))
+        self.max_length = int(min(x for x in limits if x))
+        self.weight_bytes = safetensors_bytes(path)
+
+    def _load_model(self, path: Path) -> None:
+        raise NotImplementedError
+
+    async def _run(self, fn: Callable, *args):
+        """fn(*args) on the worker, counted as a running request."""
+        self._running += 1
+        try:
+            return await self._worker.run(fn, *args)
+        finally:
+            self._running -= 1
+
+    async def _stop(self) -> None:
+        if self._worker is not None:
+            await self._worker.run(self._unload_on_worker)
+            await asyncio.to_thread(self._worker.shutdown)
+
+    def _unload_on_worker(self) -> None:
+        self.model = self.tokenizer = None
+        mx.clear_cache()
+
+    def running_requests(self) -> int:
+        return self._running
+
+    def memory(self) -> MemoryReport:
+        return MemoryReport(
+            weight_bytes=self.weight_bytes, active_bytes=mx.get_active_memory(),
+            peak_bytes=mx.get_peak_memory(), load_seconds=self._load_seconds,
+        )
 
 
 def padded_batches(

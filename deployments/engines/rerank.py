@@ -10,7 +10,6 @@ Two scoring modes, chosen by what the model folder is:
 Documents are tokenized once, sorted by length and run in padded batches with an attention mask,
 so padding never changes a score. Every MLX and tokenizer call runs on the engine's worker."""
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Literal
@@ -21,10 +20,8 @@ import mlx.nn as nn
 import numpy as np
 from pydantic import Field
 
-from deployments.engine import Engine, Frozen, MemoryReport, RequestError
-from deployments.engines.encoder import mean_pooled_embeddings, run_batches
-from deployments.manifest import safetensors_bytes
-from deployments.worker import MLXWorker
+from deployments.engine import Frozen, RequestError
+from deployments.engines.encoder import EncoderEngine, mean_pooled_embeddings, run_batches
 
 Mode = Literal["cross-encoder", "bi-encoder"]
 
@@ -79,74 +76,34 @@ def scoring_mode(path: str | Path) -> Mode:
     raise ValueError(f"{path} is neither a cross-encoder nor a mean-pooling sentence-embedding model")
 
 
-class RerankEngine(Engine):
+class RerankEngine(EncoderEngine):
     kind = "rerank"
 
     def __init__(self, name: str, path: str, *, max_documents: int = 1000, max_length: int | None = None, batch_size: int = 32):
-        super().__init__(name, path)
+        super().__init__(name, path, max_length=max_length, batch_size=batch_size)
         self.max_documents = max_documents
-        self._max_length = max_length
-        self.batch_size = batch_size
-        self._worker: MLXWorker | None = None
-        self._running = 0
-        self.weight_bytes = 0
 
-    async def _load(self) -> None:
-        self._worker = MLXWorker(self.name)
-        await self._worker.run(self._load_on_worker)
-
-    def _load_on_worker(self) -> None:
+    def _load_model(self, path: Path) -> None:
         from mlx_embeddings.models import bert
         from mlx_embeddings.tokenizer_utils import load_tokenizer
-        from mlx_embeddings.utils import load, load_config, load_model
+        from mlx_embeddings.utils import load, load_model
 
-        path = Path(self.path)
         self.mode = scoring_mode(path)
-        config = load_config(path)
         if self.mode == "cross-encoder":
             self.model = load_model(path, get_model_classes=lambda config: (CrossEncoder, bert.ModelArgs, None, None))
             self.tokenizer = load_tokenizer(path)
         else:
             self.model, self.tokenizer = load(str(path))
-        limits = [self._max_length, config.get("max_position_embeddings"), self.tokenizer.model_max_length]
-        st_config = path / "sentence_bert_config.json"
-        if st_config.exists():
-            limits.append(json.loads(st_config.read_text()).get("max_seq_length"))
-        self.max_length = int(min(x for x in limits if x))
-        self.weight_bytes = safetensors_bytes(path)
-
-    async def _stop(self) -> None:
-        if self._worker is not None:
-            await self._worker.run(self._unload_on_worker)
-            await asyncio.to_thread(self._worker.shutdown)
-
-    def _unload_on_worker(self) -> None:
-        self.model = self.tokenizer = None
-        mx.clear_cache()
-
-    def running_requests(self) -> int:
-        return self._running
-
-    def memory(self) -> MemoryReport:
-        return MemoryReport(
-            weight_bytes=self.weight_bytes,
-            active_bytes=mx.get_active_memory(),
-            peak_bytes=mx.get_peak_memory(),
-            load_seconds=self._load_seconds,
-        )
 
     async def rerank(self, query: str, documents: list[str], *, top_n: int | None = None) -> RerankResult:
         self._check_ready()
         self._validate(query, documents, top_n)
-        self._running += 1
         try:
-            scores, tokens = await self._worker.run(self._score, query, list(documents))
+            scores, tokens = await self._run(self._score, query, list(documents))
         except RequestError:
             raise
         except Exception as e:  # one bad request must not take the engine down
             raise RequestError("internal", f"rerank failed: {type(e).__name__}: {e}") from e
-        finally:
-            self._running -= 1
         order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: top_n or len(scores)]
         return RerankResult(
             model=self.name,
