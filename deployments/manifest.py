@@ -15,12 +15,18 @@ MANIFEST_NAME = "manifest.json"
 class ManifestEntry(Frozen):
     name: str
     kind: ModelKind
-    path: str  # relative to the models folder
+    path: str  # relative to the models folder (or absolute); a Hugging Face repo id when `hub`
+    hub: bool = False  # loaded by repo id through the same loaders (a Mac with hub access)
     weight_bytes: int = Field(ge=0)  # sum of the *.safetensors sizes (== MLX active memory once loaded)
     kv_bytes_per_token: int = Field(default=0, ge=0)
     weights: Literal["real", "random"]
     architecture: str
     source: str  # where the weights came from
+
+
+def model_location(entry: ManifestEntry, models_dir: str | Path) -> str:
+    """What the loaders get: the repo id of a hub model, else the folder on this node."""
+    return entry.path if entry.hub else str(Path(models_dir) / entry.path)
 
 
 class Manifest(Frozen):

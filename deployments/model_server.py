@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from deployments.engine import RequestError
-from deployments.manifest import ManifestEntry
+from deployments.manifest import ManifestEntry, model_location
 
 # HTTP status per code, for the router (OpenAI's error body carries `code`, `message`, `param`).
 HTTP_STATUS = {
@@ -187,7 +187,7 @@ class ModelServer:
         self.entry = entry if isinstance(entry, ManifestEntry) else ManifestEntry.model_validate(entry)
         self.models_dir = models_dir
         self.node_id = node_id
-        self.path = Path(models_dir) / self.entry.path
+        self.path = Path(model_location(self.entry, models_dir))
         self.coalesce_tokens = coalesce_tokens
         self.coalesce_ms = coalesce_ms
         self.engine = open_engine(self.entry, Path(models_dir), **(engine_options or {}))
@@ -205,7 +205,7 @@ class ModelServer:
         async with self._load_lock:
             if self.engine.health().status == "ready":
                 return self.memory()
-            if not self.path.is_dir():
+            if not self.entry.hub and not self.path.is_dir():
                 raise FileNotFoundError(
                     errno.ENOENT, f"model folder of {self.entry.name} not found on node {self.node_id}", str(self.path)
                 )

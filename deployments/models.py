@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 from deployments.engine import Engine
-from deployments.manifest import Manifest, ManifestEntry, read_manifest, write_manifest
+from deployments.manifest import Manifest, ManifestEntry, model_location, read_manifest, write_manifest
 
 BUILDERS = (
     "llama_tiny",
@@ -60,7 +60,7 @@ def open_engine(entry: ManifestEntry, models_dir: Path, **options) -> Engine:
     from deployments.engines.vlm import VLMEngine
 
     classes = {"llm": LLMEngine, "vlm": VLMEngine, "embedding": EmbeddingEngine, "rerank": RerankEngine, "stt": STTEngine, "tts": TTSEngine}
-    return classes[entry.kind](entry.name, str(Path(models_dir) / entry.path), **options)
+    return classes[entry.kind](entry.name, model_location(entry, models_dir), **options)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ class RegistryModel(Frozen):
     name: str
     kind: ModelKind
     path: str | None = None  # default: the name, under models_dir
+    hub_id: str | None = None  # e.g. mlx-community/Qwen2.5-7B-Instruct-4bit: loaded by id (give weight_bytes)
     weight_bytes: ByteSize | None = None
     kv_bytes_per_token: ByteSize | None = None
     policy: dict = Field(default_factory=dict)
@@ -40,18 +41,22 @@ def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, M
         model = RegistryModel(**raw, policy=policy)
         if model.name in catalog:
             raise ValueError(f"model {model.name!r} is listed twice")
+        if model.hub_id and model.path:
+            raise ValueError(f"model {model.name}: give path or hub_id, not both")
         folder = Path(model.path) if model.path and Path(model.path).is_absolute() else models_dir / (model.path or model.name)
         weight, kv = model.weight_bytes, model.kv_bytes_per_token
-        if (weight is None or kv is None) and folder.is_dir():
+        if (weight is None or kv is None) and not model.hub_id and folder.is_dir():
             size = estimate(folder, model.kind)
             weight = size.weight_bytes if weight is None else weight
             kv = size.kv_bytes_per_token if kv is None else kv
         if weight is None:
-            raise ValueError(f"model {model.name}: no weight_bytes given and no folder at {folder} to measure")
+            where = f"hub model {model.hub_id}" if model.hub_id else f"no folder at {folder} to measure"
+            raise ValueError(f"model {model.name}: no weight_bytes given ({where})")
         catalog[model.name] = ModelSpec(name=model.name, kind=model.kind, weight_bytes=weight, kv_bytes_per_token=kv or 0, **model.policy)
         entries[model.name] = ManifestEntry(
-            name=model.name, kind=model.kind, path=str(folder), weight_bytes=int(weight), kv_bytes_per_token=int(kv or 0),
-            weights="real", architecture="unknown", source=str(folder),
+            name=model.name, kind=model.kind, path=model.hub_id or str(folder), hub=model.hub_id is not None,
+            weight_bytes=int(weight), kv_bytes_per_token=int(kv or 0), weights="real", architecture="unknown",
+            source=model.hub_id or str(folder),
         )
     return catalog, entries
 

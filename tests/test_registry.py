@@ -30,3 +30,16 @@ def test_bad_entries_are_refused(models_dir, tmp_path):
         from_config([{"name": "nowhere", "kind": "llm"}], tmp_path)
     with pytest.raises(ValidationError):
         from_config([{"name": "a", "kind": "llm", "weight_bytes": "1GiB", "pinnned": True}], models_dir)
+
+
+def test_hub_models_are_loaded_by_id(models_dir):
+    from deployments.manifest import model_location
+    from deployments.models import open_engine
+
+    catalog, entries = from_config([{"name": "qwen", "kind": "llm", "hub_id": "mlx-community/Qwen2.5-7B-Instruct-4bit", "weight_bytes": "4.3GiB", "kv_bytes_per_token": "56KiB"}], models_dir)
+    entry = entries["qwen"]
+    assert entry.hub and model_location(entry, models_dir) == "mlx-community/Qwen2.5-7B-Instruct-4bit"
+    assert open_engine(entry, models_dir).path == "mlx-community/Qwen2.5-7B-Instruct-4bit"  # mlx_lm.load gets the id
+    assert catalog["qwen"].kv_bytes_per_token == 56 * 1024
+    with pytest.raises(ValueError, match="hub model"):
+        from_config([{"name": "q", "kind": "llm", "hub_id": "org/x"}], models_dir)
