@@ -9,7 +9,6 @@ frozen node from hanging a stream."""
 import asyncio
 import hmac
 from pathlib import Path
-from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
@@ -47,7 +46,6 @@ class Ingress:
         self.residency = residency
         self.chunk_timeout_s = chunk_timeout_s
         self.api_keys = [k.encode() for k in api_keys or []]
-        self._actors: dict[str, Any] = {}
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
@@ -70,12 +68,11 @@ class Ingress:
         except oai.ProtocolError as e:
             return None, JSONResponse(e.body(), status_code=e.status)
 
-    def _actor(self, model: str, node_id: str):
-        name = actor_name(model, node_id)
-        handle = self._actors.get(name)
-        if handle is None:
-            handle = self._actors[name] = ray.get_actor(name, namespace=NAMESPACE)
-        return handle
+    @staticmethod
+    def _actor(model: str, node_id: str):
+        """Looked up per request, not cached: an evicted model placed again on the same node is a
+        new actor under the same name, and a cached handle would point at the dead one."""
+        return ray.get_actor(actor_name(model, node_id), namespace=NAMESPACE)
 
     async def _lease(self, model: str) -> tuple[dict | None, JSONResponse | None]:
         lease = await self.residency.acquire.remote(model)
@@ -104,7 +101,6 @@ class Ingress:
                     finished = True
                     return
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            self._actors.pop(actor_name(lease["model"], lease["node_id"]), None)
             raise Unavailable(f"model {lease['model']} on {lease['node_id']} is unavailable: {type(e).__name__}") from e
         finally:
             if stream is not None and not finished:

@@ -160,6 +160,12 @@ def test_filling_a_node_evicts(orchard):
     events = http.get("/v1/cluster/events").json()["data"]
     assert any(e["kind"] == "evicted" and e["model"] == "whisper-tiny-en" and e["node_id"] == "mac-1" for e in events)
     assert where(orchard, "whisper-tiny-en") == []
+    # llama-big answers, is evicted by whisper, and answers again from a new actor of the same name
+    client = orchard["client"]
+    assert client.completions.create(model="llama-big", prompt="Hi", max_tokens=3, temperature=0).usage.completion_tokens == 3
+    assert http.post("/v1/models/whisper-tiny-en/load", json={"node": "mac-1"}).status_code == 200
+    assert where(orchard, "llama-big") == []
+    assert client.completions.create(model="llama-big", prompt="Hi", max_tokens=3, temperature=0).usage.completion_tokens == 3
 
 
 def test_a_dead_node_is_noticed_and_its_model_placed_again(orchard):
