@@ -8,6 +8,7 @@ frozen node from hanging a stream."""
 
 import asyncio
 import hmac
+import time
 from pathlib import Path
 
 import ray
@@ -18,6 +19,7 @@ from ray import serve
 
 from cluster.placement import NAMESPACE, actor_name
 from deployments.model_server import HTTP_STATUS, unwrap
+from router import metrics
 from router import openai_protocol as oai
 from router.registry import from_manifest
 from router.residency_service import ON_HEAD, ResidencyService
@@ -46,6 +48,7 @@ class Ingress:
         self.residency = residency
         self.chunk_timeout_s = chunk_timeout_s
         self.api_keys = [k.encode() for k in api_keys or []]
+        self._releases: set[asyncio.Task] = set()
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
@@ -67,6 +70,16 @@ class Ingress:
             return None, JSONResponse(oai.validation_error_body(e), status_code=400)
         except oai.ProtocolError as e:
             return None, JSONResponse(e.body(), status_code=e.status)
+
+    def _release(self, lease_id: str) -> None:
+        """End a lease in a task of its own: a client that disconnects cancels the request's task,
+        and a release awaited there would be cancelled with it and leak the lease."""
+        task = asyncio.get_running_loop().create_task(self._send_release(lease_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _send_release(self, lease_id: str) -> None:
+        await self.residency.release.remote(lease_id)
 
     @staticmethod
     def _actor(model: str, node_id: str):
@@ -105,7 +118,7 @@ class Ingress:
         finally:
             if stream is not None and not finished:
                 ray.cancel(stream)
-            await self.residency.release.remote(lease["lease_id"])
+            self._release(lease["lease_id"])
 
     # ---- models and cluster --------------------------------------------------------------------
     @app.get("/v1/models")
@@ -171,8 +184,9 @@ class Ingress:
             if chat and lease["kind"] == "llm" and body.has_images():
                 raise oai.ProtocolError(400, "unsupported_content", f"model {body.model} takes no images", "messages")
         except oai.ProtocolError as e:
-            await self.residency.release.remote(lease["lease_id"])
+            self._release(lease["lease_id"])
             return JSONResponse(e.body(), status_code=e.status)
+        started = time.monotonic()
         request_id = oai.new_request_id("chat" if chat else "completion")
         created = oai.now()
         deltas = self._deltas(lease, generation)
@@ -189,30 +203,36 @@ class Ingress:
             encoder = oai.StreamEncoder(
                 "chat" if chat else "completion", body.model, request_id, created, include_usage=body.include_usage, statuses=HTTP_STATUS
             )
-            return StreamingResponse(self._sse(first, deltas, encoder), media_type="text/event-stream")
+            ttft_s = time.monotonic() - started
+            return StreamingResponse(self._sse(first, deltas, encoder, body.model, ttft_s), media_type="text/event-stream")
+        ttft_s = time.monotonic() - started
         collected = [first]
         try:
             async for delta in deltas:
                 collected.append(delta)
         except Unavailable as e:
             return error(503, "model_unavailable", str(e), retry_after_s=1)
+        metrics.on_request(body.model, ttft_s, sum(len(d.get("token_ids") or ()) for d in collected))
         respond = oai.chat_completion_response if chat else oai.completion_response
         try:
             return respond(body.model, request_id, created, oai.join_deltas(collected), statuses=HTTP_STATUS)
         except oai.ProtocolError as e:
             return JSONResponse(e.body(), status_code=e.status)
 
-    async def _sse(self, first: dict, deltas, encoder: "oai.StreamEncoder"):
+    async def _sse(self, first: dict, deltas, encoder: "oai.StreamEncoder", model: str, ttft_s: float):
         """SSE bytes; closing this generator (client gone) closes `deltas`, which cancels the
         generation and releases the lease."""
+        tokens = len(first.get("token_ids") or ())
         try:
             yield encoder.feed(first)
             async for delta in deltas:
+                tokens += len(delta.get("token_ids") or ())
                 yield encoder.feed(delta)
         except Unavailable as e:
             yield encoder.error("model_unavailable", str(e), status=503)
         finally:
             await deltas.aclose()
+            metrics.on_request(model, ttft_s, tokens)
         yield encoder.close()
 
     # ---- embeddings ----------------------------------------------------------------------------
@@ -225,7 +245,7 @@ class Ingress:
         if failure is not None:
             return failure
         if lease["kind"] != "embedding":
-            await self.residency.release.remote(lease["lease_id"])
+            self._release(lease["lease_id"])
             return error(400, "model_not_supported", f"model {body.model} is a {lease['kind']} model, not an embedding model", "model")
         try:
             result = await self._actor(lease["model"], lease["node_id"]).embed.remote(body.texts(), body.dimensions)
@@ -233,7 +253,7 @@ class Ingress:
             failure = unwrap(e)
             return error(failure.status, failure.code, failure.message, failure.param)
         finally:
-            await self.residency.release.remote(lease["lease_id"])
+            self._release(lease["lease_id"])
         return oai.embedding_response(body.model, result["vectors"], result["prompt_tokens"], body.encoding_format)
 
 

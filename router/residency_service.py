@@ -17,6 +17,7 @@ from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 from cluster.node_agent import alive_nodes, collect_reports, ensure_agents
 from cluster.placement import PREFIX, find_model_servers
 from policy import PolicyConfig
+from router import metrics
 from router.controller import ControllerError, ResidencyController
 from router.ray_effects import RayEffects
 from router.registry import from_config
@@ -37,6 +38,7 @@ class ResidencyService:
     async def __init__(self, models: list[dict], policy: dict, models_dir: str, watch_period_s: float = 1.0):
         catalog, entries = from_config(models, models_dir)
         self.effects = RayEffects(entries, models_dir)
+        self.effects.listeners.append(metrics.on_event)
         self.controller = ResidencyController(catalog, PolicyConfig.model_validate(policy), self.effects)
         self.watch_period_s = watch_period_s
         await self._observe_nodes()
@@ -50,6 +52,7 @@ class ResidencyService:
             try:
                 await self._observe_nodes()
                 self.controller.tick()
+                metrics.on_nodes(self.controller.state.nodes)
             except Exception:  # a failed round must not end the watcher
                 log.exception("node watch round failed")
 

@@ -168,6 +168,39 @@ def test_filling_a_node_evicts(orchard):
     assert client.completions.create(model="llama-big", prompt="Hi", max_tokens=3, temperature=0).usage.completion_tokens == 3
 
 
+def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard):
+    http = orchard["http"]
+    body = {"model": "llama-10m", "prompt": "Go on", "max_tokens": 3000, "temperature": 0, "stream": True}
+    with requests.post(http.base + "/v1/completions", json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    node = where(orchard, "llama-10m")[0]
+    server = ray.get_actor(f"orchard:llama-10m@{node}", namespace="orchard")
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        running = ray.get(server.health.remote())["running_requests"]
+        instances = {i["model"]: i for n in http.get("/v1/cluster").json()["nodes"] for i in n["instances"]}
+        if running == 0 and instances["llama-10m"]["leases"] == 0:
+            break
+        time.sleep(0.3)
+    assert running == 0 and instances["llama-10m"]["leases"] == 0 and instances["llama-10m"]["in_flight"] == 0
+
+
+def test_metrics_are_exported_by_ray(orchard):
+    head = next(n for n in ray.nodes() if n["Alive"] and n["Labels"].get("orchard.node") == "head")
+    url = f"http://{head['NodeManagerAddress']}:{head['MetricsExportPort']}/metrics"
+    deadline = time.time() + 40
+    text = ""
+    while time.time() < deadline:
+        text = requests.get(url, timeout=10).text
+        if "ray_orchard_loads_total" in text and "ray_orchard_node_headroom_bytes" in text and "ray_orchard_ttft_seconds" in text:
+            break
+        time.sleep(2)
+    assert "ray_orchard_loads_total" in text and "ray_orchard_node_headroom_bytes" in text and "ray_orchard_ttft_seconds" in text
+
+
 def test_a_dead_node_is_noticed_and_its_model_placed_again(orchard):
     http = orchard["http"]
     assert http.post("/v1/models/llama-10m/load", json={"node": "mac-2"}).status_code == 200

@@ -1,0 +1,71 @@
+"""Orchard's Ray metrics (ray.util.metrics): exported per node with a `ray_` prefix at the node's
+metrics port, and shown by the Ray dashboard's Metrics page when Prometheus/Grafana are attached.
+
+The residency service feeds placement events and node readings; the ingress feeds request
+latency and tokens. Metric objects are created lazily, in the process that uses them."""
+
+from functools import cache
+
+from ray.util import metrics
+
+from router.controller import ClusterEvent
+
+MODEL_NODE = ("model", "node")
+
+
+@cache
+def _m():
+    return {
+        "instances": metrics.Gauge("orchard_instances_loaded", "Model instances on a node", tag_keys=("node",)),
+        "headroom": metrics.Gauge("orchard_node_headroom_bytes", "Free memory Orchard may still use on a node", tag_keys=("node",)),
+        "usable": metrics.Gauge("orchard_node_usable_bytes", "Memory Orchard may use on a node", tag_keys=("node",)),
+        "loads": metrics.Counter("orchard_loads_total", "Model instances loaded", tag_keys=MODEL_NODE),
+        "load_failures": metrics.Counter("orchard_load_failures_total", "Loads that failed", tag_keys=MODEL_NODE),
+        "evictions": metrics.Counter("orchard_evictions_total", "Instances evicted to make room", tag_keys=MODEL_NODE),
+        "unloads": metrics.Counter("orchard_unloads_total", "Instances unloaded (idle, operator, node death)", tag_keys=MODEL_NODE),
+        "rejections": metrics.Counter("orchard_rejections_total", "Requests the policy could not place", tag_keys=("model",)),
+        "load_seconds": metrics.Histogram(
+            "orchard_load_seconds", "Seconds to load a model instance", boundaries=[0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300], tag_keys=("model",)
+        ),
+        "ttft": metrics.Histogram(
+            "orchard_ttft_seconds", "Request to first token, through the ingress", boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30], tag_keys=("model",)
+        ),
+        "tokens": metrics.Counter("orchard_generated_tokens_total", "Completion tokens streamed", tag_keys=("model",)),
+    }
+
+
+def on_event(event: ClusterEvent) -> None:
+    """Count placement events (RayEffects publishes every controller event here)."""
+    m = _m()
+    tags = {"model": event.model or "", "node": event.node_id or ""}
+    if event.kind == "loaded":
+        m["loads"].inc(tags=tags)
+        if event.seconds is not None:
+            m["load_seconds"].observe(event.seconds, tags={"model": tags["model"]})
+    elif event.kind == "load_failed":
+        m["load_failures"].inc(tags=tags)
+    elif event.kind == "evicted":
+        m["evictions"].inc(tags=tags)
+    elif event.kind == "unloaded":
+        m["unloads"].inc(tags=tags)
+    elif event.kind == "rejected":
+        m["rejections"].inc(tags={"model": tags["model"]})
+
+
+def on_nodes(nodes) -> None:
+    """Gauges from the controller's node view (policy NodeStates)."""
+    m = _m()
+    for n in nodes:
+        tags = {"node": n.node_id}
+        m["instances"].set(len(n.instances) if n.alive else 0, tags=tags)
+        m["usable"].set(n.usable_bytes if n.alive else 0, tags=tags)
+        if n.reported_headroom_bytes is not None:
+            m["headroom"].set(max(0, n.reported_headroom_bytes) if n.alive else 0, tags=tags)
+
+
+def on_request(model: str, ttft_s: float | None, tokens: int) -> None:
+    m = _m()
+    if ttft_s is not None:
+        m["ttft"].observe(ttft_s, tags={"model": model})
+    if tokens:
+        m["tokens"].inc(tokens, tags={"model": model})
