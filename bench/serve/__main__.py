@@ -1,0 +1,172 @@
+"""`python -m bench.serve`: the full path (HTTP -> Serve ingress -> model-server actor) against the
+same engine in-process: aggregate decode tok/s at several concurrencies, time to first token on an
+idle cluster, and first token of a model not yet loaded against its raw load time. A one-node Ray
+cluster with room for every model, so nothing is evicted. Prints a table, writes JSON (Markdown with
+--markdown)."""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import ray  # noqa: E402
+import requests  # noqa: E402
+from openai import AsyncOpenAI  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from deployments.engines.llm import GenerationRequest, LLMEngine  # noqa: E402
+from deployments.models import prepare  # noqa: E402
+from router.app import build_app  # noqa: E402
+from router.registry import from_manifest  # noqa: E402
+
+TOPICS = ["the sea", "a city at night", "bread", "mountains", "a small robot", "rain", "music", "the moon"]
+
+
+def messages(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]} (number {i})."}]
+
+
+async def through_http(client: AsyncOpenAI, model: str, n: int, max_tokens: int) -> tuple[int, float, list[float]]:
+    async def one(i: int) -> tuple[int, float]:
+        started = time.perf_counter()
+        first = None
+        tokens = 0
+        stream = await client.chat.completions.create(
+            model=model, messages=messages(i), max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+        async for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - started
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return tokens, first or 0.0
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(i) for i in range(n)))
+    return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
+
+
+async def in_process(engine: LLMEngine, n: int, max_tokens: int) -> tuple[int, float, list[float]]:
+    async def one(i: int) -> tuple[int, float]:
+        started = time.perf_counter()
+        first, tokens = None, 0
+        async for d in engine.generate(GenerationRequest(messages=messages(i), max_tokens=max_tokens, temperature=0)):
+            if first is None and d.text:
+                first = time.perf_counter() - started
+            if d.usage:
+                tokens = d.usage.completion_tokens
+        return tokens, first or 0.0
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(i) for i in range(n)))
+    return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models-dir", default="models")
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--json", default="bench/results/serve.json")
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args()
+    models_dir = Path(args.models_dir).resolve()
+    prepare(models_dir, {"llama-10m", "smollm2-135m-instruct"}, log=lambda *_: None)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "labels": {"orchard.node": "head", "orchard.budget_gib": "8"}, "include_dashboard": False, "object_store_memory": 80 << 20})
+    ray.init(address=cluster.address, log_to_driver=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    overrides = {"llama-10m": {"reserve_context_tokens": 1024, "reserve_concurrency": 64}, "smollm2-135m-instruct": {"reserve_context_tokens": 512, "reserve_concurrency": 64}}
+    registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in overrides]
+    policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
+    serve.run(build_app({"models_dir": str(models_dir), "models": registry, "policy": policy}), name="orchard", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    rows, ttft, cold = [], [], []
+    for model, max_tokens in (("llama-10m", 128), ("smollm2-135m-instruct", 48)):
+        engine = LLMEngine(model, str(models_dir / model), max_batch=64)  # as served: prefix reuse on
+        load_started = time.perf_counter()
+        asyncio.run(engine.load())
+        raw_load_s = time.perf_counter() - load_started
+        # cold: the first request of a model that is not loaded yet, through HTTP
+        started = time.perf_counter()
+        requests.post(f"{base}/v1/chat/completions", json={"model": model, "messages": messages(0), "max_tokens": 1, "temperature": 0}, timeout=600).raise_for_status()
+        cold.append({"model": model, "first_token_cold_s": round(time.perf_counter() - started, 3), "raw_load_s": round(raw_load_s, 3)})
+
+        async def measure() -> None:
+            client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=600)
+            await through_http(client, model, 2, 4)  # warm-up
+            await in_process(engine, 2, 4)
+            http_f, engine_f = [], []
+            for i in range(20):  # idle-cluster TTFT, one request at a time
+                _, _, f = await through_http(client, model, 1, 2)
+                http_f += f
+                _, _, f = await in_process(engine, 1, 2)
+                engine_f += f
+            ttft.append({
+                "model": model, "http_p50_ms": round(1000 * statistics.median(http_f), 1), "http_p95_ms": round(1000 * pct(http_f, 0.95), 1),
+                "engine_p50_ms": round(1000 * statistics.median(engine_f), 1), "engine_p95_ms": round(1000 * pct(engine_f, 0.95), 1),
+            })
+            for c in concurrencies:
+                h_tokens, h_s, _ = await through_http(client, model, c, max_tokens)
+                e_tokens, e_s, _ = await in_process(engine, c, max_tokens)
+                row = {"model": model, "concurrency": c, "http_tok_s": round(h_tokens / h_s, 1), "engine_tok_s": round(e_tokens / e_s, 1)}
+                row["ratio"] = round(row["http_tok_s"] / row["engine_tok_s"], 3)
+                print(f"| {model} | {c} | {row['engine_tok_s']} | {row['http_tok_s']} | {row['ratio']:.2f} |", flush=True)
+                rows.append(row)
+
+        asyncio.run(measure())
+        asyncio.run(engine.stop())
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+    result = {"throughput": rows, "ttft": ttft, "cold_start": cold, "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()}}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    text = render(result)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(HEAD + text)
+        print(f"wrote {args.markdown}")
+
+
+def render(r: dict) -> str:
+    lines = ["| model | concurrency | engine in-process tok/s | through HTTP tok/s | ratio |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {x['model']} | {x['concurrency']} | {x['engine_tok_s']} | {x['http_tok_s']} | {x['ratio']:.2f} |" for x in r["throughput"]]
+    lines += ["", "| model | TTFT HTTP p50 / p95 ms | TTFT engine p50 / p95 ms |", "|---|---:|---:|"]
+    lines += [f"| {x['model']} | {x['http_p50_ms']} / {x['http_p95_ms']} | {x['engine_p50_ms']} / {x['engine_p95_ms']} |" for x in r["ttft"]]
+    lines += ["", "| model | first token, model not loaded (s) | raw load in-process (s) |", "|---|---:|---:|"]
+    lines += [f"| {x['model']} | {x['first_token_cold_s']} | {x['raw_load_s']} |" for x in r["cold_start"]]
+    return "\n".join(lines) + "\n"
+
+
+HEAD = """# Serving path benchmark
+
+Produced by `make bench-serve` (`python -m bench.serve --markdown docs/serve-benchmark.md`); JSON in
+`bench/results/serve.json`. One Ray node on this 2-core Linux machine (CPU MLX, OpenBLAS), the Serve
+app of ray-config.yaml's shape, the official openai client (async, streaming, greedy, every request
+the same max_tokens: 128 for the 10M llama, 48 for SmolLM2). "engine in-process" is the same
+LLMEngine driven in the benchmark process with the same requests and settings (prefix reuse on, as
+served): the ceiling for the path. The client, the ingress, the Serve proxy and the model actor all
+share the same 2 cores, so the figures are single runs with some noise.
+
+"""
+
+if __name__ == "__main__":
+    main()
