@@ -24,6 +24,7 @@ class RayEffects:
         *,
         load_timeout_s: float = 600.0,
         drain_timeout_s: float = 30.0,
+        server_options: dict | None = None,
     ):
         self.entries = entries
         self.models_dir = models_dir
@@ -31,6 +32,7 @@ class RayEffects:
         self.load_timeout_s = load_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.listeners: list = []
+        self.server_options = server_options or {}  # ModelServer options (coalescing)
 
     def now(self) -> float:
         return time.monotonic()
@@ -39,7 +41,7 @@ class RayEffects:
         ray_node_id = self.ray_node_ids.get(place.node_id)
         if ray_node_id is None:
             raise LoadError("error", f"node {place.node_id} is not known to Ray")
-        options = {}
+        options = dict(self.server_options)
         if spec.kind == "llm":
             options["engine_options"] = {
                 "reserve_context_tokens": spec.reserve_context_tokens,

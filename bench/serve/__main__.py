@@ -80,6 +80,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models-dir", default="models")
     parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--models", default="llama-10m,smollm2-135m-instruct")
+    parser.add_argument("--coalesce-tokens", type=int, default=8)
+    parser.add_argument("--coalesce-ms", type=float, default=50.0)
     parser.add_argument("--json", default="bench/results/serve.json")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -96,10 +99,13 @@ def main() -> None:
     overrides = {"llama-10m": {"reserve_context_tokens": 1024, "reserve_concurrency": 64}, "smollm2-135m-instruct": {"reserve_context_tokens": 512, "reserve_concurrency": 64}}
     registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in overrides]
     policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
-    serve.run(build_app({"models_dir": str(models_dir), "models": registry, "policy": policy}), name="orchard", route_prefix="/")
+    app_args = {"models_dir": str(models_dir), "models": registry, "policy": policy, "coalesce_tokens": args.coalesce_tokens, "coalesce_ms": args.coalesce_ms}
+    serve.run(build_app(app_args), name="orchard", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     rows, ttft, cold = [], [], []
-    for model, max_tokens in (("llama-10m", 128), ("smollm2-135m-instruct", 48)):
+    max_tokens_of = {"llama-10m": 128, "smollm2-135m-instruct": 48}
+    for model in args.models.split(","):
+        max_tokens = max_tokens_of[model]
         engine = LLMEngine(model, str(models_dir / model), max_batch=64)  # as served: prefix reuse on
         load_started = time.perf_counter()
         asyncio.run(engine.load())
@@ -136,7 +142,7 @@ def main() -> None:
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
-    result = {"throughput": rows, "ttft": ttft, "cold_start": cold, "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()}}
+    result = {"coalesce": {"tokens": args.coalesce_tokens, "ms": args.coalesce_ms}, "throughput": rows, "ttft": ttft, "cold_start": cold, "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     text = render(result)
@@ -161,7 +167,8 @@ HEAD = """# Serving path benchmark
 Produced by `make bench-serve` (`python -m bench.serve --markdown docs/serve-benchmark.md`); JSON in
 `bench/results/serve.json`. One Ray node on this 2-core Linux machine (CPU MLX, OpenBLAS), the Serve
 app of ray-config.yaml's shape, the official openai client (async, streaming, greedy, every request
-the same max_tokens: 128 for the 10M llama, 48 for SmolLM2). "engine in-process" is the same
+the same max_tokens: 128 for the 10M llama, 48 for SmolLM2; model servers coalesce deltas into one
+Ray item per 8 tokens or 50 ms after the first). "engine in-process" is the same
 LLMEngine driven in the benchmark process with the same requests and settings (prefix reuse on, as
 served): the ceiling for the path. The client, the ingress, the Serve proxy and the model actor all
 share the same 2 cores, so the figures are single runs with some noise.
