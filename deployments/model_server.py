@@ -17,21 +17,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from deployments.engine import RequestError
+from deployments.engine import HTTP_STATUS, RequestError
 from deployments.manifest import ManifestEntry, model_location
-
-# HTTP status per code, for the router (OpenAI's error body carries `code`, `message`, `param`).
-HTTP_STATUS = {
-    "invalid_request": 400,
-    "context_length_exceeded": 400,
-    "unsupported": 400,
-    "not_found": 404,
-    "cancelled": 499,
-    "internal": 500,
-    "engine_stopped": 503,
-    "load_failed": 503,
-    "unavailable": 503,
-}
 
 # Which method serves which kind, and the words an error message uses for it.
 _SERVES = {

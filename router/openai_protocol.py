@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from deployments.engine import HTTP_STATUS
+
 if TYPE_CHECKING:  # the engine module imports MLX; the router must not need it to parse requests
     from deployments.engines.llm import GenerationRequest
 
@@ -39,19 +41,9 @@ MIN_LOGPROB = -9999.0  # what OpenAI reports for a token of (near) zero probabil
 
 SSE_DONE = b"data: [DONE]\n\n"
 
-# The status of each engine / model-server error code. A copy of deployments.model_server.HTTP_STATUS
-# (importing that module would pull in the deployments package); a test keeps the two equal.
-ENGINE_STATUS: dict[str, int] = {
-    "invalid_request": 400,
-    "context_length_exceeded": 400,
-    "unsupported": 400,
-    "not_found": 404,
-    "cancelled": 499,
-    "internal": 500,
-    "engine_stopped": 503,
-    "load_failed": 503,
-    "unavailable": 503,
-}
+# The status of each engine / model-server error code: the one table, from deployments/engine.py
+# (pydantic only: no MLX, no Ray).
+ENGINE_STATUS = HTTP_STATUS
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -733,7 +725,7 @@ def _status(code: str | None, statuses: Mapping[str, int] | None) -> int:
 
 def error_from_delta(delta: Any, statuses: Mapping[str, int] | None = None) -> ProtocolError | None:
     """The error a final delta reports (finish_reason "error"), or None. `statuses` maps engine
-    codes to HTTP statuses (default ENGINE_STATUS, equal to model_server.HTTP_STATUS)."""
+    codes to HTTP statuses (default ENGINE_STATUS, deployments.engine.HTTP_STATUS)."""
     d = _as_dict(delta)
     if d.get("finish_reason") != "error" and d.get("error_code") is None:
         return None
