@@ -1,8 +1,8 @@
 """The OpenAI-compatible ingress and the app builder that `serve run ray-config.yaml` imports.
 
 The ingress is stateless (several replicas may run): per request it asks the residency service for
-a lease on an instance, streams straight from that instance's model-server actor (coalesced deltas,
-one Ray item per few tokens), and releases the lease at the end, on error and on client
+a lease on an instance, streams straight from that instance's model-server actor (one channel per
+actor carries all of this replica's streams on it, one Ray item per flush), and releases the lease at the end, on error and on client
 disconnect (the generation is cancelled in the engine). A per-item inactivity timeout keeps a
 frozen node from hanging a stream."""
 
@@ -18,11 +18,12 @@ from pydantic import BaseModel, Field, ValidationError
 from ray import serve
 
 from cluster.placement import NAMESPACE, actor_name
-from deployments.model_server import HTTP_STATUS, unwrap
+from deployments.model_server import HTTP_STATUS, ModelServerError, unwrap
 from router import metrics
 from router import openai_protocol as oai
 from router.registry import from_manifest
 from router.residency_service import ON_HEAD, ResidencyService
+from router.stream_mux import StreamMux, Unavailable
 
 app = FastAPI(title="Orchard", description="Many MLX models, one OpenAI-compatible URL")
 
@@ -37,10 +38,6 @@ def lease_error(e: dict) -> JSONResponse:
     return error(e["status"], e["code"], e["message"], "model" if e["status"] == 404 else None, e.get("retry_after_s"))
 
 
-class Unavailable(Exception):
-    """The instance died or stopped answering mid-request."""
-
-
 @serve.deployment(max_ongoing_requests=500, ray_actor_options=ON_HEAD)
 @serve.ingress(app)
 class Ingress:
@@ -49,6 +46,7 @@ class Ingress:
         self.chunk_timeout_s = chunk_timeout_s
         self.api_keys = [k.encode() for k in api_keys or []]
         self._releases: set[asyncio.Task] = set()
+        self.mux = StreamMux()
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
@@ -94,30 +92,29 @@ class Ingress:
         return lease, None
 
     async def _deltas(self, lease: dict, request: dict):
-        """The model server's coalesced deltas; releases the lease and cancels the generation when
-        the consumer stops early (client disconnect), fails, or finishes."""
+        """The model server's coalesced deltas, over this replica's channel to that actor (one Ray
+        item per flush for all of its streams); releases the lease, and cancels the generation
+        when the consumer stops early (client disconnect), fails, or finishes. A request that
+        fails before any output raises its ModelServerError."""
         stream = None
-        finished = False
+        label = f"model {lease['model']} on {lease['node_id']}"
         try:
-            stream = self._actor(lease["model"], lease["node_id"]).generate.remote(request)
+            try:
+                actor = self._actor(lease["model"], lease["node_id"])
+            except ValueError as e:  # no such actor: evicted or died since the lease was granted
+                raise Unavailable(f"{label} is unavailable: {e}") from e
+            stream = self.mux.open(actor, label, request)
             while True:
-                try:
-                    ref = await asyncio.wait_for(stream.__anext__(), self.chunk_timeout_s)
-                except StopAsyncIteration:
-                    finished = True
-                    return
-                except asyncio.TimeoutError:
-                    raise Unavailable(f"model {lease['model']} on {lease['node_id']} sent nothing for {self.chunk_timeout_s:.0f} s")
-                delta = await ref
+                delta = await stream.next(self.chunk_timeout_s)
+                if "failure" in delta:
+                    e = delta["failure"]
+                    raise ModelServerError(e["code"], e["message"], e.get("param"))
                 yield delta
                 if delta.get("finish_reason"):
-                    finished = True
                     return
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            raise Unavailable(f"model {lease['model']} on {lease['node_id']} is unavailable: {type(e).__name__}") from e
         finally:
-            if stream is not None and not finished:
-                ray.cancel(stream)
+            if stream is not None:
+                stream.close()
             self._release(lease["lease_id"])
 
     # ---- models and cluster --------------------------------------------------------------------

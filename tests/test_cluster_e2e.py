@@ -11,6 +11,7 @@ import requests
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # as cluster.local.SERVE_ENV: the product's Serve mode
 
 ray = pytest.importorskip("ray")
 from openai import OpenAI  # noqa: E402
@@ -185,7 +186,7 @@ def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard):
         if running == 0 and instances["llama-10m"]["leases"] == 0:
             break
         time.sleep(0.3)
-    assert running == 0 and instances["llama-10m"]["leases"] == 0 and instances["llama-10m"]["in_flight"] == 0
+    assert running == 0 and instances["llama-10m"]["leases"] == 0 and instances["llama-10m"]["in_flight"] == 0, (running, instances["llama-10m"])
 
 
 def test_metrics_are_exported_by_ray(orchard):

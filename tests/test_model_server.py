@@ -136,6 +136,65 @@ def test_stream_is_coalesced_and_equals_the_engine_output(llama, local_engine):
     assert [len(item["token_ids"]) for item in one_each] == [1] * 8
 
 
+def _read_channel(handle, channel_id: str, want: set[str], timeout_s: float = 60.0) -> tuple[dict[str, list[dict]], int]:
+    """Every item of the requests in `want` from one channel, until each has ended; and how many
+    Ray items (batches) carried them."""
+    stream = handle.channel.remote(channel_id)
+    items: dict[str, list[dict]] = {rid: [] for rid in want}
+    batches, open_ = 0, set(want)
+    deadline = time.monotonic() + timeout_s
+    while open_ and time.monotonic() < deadline:
+        batch = ray.get(next(stream), timeout=30)
+        batches += 1
+        for rid, item in batch:
+            items[rid].append(item)
+            if "failure" in item or item.get("finish_reason") is not None:
+                open_.discard(rid)
+    ray.cancel(stream)
+    assert not open_, f"requests never ended: {open_}"
+    return items, batches
+
+
+def test_channel_carries_several_streams_in_one_item_per_flush(llama, local_engine):
+    """One channel, four concurrent generations: every stream is exactly the engine's output, and
+    far fewer Ray items go out than one per stream per flush; a bad request comes back as a
+    failure item on the channel instead of an exception."""
+    handle, _ = llama
+    prompts = [PROMPT, "The quick brown fox", "In the beginning", "Hello there, my friend"]
+    requests = {f"r{i}": {"prompt": p, "max_tokens": 40, "temperature": 0} for i, p in enumerate(prompts)}
+    requests["bad"] = {"prompt": PROMPT, "max_tokens": 0}
+    for rid, request in requests.items():
+        handle.submit.remote("test-channel", rid, request)
+    items, batches = _read_channel(handle, "test-channel", set(requests))
+    assert items["bad"] == [{"failure": {"code": "invalid_request", "message": items["bad"][0]["failure"]["message"], "param": "max_tokens"}}]
+    per_stream = sum(len(items[rid]) for rid in requests if rid != "bad")
+    print(f"\nchannel: {per_stream} stream items in {batches} Ray items")
+    assert batches < per_stream
+    for rid, request in requests.items():
+        if rid == "bad":
+            continue
+        reference = asyncio.run(local_engine.complete(GenerationRequest(**request)))
+        assert [t for item in items[rid] for t in item["token_ids"]] == reference.token_ids
+        assert items[rid][0]["finish_reason"] is None and len(items[rid][0]["token_ids"]) == 1  # the first delta alone
+        assert items[rid][-1]["finish_reason"] == "length" and items[rid][-1]["usage"]["completion_tokens"] == 40
+
+
+def test_channel_cancel_stops_the_generation(llama):
+    handle, _ = llama
+    never_end = {str(i): -100.0 for i in range(4)}  # no EOS
+    handle.submit.remote("cancel-channel", "long", {"prompt": "Keep going", "max_tokens": 2000, "temperature": 0, "logit_bias": never_end})
+    stream = handle.channel.remote("cancel-channel")
+    first = ray.get(next(stream), timeout=30)
+    assert first[0][0] == "long" and first[0][1]["finish_reason"] is None
+    assert ray.get(handle.cancel.remote("long")) is True
+    deadline = time.monotonic() + 10
+    while _running(handle) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(handle) == 0
+    assert ray.get(handle.cancel.remote("long")) is False
+    ray.cancel(stream)
+
+
 def test_cancelling_a_stream_cancels_the_engine_request(llama, local_engine):
     handle, _ = llama
     never_end = {e: -100.0 for e in local_engine.eos_ids}  # random weights may pick EOS: forbid it

@@ -16,6 +16,7 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # as cluster.local.SERVE_ENV: the product's Serve mode
 
 import ray  # noqa: E402
 import requests  # noqa: E402

@@ -1,0 +1,118 @@
+"""The ingress end of multiplexed streaming: one channel per model-server actor per ingress replica.
+
+Every generation this replica runs on an actor shares one Ray stream (ModelServer.channel): the
+actor sends one item per flush carrying the merged deltas of all those generations, and a reader
+task here fans them out to per-request queues. Relaying one Ray item per stream per flush cost
+about 0.75 ms of CPU each (shared/ray/README.md); per actor per flush, that cost no longer grows
+with the number of open streams."""
+
+import asyncio
+import contextlib
+import uuid
+from typing import Any
+
+import ray
+
+
+class Unavailable(Exception):
+    """The instance died or stopped answering mid-request."""
+
+
+_GONE = object()  # put in every queue of a channel whose actor went away
+
+
+class _Reader:
+    """Reads one actor's channel and routes each (request_id, delta) to that request's queue."""
+
+    def __init__(self, mux: "StreamMux", key: str, actor: Any, label: str):
+        self.mux = mux
+        self.key = key
+        self.actor = actor
+        self.label = label
+        self.channel_id = f"{mux.replica_id}:{uuid.uuid4().hex[:8]}"
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.failure: str | None = None
+        self.stream = actor.channel.remote(self.channel_id)
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            async for ref in self.stream:
+                for request_id, item in await ref:
+                    queue = self.queues.get(request_id)
+                    if queue is not None:
+                        queue.put_nowait(item)
+            self.failure = f"{self.label} closed its stream"
+        except asyncio.CancelledError:
+            self.failure = f"{self.label}: the ingress stopped reading"
+            raise
+        except Exception as e:  # RayActorError, ActorUnavailableError, ...
+            self.failure = f"{self.label} is unavailable: {type(e).__name__}"
+        finally:
+            self.mux._forget(self)
+            for queue in self.queues.values():
+                queue.put_nowait(_GONE)
+
+
+class MuxStream:
+    """One generation's deltas (dicts) from its channel, with a per-item inactivity timeout."""
+
+    def __init__(self, reader: _Reader, request_id: str, queue: asyncio.Queue):
+        self.reader = reader
+        self.request_id = request_id
+        self.queue = queue
+        self.finished = False
+
+    async def next(self, timeout_s: float) -> dict:
+        try:
+            item = await asyncio.wait_for(self.queue.get(), timeout_s)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"{self.reader.label} sent nothing for {timeout_s:.0f} s") from None
+        if item is _GONE:
+            raise Unavailable(self.reader.failure or f"{self.reader.label} is unavailable")
+        if "failure" in item or item.get("finish_reason") is not None:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        """Stop routing; cancel the generation in the engine unless it already ended."""
+        self.reader.queues.pop(self.request_id, None)
+        if not self.finished and self.reader.failure is None:
+            with contextlib.suppress(Exception):
+                self.reader.actor.cancel.remote(self.request_id)
+        self.finished = True
+
+
+class StreamMux:
+    """Channels of one ingress replica, keyed by actor id (an actor placed again under the same name
+    is a new actor, hence a new channel)."""
+
+    def __init__(self) -> None:
+        self.replica_id = uuid.uuid4().hex[:12]
+        self._readers: dict[str, _Reader] = {}
+
+    def open(self, actor: Any, label: str, request: dict) -> MuxStream:
+        """Submit `request` to `actor` (not awaited: a bad request comes back on the channel as an
+        {"failure": ...} item) and return its stream."""
+        key = actor._actor_id.hex()
+        reader = self._readers.get(key)
+        if reader is None:
+            reader = self._readers[key] = _Reader(self, key, actor, label)
+        request_id = uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        reader.queues[request_id] = queue
+        actor.submit.remote(reader.channel_id, request_id, request)
+        return MuxStream(reader, request_id, queue)
+
+    def _forget(self, reader: _Reader) -> None:
+        if self._readers.get(reader.key) is reader:
+            del self._readers[reader.key]
+
+    def close(self) -> None:
+        for reader in list(self._readers.values()):
+            reader.task.cancel()
+            with contextlib.suppress(Exception):
+                ray.cancel(reader.stream)
+
+    def open_channels(self) -> int:
+        return len(self._readers)
