@@ -462,6 +462,23 @@ class ModelServer:
         finally:
             await stream.aclose()
 
+    async def count_tokens(self, request: dict) -> int:
+        """Prompt tokens of a text-generation request as the engine would feed it (chat template,
+        tools included), without generating: Anthropic's count_tokens."""
+        async with self._call():
+            self._engine_for("generate")
+            if self.entry.kind != "llm":
+                raise ModelServerError("unsupported", f"model {self.entry.name} ({self.entry.kind}) does not count tokens", "model")
+            from deployments.engines.llm import GenerationRequest
+
+            try:
+                parsed = GenerationRequest.model_validate(request)
+            except ValidationError as e:
+                first = e.errors()[0]
+                param = ".".join(str(p) for p in first["loc"]) or None
+                raise ModelServerError("invalid_request", f"{param + ': ' if param else ''}{first['msg']}", param) from None
+            return len(await asyncio.to_thread(self.engine.tokenize, parsed))
+
     async def embed(self, texts: list[str] | str, dimensions: int | None = None) -> dict:
         """EmbeddingResult as a dict: vectors, prompt_tokens, dimensions."""
         async with self._call():

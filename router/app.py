@@ -9,20 +9,27 @@ frozen node from hanging a stream."""
 import asyncio
 import hmac
 import time
+import uuid
 from pathlib import Path
+from typing import Any, Literal
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
 
 from cluster.placement import NAMESPACE, actor_name
-from deployments.model_server import HTTP_STATUS, ModelServerError, unwrap
+from deployments.model_server import ModelServerError, unwrap
 from router import metrics
 from router import openai_protocol as oai
 from router.registry import from_manifest
+from router import anthropic_protocol as anth
+from router import responses_protocol as resp
+from router.output_parsing import OutputConfig, OutputParser
+from router.renderers import AnthropicRenderer, OpenAIRenderer, Protocol, Renderer, ResponsesRenderer, error_response, protocol_error_response
 from router.residency_service import ON_HEAD, ResidencyService
+from router.tool_grammar import forced_call_grammar
 from router.stream_mux import StreamMux, Unavailable
 
 app = FastAPI(title="Orchard", description="Many MLX models, one OpenAI-compatible URL")
@@ -41,19 +48,34 @@ def lease_error(e: dict) -> JSONResponse:
 @serve.deployment(max_ongoing_requests=500, ray_actor_options=ON_HEAD)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, residency, chunk_timeout_s: float = 60.0, api_keys: list[str] | None = None):
+    def __init__(
+        self, residency, chunk_timeout_s: float = 60.0, api_keys: list[str] | None = None, *,
+        allow_remote_images: bool = False, max_audio_bytes: int = 25 * 1024**2,
+    ):
         self.residency = residency
         self.chunk_timeout_s = chunk_timeout_s
+        self.allow_remote_images = allow_remote_images
+        self.max_audio_bytes = max_audio_bytes
         self.api_keys = [k.encode() for k in api_keys or []]
         self._releases: set[asyncio.Task] = set()
         self.mux = StreamMux()
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
+        """OpenAI clients send `Authorization: Bearer <key>`, Anthropic clients `x-api-key: <key>`."""
         if not self.api_keys:
             return True
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip().encode()
+        given = (request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")).strip().encode()
         return any(hmac.compare_digest(given, k) for k in self.api_keys)
+
+    async def _json(self, request: Request, protocol: Protocol) -> tuple[Any, JSONResponse | None]:
+        """The body as JSON after the key check, or the error in `protocol`'s format."""
+        if not self._authorized(request):
+            return None, error_response(protocol, 401, "invalid_api_key", "a valid API key is required (Authorization: Bearer ... or x-api-key)")
+        try:
+            return await request.json(), None
+        except Exception:
+            return None, error_response(protocol, 400, "invalid_json", "the request body is not valid JSON")
 
     async def _body(self, request: Request, model_type: type[BaseModel]):
         if not self._authorized(request):
@@ -85,10 +107,11 @@ class Ingress:
         new actor under the same name, and a cached handle would point at the dead one."""
         return ray.get_actor(actor_name(model, node_id), namespace=NAMESPACE)
 
-    async def _lease(self, model: str) -> tuple[dict | None, JSONResponse | None]:
+    async def _lease(self, model: str, protocol: Protocol = "openai") -> tuple[dict | None, JSONResponse | None]:
         lease = await self.residency.acquire.remote(model)
         if "error" in lease:
-            return None, lease_error(lease)
+            e = lease["error"]
+            return None, error_response(protocol, e["status"], e["code"], e["message"], "model" if e["status"] == 404 else None, e.get("retry_after_s"))
         return lease, None
 
     async def _deltas(self, lease: dict, request: dict):
@@ -155,82 +178,156 @@ class Ingress:
             return error(404, "unknown_action", f"no action {action!r}: use load, unload, pin or unpin")
         return lease_error(result) if "error" in result else result
 
-    # ---- generation ----------------------------------------------------------------------------
+    # ---- generation: every protocol, one path ---------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._generate(request, oai.ChatCompletionRequest, chat=True)
+        body, failure = await self._body(request, oai.ChatCompletionRequest)
+        if failure is not None:
+            return failure
+        return await self._generate(body, lambda parser: OpenAIRenderer(body, parser))
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._generate(request, oai.CompletionRequest, chat=False)
+        body, failure = await self._body(request, oai.CompletionRequest)
+        if failure is not None:
+            return failure
+        return await self._generate(body, lambda parser: OpenAIRenderer(body, None))
 
-    async def _generate(self, request: Request, body_type: type[BaseModel], chat: bool):
-        body, failure = await self._body(request, body_type)
+    @app.post("/v1/messages")
+    async def messages(self, request: Request):
+        """Anthropic Messages, translated to a chat request and rendered back (router/anthropic_protocol.py)."""
+        raw, failure = await self._json(request, "anthropic")
         if failure is not None:
             return failure
-        lease, failure = await self._lease(body.model)
+        try:
+            req = anth.parse_messages_request(raw)
+            chat = oai.parse_chat_request(anth.to_chat_request(req))
+        except oai.ProtocolError as e:
+            return protocol_error_response("anthropic", e)
+        return await self._generate(chat, lambda parser: AnthropicRenderer(req, parser), protocol="anthropic", stream=bool(req.stream))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(self, request: Request):
+        raw, failure = await self._json(request, "anthropic")
         if failure is not None:
             return failure
-        try:  # the engine's own request shape; the model server validates it again
-            if lease["kind"] == "vlm" and chat:
-                generation = oai.to_vlm_request(body)
-            elif lease["kind"] in ("llm", "vlm"):
-                generation = oai.generation_fields(body)
-            else:
-                raise oai.ProtocolError(400, "model_not_supported", f"model {body.model} is a {lease['kind']} model: it does not generate text", "model")
-            if chat and lease["kind"] == "llm" and body.has_images():
-                raise oai.ProtocolError(400, "unsupported_content", f"model {body.model} takes no images", "messages")
+        try:
+            req = anth.parse_count_tokens_request(raw)
+            chat = oai.parse_chat_request(anth.to_chat_request(req) | {"model": req.model})
+        except oai.ProtocolError as e:
+            return protocol_error_response("anthropic", e)
+        lease, failure = await self._lease(chat.model, "anthropic")
+        if failure is not None:
+            return failure
+        try:
+            generation, _ = self._prepare(lease, chat)
+            count = await self._actor(lease["model"], lease["node_id"]).count_tokens.remote(generation)
+        except oai.ProtocolError as e:
+            return protocol_error_response("anthropic", e)
+        except Exception as e:
+            f = unwrap(e)
+            return error_response("anthropic", f.status, f.code, f.message, f.param)
+        finally:
+            self._release(lease["lease_id"])
+        return anth.count_tokens_response(count)
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request):
+        """OpenAI Responses, stateless (router/responses_protocol.py)."""
+        raw, failure = await self._json(request, "openai")
+        if failure is not None:
+            return failure
+        try:
+            req = resp.parse_responses_request(raw)
+            chat = oai.parse_chat_request(resp.to_chat_request(req))
+        except oai.ProtocolError as e:
+            return protocol_error_response("openai", e)
+        return await self._generate(chat, lambda parser: ResponsesRenderer(req, parser), stream=bool(req.stream))
+
+    def _prepare(self, lease: dict, body: oai.ChatCompletionRequest | oai.CompletionRequest) -> tuple[dict, OutputParser | None]:
+        """The model server's request for this lease's model kind, and the output parser a chat
+        protocol runs over its deltas. Raises ProtocolError for what this model cannot do."""
+        kind, model = lease["kind"], body.model
+        chat = isinstance(body, oai.ChatCompletionRequest)
+        if kind not in ("llm", "vlm"):
+            raise oai.ProtocolError(400, "model_not_supported", f"model {model} is a {kind} model: it does not generate text", "model")
+        if not chat:
+            return oai.generation_fields(body), None
+        config = OutputConfig(tool_parser=lease.get("tool_parser"), reasoning=lease.get("reasoning"))
+        parser = OutputParser(config, tools=body.uses_tools)
+        if kind == "vlm":
+            for i, m in enumerate(body.messages):
+                for j, part in enumerate(m.content or ()):
+                    url = part.image_url.url if part.type == "image_url" else ""
+                    if part.type == "image_url" and not (url.startswith("data:") or (self.allow_remote_images and url.startswith(("http://", "https://")))):
+                        allowed = "a data: URL or an http(s) URL" if self.allow_remote_images else "a data: URL (this server does not fetch remote images)"
+                        raise oai.ProtocolError(400, "invalid_image_url", f"an image must be {allowed}", f"messages[{i}].content[{j}].image_url.url")
+            return oai.to_vlm_request(body), parser
+        if body.has_images():
+            raise oai.ProtocolError(400, "unsupported_content", f"model {model} takes no images; use a vision model", "messages")
+        generation = oai.generation_fields(body)
+        if body.uses_tools and config.tool_parser is None:
+            raise oai.ProtocolError(400, "tools_not_supported", f"model {model} has no tool-call parser configured (registry: tool_parser)", "tools")
+        if body.forced_tool is not None:
+            grammar = forced_call_grammar(
+                config.tool_parser, generation["tools"], body.forced_tool, parallel=body.parallel_tool_calls is True, reasoning=config.reasoning
+            )
+            generation["constraint"] = {"type": "lark", "grammar": grammar}
+        return generation, parser
+
+    async def _generate(self, body, make_renderer, protocol: Protocol = "openai", stream: bool | None = None):
+        """Lease, stream from the instance, render in the client's protocol, release."""
+        stream = bool(body.stream) if stream is None else stream
+        lease, failure = await self._lease(body.model, protocol)
+        if failure is not None:
+            return failure
+        try:
+            generation, parser = self._prepare(lease, body)
+            renderer = make_renderer(parser)
         except oai.ProtocolError as e:
             self._release(lease["lease_id"])
-            return JSONResponse(e.body(), status_code=e.status)
+            return protocol_error_response(protocol, e)
         started = time.monotonic()
-        request_id = oai.new_request_id("chat" if chat else "completion")
-        created = oai.now()
         deltas = self._deltas(lease, generation)
         try:  # the first item tells a bad request (4xx, nothing streamed yet) from a good one
             first = await deltas.__anext__()
         except StopAsyncIteration:
-            return error(500, "empty_stream", "the model returned nothing")
+            return error_response(protocol, 500, "empty_stream", "the model returned nothing")
         except Unavailable as e:
-            return error(503, "model_unavailable", str(e), retry_after_s=1)
+            return error_response(protocol, 503, "model_unavailable", str(e), retry_after_s=1)
         except Exception as e:
-            failure = unwrap(e)
-            return error(failure.status, failure.code, failure.message, failure.param)
-        if body.stream:
-            encoder = oai.StreamEncoder(
-                "chat" if chat else "completion", body.model, request_id, created, include_usage=body.include_usage, statuses=HTTP_STATUS
-            )
-            ttft_s = time.monotonic() - started
-            return StreamingResponse(self._sse(first, deltas, encoder, body.model, ttft_s), media_type="text/event-stream")
+            f = unwrap(e)
+            return error_response(protocol, f.status, f.code, f.message, f.param)
         ttft_s = time.monotonic() - started
+        if stream:
+            return StreamingResponse(self._sse(first, deltas, renderer, body.model, ttft_s), media_type="text/event-stream")
         collected = [first]
         try:
             async for delta in deltas:
                 collected.append(delta)
         except Unavailable as e:
-            return error(503, "model_unavailable", str(e), retry_after_s=1)
+            return error_response(protocol, 503, "model_unavailable", str(e), retry_after_s=1)
         metrics.on_request(body.model, ttft_s, sum(len(d.get("token_ids") or ()) for d in collected))
-        respond = oai.chat_completion_response if chat else oai.completion_response
         try:
-            return respond(body.model, request_id, created, oai.join_deltas(collected), statuses=HTTP_STATUS)
+            return renderer.respond(collected)
         except oai.ProtocolError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+            return protocol_error_response(protocol, e)
 
-    async def _sse(self, first: dict, deltas, encoder: "oai.StreamEncoder", model: str, ttft_s: float):
+    async def _sse(self, first: dict, deltas, renderer: Renderer, model: str, ttft_s: float):
         """SSE bytes; closing this generator (client gone) closes `deltas`, which cancels the
         generation and releases the lease."""
         tokens = len(first.get("token_ids") or ())
         try:
-            yield encoder.feed(first)
+            yield renderer.start() + renderer.feed(first)
             async for delta in deltas:
                 tokens += len(delta.get("token_ids") or ())
-                yield encoder.feed(delta)
+                yield renderer.feed(delta)
         except Unavailable as e:
-            yield encoder.error("model_unavailable", str(e), status=503)
+            yield renderer.fail(503, "model_unavailable", str(e))
         finally:
             await deltas.aclose()
             metrics.on_request(model, ttft_s, tokens)
-        yield encoder.close()
+        yield renderer.close()
 
     # ---- embeddings ----------------------------------------------------------------------------
     @app.post("/v1/embeddings")
@@ -253,6 +350,145 @@ class Ingress:
             self._release(lease["lease_id"])
         return oai.embedding_response(body.model, result["vectors"], result["prompt_tokens"], body.encoding_format)
 
+    # ---- rerank and audio ----------------------------------------------------------------------
+    async def _call(self, request_model: str, kind: str, what: str, call):
+        """Lease `request_model`, check it is a `kind` model, run `call(actor)`, release. Returns
+        (result, None) or (None, an OpenAI-format error response)."""
+        lease, failure = await self._lease(request_model)
+        if failure is not None:
+            return None, failure
+        try:
+            if lease["kind"] != kind:
+                return None, error(400, "model_not_supported", f"model {request_model} is a {lease['kind']} model, not {what}", "model")
+            return await call(self._actor(lease["model"], lease["node_id"])), None
+        except ValueError as e:  # the actor vanished since the lease was granted
+            return None, error(503, "model_unavailable", f"model {request_model} is unavailable: {e}", retry_after_s=1)
+        except Exception as e:
+            f = unwrap(e)
+            return None, error(f.status, f.code, f.message, f.param)
+        finally:
+            self._release(lease["lease_id"])
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(self, request: Request):
+        """Cohere / Jina shape: query, documents (strings or {"text": ...}), top_n, return_documents."""
+        body, failure = await self._body(request, RerankRequest)
+        if failure is not None:
+            return failure
+        result, failure = await self._call(body.model, "rerank", "a rerank model", lambda a: a.rerank.remote(body.query, body.texts(), body.top_n))
+        if failure is not None:
+            return failure
+        return rerank_response(body, result)
+
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(self, request: Request):
+        """OpenAI's multipart transcription: file, model, language, prompt, temperature,
+        response_format json / text / verbose_json."""
+        if not self._authorized(request):
+            return error(401, "invalid_api_key", "a valid API key is required (Authorization: Bearer ...)")
+        too_big = error(413, "file_too_large", f"audio files are limited to {self.max_audio_bytes} bytes", "file")
+        if int(request.headers.get("content-length") or 0) > self.max_audio_bytes + 64 * 1024:
+            return too_big
+        try:
+            form = await request.form()
+        except Exception as e:
+            return error(400, "invalid_request", f"expected multipart/form-data: {e}")
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            return error(400, "missing_required_parameter", "a 'file' part with the audio is required", "file")
+        audio = await upload.read(self.max_audio_bytes + 1)
+        if len(audio) > self.max_audio_bytes:
+            return too_big
+        try:
+            fields = TranscriptionForm.model_validate({k: v for k, v in form.items() if isinstance(v, str)})
+        except ValidationError as e:
+            return JSONResponse(oai.validation_error_body(e), status_code=400)
+        result, failure = await self._call(
+            fields.model, "stt", "a speech-to-text model",
+            lambda a: a.transcribe.remote(audio, fields.language, fields.temperature, fields.prompt, fields.response_format),
+        )
+        if failure is not None:
+            return failure
+        body = result["body"]
+        return PlainTextResponse(body) if isinstance(body, str) else body
+
+    @app.post("/v1/audio/speech")
+    async def speech(self, request: Request):
+        """OpenAI's text-to-speech: model, input, voice, response_format (wav, pcm), speed."""
+        body, failure = await self._body(request, SpeechRequest)
+        if failure is not None:
+            return failure
+        audio, failure = await self._call(
+            body.model, "tts", "a text-to-speech model",
+            lambda a: a.speak.remote(body.input, body.voice, body.speed, body.response_format),
+        )
+        if failure is not None:
+            return failure
+        return Response(audio, media_type="audio/wav" if body.response_format == "wav" else "audio/pcm")
+
+
+class RerankRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    query: str = Field(min_length=1)
+    documents: list[str | dict[str, Any]] = Field(min_length=1, max_length=1000)
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = False
+
+    def texts(self) -> list[str]:
+        out = []
+        for i, d in enumerate(self.documents):
+            text = d if isinstance(d, str) else d.get("text")
+            if not isinstance(text, str):
+                raise oai.ProtocolError(400, "invalid_value", "a document is a string or {\"text\": ...}", f"documents[{i}]")
+            out.append(text)
+        return out
+
+    @model_validator(mode="after")
+    def _documents_have_text(self) -> "RerankRequest":
+        self.texts()
+        return self
+
+
+def rerank_response(req: RerankRequest, result: dict) -> dict:
+    """Cohere v2 / Jina: results best first with index and relevance_score (and the document)."""
+    texts = req.texts()
+    results = []
+    for r in result["results"]:
+        item = {"index": r["index"], "relevance_score": r["relevance_score"]}
+        if req.return_documents:
+            item["document"] = {"text": texts[r["index"]]}
+        results.append(item)
+    tokens = (result.get("usage") or {}).get("total_tokens", 0)
+    return {
+        "id": f"rerank-{uuid.uuid4().hex}", "object": "list", "model": req.model, "results": results,
+        "usage": {"total_tokens": tokens}, "meta": {"billed_units": {"search_units": 1}},
+    }
+
+
+class TranscriptionForm(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = Field(default=0.0, ge=0, le=1)
+    response_format: str = "json"
+
+
+class SpeechRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    input: str = Field(min_length=1, max_length=4096)
+    voice: str | None = None
+    response_format: str = "wav"
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio"] | None = None  # "sse" streaming is not offered
+
 
 class AppArgs(BaseModel):
     """The `args:` of ray-config.yaml. Without `models`, every model of the prepared set in
@@ -269,6 +505,9 @@ class AppArgs(BaseModel):
     # 8 / 50 ms measured better than 4 / 25 ms through the full path (docs/serve-benchmark.md).
     coalesce_tokens: int = Field(default=8, ge=1)
     coalesce_ms: float = Field(default=50.0, ge=0)
+    # Vision: image parts may be data: URLs; http(s) URLs only when the operator allows fetching.
+    allow_remote_images: bool = False
+    max_audio_bytes: int = Field(default=25 * 1024**2, ge=1)  # OpenAI's transcription limit
 
 
 def build_app(args: dict) -> serve.Application:
@@ -277,4 +516,4 @@ def build_app(args: dict) -> serve.Application:
     models = a.models if a.models is not None else from_manifest(models_dir, a.overrides)
     server_options = {"coalesce_tokens": a.coalesce_tokens, "coalesce_ms": a.coalesce_ms}
     residency = ResidencyService.bind(models, a.policy, models_dir, a.watch_period_s, server_options)
-    return Ingress.bind(residency, a.chunk_timeout_s, a.api_keys)
+    return Ingress.bind(residency, a.chunk_timeout_s, a.api_keys, allow_remote_images=a.allow_remote_images, max_audio_bytes=a.max_audio_bytes)

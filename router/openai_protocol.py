@@ -5,7 +5,7 @@ no web framework, so the ingress stays thin and everything here is tested withou
 Requests accept OpenAI's whole documented field set for chat completions, completions and
 embeddings, because real clients (the openai SDK, LangChain, editors) send fields such as `user`,
 `store`, `metadata` or `stream_options` whatever the server. A field Orchard cannot honour (n > 1,
-tools, JSON response formats, audio, best_of > 1, echo, suffix, ...) is a 400 that names it in
+deprecated `functions`, audio, best_of > 1, echo, suffix, ...) is a 400 that names it in
 `param`: silently ignoring it would change what the client gets back. Fields that are hints only
 (`user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`, `prediction`, `verbosity`,
 `parallel_tool_calls`, ...) are accepted and ignored. Keys that OpenAI does not document at all are
@@ -278,9 +278,53 @@ class StreamOptions(_Part):
     include_obfuscation: bool | None = None  # no obfuscation padding is ever added
 
 
+class JSONSchemaFormat(_Part):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Part):
+    """text, json_object or json_schema: the JSON ones are enforced while decoding (a grammar inside
+    the batched engine), so the output always parses and, for json_schema, validates."""
+
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise _invalid("response_format json_schema needs a 'json_schema' object with a 'schema'", at="json_schema", code="missing_required_parameter")
+        return self
+
+    def constraint(self) -> dict[str, Any] | None:
+        """The engine's Constraint (deployments.engines.constrained) as a dict, or None for text."""
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        if self.type == "json_schema":
+            return {"type": "json_schema", "schema": self.json_schema.schema_, "strict": bool(self.json_schema.strict)}
+        return None
+
+
+class FunctionDefinition(_Part):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Part):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def as_dict(self) -> dict[str, Any]:
+        """The OpenAI tool dict chat templates take (parameters default to an empty object schema)."""
+        f = self.function
+        out = {"name": f.name, "parameters": f.parameters if f.parameters is not None else {"type": "object", "properties": {}}}
+        if f.description is not None:
+            out["description"] = f.description
+        return {"type": "function", "function": out}
 
 
 def _normalise_stop(v: Any) -> Any:
@@ -374,9 +418,6 @@ class _Sampling(_Request):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-_NO_TOOL_CHOICE = (None, "none", "auto")
-
-
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
@@ -384,9 +425,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # only meaningful with tools
+    parallel_tool_calls: bool | None = None  # False: a forced call is exactly one call
     functions: list[dict[str, Any]] | None = None  # deprecated tools
     function_call: Any = None
     response_format: ResponseFormat | None = None
@@ -405,28 +446,44 @@ class ChatCompletionRequest(_Sampling):
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, v: list | None) -> list | None:
-        if v:
-            raise _unsupported("tool calling is not supported yet", code="unsupported_parameter")
+    def _no_functions(cls, v: Any) -> Any:
+        if v not in (None, [], "none", "auto"):
+            raise _unsupported("the deprecated functions API is not supported; use tools and tool_choice", code="unsupported_parameter")
         return v
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("tool_choice")
     @classmethod
-    def _no_tool_choice(cls, v: Any) -> Any:
-        if v in _NO_TOOL_CHOICE:
+    def _tool_choice(cls, v: Any) -> Any:
+        if v in (None, "none", "auto", "required"):
             return v
-        if v == "required" or isinstance(v, dict):
-            raise _unsupported("tool calling is not supported yet; use 'none' or 'auto'")
-        raise _invalid("must be 'none', 'auto', 'required' or a named tool")
+        if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) and isinstance(v["function"].get("name"), str):
+            return {"type": "function", "function": {"name": v["function"]["name"]}}
+        raise _invalid("must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: ResponseFormat | None) -> ResponseFormat | None:
-        if v is not None and v.type != "text":
-            raise _unsupported(f"response_format {v.type} (structured output) is not supported yet; use 'text'", at="type")
-        return v
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or ()]
+        if isinstance(self.tool_choice, dict) and self.tool_choice["function"]["name"] not in names:
+            raise _invalid(f"tool_choice names {self.tool_choice['function']['name']!r}, which is not in tools", at="tool_choice")
+        if self.tool_choice == "required" and not names:
+            raise _invalid("tool_choice 'required' needs tools", at="tool_choice")
+        if len(set(names)) != len(names):
+            raise _invalid("tool names must be unique", at="tools")
+        return self
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the model is offered tools (and its output parsed for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tool(self) -> str | None:
+        """'required', a function name, or None when the model may answer in text."""
+        if not self.uses_tools or self.tool_choice in (None, "auto"):
+            return None
+        return "required" if self.tool_choice == "required" else self.tool_choice["function"]["name"]
 
     @field_validator("audio")
     @classmethod
@@ -633,6 +690,10 @@ def generation_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[st
             template.setdefault("reasoning_effort", req.reasoning_effort)
         if template:
             out["chat_template_kwargs"] = template
+        if req.uses_tools:
+            out["tools"] = [t.as_dict() for t in req.tools]
+        if req.response_format is not None and req.response_format.constraint() is not None:
+            out["constraint"] = req.response_format.constraint()
     else:
         out["prompt" if isinstance(req.prompt, str) else "prompt_tokens"] = req.prompt
         max_tokens = req.max_tokens
@@ -671,6 +732,8 @@ def to_vlm_request(req: ChatCompletionRequest) -> dict[str, Any]:
         "min_p": bool(req.min_p),
         "repetition_penalty": req.repetition_penalty not in (None, 1.0),
         "chat_template_kwargs": bool(req.chat_template_kwargs),
+        "tools": req.uses_tools,
+        "response_format": req.response_format is not None and req.response_format.type != "text",
     }
     bad = next((name for name, on in used.items() if on), None)
     if bad is not None:
@@ -701,10 +764,18 @@ def join_deltas(deltas: Iterable[Any]) -> dict[str, Any]:
     """A whole stream as one delta dict: text, token ids and logprobs joined; finish_reason, usage
     and error from the last delta that has them (for a non-streaming response)."""
     text, tokens, logprobs, seen_logprobs = [], [], [], False
+    reasoning: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
     last: dict[str, Any] = {}
     for delta in deltas:
         d = _as_dict(delta)
         text.append(d.get("text") or "")
+        reasoning.append(d.get("reasoning") or "")
+        for part in d.get("tool_calls") or ():
+            call = calls.setdefault(part["index"], {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+            call["id"] = part.get("id") or call["id"]
+            call["function"]["name"] += (part.get("function") or {}).get("name") or ""
+            call["function"]["arguments"] += (part.get("function") or {}).get("arguments") or ""
         tokens.extend(d.get("token_ids") or ())
         if d.get("logprobs") is not None:
             seen_logprobs = True
@@ -716,7 +787,43 @@ def join_deltas(deltas: Iterable[Any]) -> dict[str, Any]:
         "text": "".join(text), "token_ids": tokens, "logprobs": logprobs if seen_logprobs else None,
         "finish_reason": last.get("finish_reason"), "usage": last.get("usage"),
         "error": last.get("error"), "error_code": last.get("error_code"),
+        "reasoning": "".join(reasoning) or None, "tool_calls": [calls[i] for i in sorted(calls)] or None,
     }
+
+
+def with_events(delta: Any, events: Iterable[Any]) -> dict[str, Any]:
+    """An engine delta rewritten by what the output parser made of it (router.output_parsing):
+    `text` is the visible answer only, `reasoning` the text between reasoning markers,
+    `tool_calls` OpenAI's streamed tool-call pieces, and finish_reason "tool_calls" when the answer
+    was calls. Logprobs and usage stay as the engine sent them."""
+    d = _as_dict(delta)
+    text, reasoning, calls = [], [], []
+    for e in events:
+        if e.type == "text":
+            text.append(e.text)
+        elif e.type == "reasoning":
+            reasoning.append(e.text)
+        elif e.type == "tool_call_start":
+            calls.append({"index": e.index, "id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}})
+        elif e.type == "tool_call_arguments":
+            calls.append({"index": e.index, "function": {"arguments": e.arguments}})
+        elif e.type == "finish" and e.reason == "tool_calls":
+            d["finish_reason"] = "tool_calls"
+    d["text"] = "".join(text)
+    d["reasoning"] = "".join(reasoning) or None
+    d["tool_calls"] = _merge_call_pieces(calls) or None
+    return d
+
+
+def _merge_call_pieces(pieces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive pieces of one call in one chunk become one piece (fewer, bigger SSE deltas)."""
+    out: list[dict[str, Any]] = []
+    for p in pieces:
+        if out and out[-1]["index"] == p["index"]:
+            out[-1]["function"]["arguments"] += p["function"]["arguments"]
+        else:
+            out.append({**p, "function": dict(p["function"])})
+    return out
 
 
 def _status(code: str | None, statuses: Mapping[str, int] | None) -> int:
@@ -734,14 +841,15 @@ def error_from_delta(delta: Any, statuses: Mapping[str, int] | None = None) -> P
 
 
 def _finished(d: dict[str, Any], statuses: Mapping[str, int] | None) -> str:
-    """The finish_reason of a complete (non-streamed) result; anything but stop / length raises."""
+    """The finish_reason of a complete (non-streamed) result; anything but stop / length /
+    tool_calls raises."""
     error = error_from_delta(d, statuses)
     if error is not None:
         raise error
     reason = d.get("finish_reason")
     if reason == "cancelled":
         raise ProtocolError(499, "cancelled", "the request was cancelled")
-    if reason not in ("stop", "length"):
+    if reason not in ("stop", "length", "tool_calls"):
         raise ProtocolError(500, "internal", "generation ended without a finish reason")
     return reason
 
@@ -813,6 +921,12 @@ def chat_completion_response(
     An error result raises its ProtocolError instead (the ingress answers with it)."""
     d = _as_dict(delta)
     reason = _finished(d, statuses)
+    message: dict[str, Any] = {"role": "assistant", "content": d.get("text") or "", "refusal": None}
+    if d.get("tool_calls"):
+        message["tool_calls"] = d["tool_calls"]
+        message["content"] = d.get("text") or None  # OpenAI sends null content beside calls
+    if d.get("reasoning"):
+        message["reasoning_content"] = d["reasoning"]
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -820,7 +934,7 @@ def chat_completion_response(
         "model": model,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": d.get("text") or "", "refusal": None},
+            "message": message,
             "logprobs": chat_logprobs(d.get("logprobs")),
             "finish_reason": reason,
         }],
@@ -874,8 +988,9 @@ def sse(data: Mapping[str, Any]) -> bytes:
 
 
 def _client_reason(reason: str | None) -> str | None:
-    """finish_reason a client may see: stop / length; error and cancelled are never sent as one."""
-    return reason if reason in ("stop", "length") else None
+    """finish_reason a client may see: stop / length / tool_calls; error and cancelled are never
+    sent as one."""
+    return reason if reason in ("stop", "length", "tool_calls") else None
 
 
 def chat_chunk(
@@ -890,6 +1005,10 @@ def chat_chunk(
         body["role"] = "assistant"
     if text or first:
         body["content"] = text
+    if d.get("reasoning"):
+        body["reasoning_content"] = d["reasoning"]
+    if d.get("tool_calls"):
+        body["tool_calls"] = d["tool_calls"]
     chunk = {
         "id": request_id,
         "object": "chat.completion.chunk",
@@ -992,7 +1111,7 @@ class StreamEncoder:
             self.finished = True
             return b""
         out = []
-        shows = d.get("text") or d.get("logprobs") or _client_reason(reason)
+        shows = d.get("text") or d.get("logprobs") or d.get("reasoning") or d.get("tool_calls") or _client_reason(reason)
         if shows or (self.first and self.kind == "chat" and reason is None):
             out.append(sse(self._chunk(d)))
         if d.get("usage") is not None:

@@ -4,7 +4,7 @@ its folder (deployments.estimate), so admission works before anything is loaded.
 
 from pathlib import Path
 
-from pydantic import ByteSize, Field
+from pydantic import ByteSize, Field, ValidationInfo, field_validator, model_validator
 
 from deployments.estimate import estimate
 from deployments.manifest import ManifestEntry, read_manifest
@@ -26,7 +26,23 @@ class RegistryModel(Frozen):
     hub_id: str | None = None  # e.g. mlx-community/Qwen2.5-7B-Instruct-4bit: loaded by id (give weight_bytes)
     weight_bytes: ByteSize | None = None
     kv_bytes_per_token: ByteSize | None = None
+    # Output parsing (docs/tools-and-reasoning.md). Text models without a chat template of their
+    # own for tools get Hermes-style tool prompts from the engine, so "hermes" is the default.
+    tool_parser: str | None = "hermes"
+    reasoning: bool | dict | None = None
     policy: dict = Field(default_factory=dict)
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _text_models_only(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return v if info.data.get("kind") == "llm" else None  # only text models call tools
+
+    @model_validator(mode="after")
+    def _known_output_config(self) -> "RegistryModel":
+        from router.output_parsing import OutputConfig
+
+        OutputConfig(tool_parser=self.tool_parser, reasoning=self.reasoning)  # raises on an unknown parser
+        return self
 
 
 def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, ModelSpec], dict[str, ManifestEntry]]:
@@ -56,7 +72,7 @@ def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, M
         entries[model.name] = ManifestEntry(
             name=model.name, kind=model.kind, path=model.hub_id or str(folder), hub=model.hub_id is not None,
             weight_bytes=int(weight), kv_bytes_per_token=int(kv or 0), weights="real", architecture="unknown",
-            source=model.hub_id or str(folder),
+            source=model.hub_id or str(folder), tool_parser=model.tool_parser, reasoning=model.reasoning,
         )
     return catalog, entries
 

@@ -95,7 +95,8 @@ class ResidencyService:
             lease = await self.controller.acquire(model)
         except ControllerError as e:
             return error_dict(e)
-        return lease.model_dump() | {"kind": self.controller.state.catalog[model].kind}
+        entry = self.effects.entries[model]
+        return lease.model_dump() | {"kind": entry.kind, "tool_parser": entry.tool_parser, "reasoning": entry.reasoning}
 
     async def release(self, lease_id: str) -> None:
         self.controller.release(lease_id)

@@ -235,13 +235,8 @@ def test_vlm_rejects_controls_it_cannot_honour():
 
 UNSUPPORTED_CHAT = [
     ({"n": 2}, "n", "unsupported_value"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools", "unsupported_parameter"),
-    ({"tool_choice": "required"}, "tool_choice", "unsupported_value"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "unsupported_value"),
     ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
-    ({"function_call": {"name": "f"}}, "function_call", "unsupported_value"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type", "unsupported_value"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format.type", "unsupported_value"),
+    ({"function_call": {"name": "f"}}, "function_call", "unsupported_parameter"),
     ({"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"]}, "audio", "unsupported_parameter"),
     ({"modalities": ["text", "audio"]}, "modalities", "unsupported_value"),
     ({"web_search_options": {}}, "web_search_options", "unsupported_parameter"),
@@ -252,6 +247,36 @@ UNSUPPORTED_CHAT = [
 def test_unsupported_chat_fields_are_400_with_param(extra, param, code):
     err = _fails(parse_chat_request, _user(**extra))
     assert (err.param, err.code) == (param, code)
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+BAD_TOOLS = [
+    ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice", "invalid_value"),
+    ({"tools": [TOOL, TOOL]}, "tools", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name", "invalid_value"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "invalid_value"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "missing_required_parameter"),
+]
+
+
+@pytest.mark.parametrize("extra,param,code", BAD_TOOLS)
+def test_bad_tools_and_formats_are_400_with_param(extra, param, code):
+    err = _fails(parse_chat_request, _user(**extra))
+    assert (err.param, err.code) == (param, code)
+
+
+def test_tools_and_formats_reach_the_engine_request():
+    req = parse_chat_request(_user(tools=[TOOL], tool_choice="auto", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}))
+    fields = generation_fields(req)
+    assert fields["tools"] == [TOOL] and req.forced_tool is None and req.uses_tools
+    assert fields["constraint"] == {"type": "json_schema", "schema": {"type": "object"}, "strict": True}
+    named = parse_chat_request(_user(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert named.forced_tool == "get_weather"
+    assert parse_chat_request(_user(tools=[TOOL], tool_choice="required")).forced_tool == "required"
+    off = parse_chat_request(_user(tools=[TOOL], tool_choice="none"))
+    assert not off.uses_tools and "tools" not in generation_fields(off)
+    assert generation_fields(parse_chat_request(_user(response_format={"type": "json_object"})))["constraint"] == {"type": "json_object"}
 
 
 def test_harmless_values_of_unsupported_fields_pass():
@@ -662,5 +687,5 @@ def test_sdk_sees_openai_errors():
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2)
     assert info.value.param == "n" and info.value.code == "unsupported_value" and info.value.status_code == 400
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"})
-    assert info.value.param == "response_format.type"
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], tool_choice="required")
+    assert info.value.param == "tool_choice"

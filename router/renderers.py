@@ -1,0 +1,125 @@
+"""One generation's deltas rendered in the protocol the client spoke.
+
+The ingress runs every text generation the same way (lease, stream from the instance's actor,
+release); only the rendering differs. Each renderer takes the engine's delta dicts, runs them through
+the model's output parser (reasoning split, tool calls: router.output_parsing) where the protocol
+is a chat protocol, and returns SSE bytes (streaming) or the response body (not streaming). Errors
+leave in the same protocol's error format."""
+
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+
+from deployments.engine import HTTP_STATUS
+from router import anthropic_protocol as anth
+from router import openai_protocol as oai
+from router import responses_protocol as resp
+from router.output_parsing import OutputParser
+
+Protocol = Literal["openai", "anthropic"]
+
+
+def error_response(protocol: Protocol, status: int, code: str | None, message: str, param: str | None = None, retry_after_s: float | None = None) -> JSONResponse:
+    """An error in the protocol's own format, with Retry-After when waiting could help."""
+    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
+    body = anth.error_body(status, message, code) if protocol == "anthropic" else oai.error_body(status, code, message, param)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def protocol_error_response(protocol: Protocol, e: oai.ProtocolError) -> JSONResponse:
+    return error_response(protocol, e.status, e.code, e.message, e.param)
+
+
+class OpenAIRenderer:
+    """Chat completions (parsed: reasoning_content, tool_calls) and legacy completions (raw text)."""
+
+    protocol: Protocol = "openai"
+
+    def __init__(self, req: oai.ChatCompletionRequest | oai.CompletionRequest, parser: OutputParser | None):
+        self.chat = isinstance(req, oai.ChatCompletionRequest)
+        self.req = req
+        self.parser = parser
+        self.request_id = oai.new_request_id("chat" if self.chat else "completion")
+        self.created = oai.now()
+        self.encoder = oai.StreamEncoder(
+            "chat" if self.chat else "completion", req.model, self.request_id, self.created, include_usage=req.include_usage, statuses=HTTP_STATUS
+        )
+
+    def _parsed(self, delta: dict) -> dict:
+        return oai.with_events(delta, self.parser.feed(delta)) if self.parser is not None else delta
+
+    def start(self) -> bytes:
+        return b""
+
+    def feed(self, delta: dict) -> bytes:
+        return self.encoder.feed(self._parsed(delta))
+
+    def fail(self, status: int, code: str, message: str) -> bytes:
+        return self.encoder.error(code, message, status=status)
+
+    def close(self) -> bytes:
+        return self.encoder.close()
+
+    def respond(self, deltas: list[dict]) -> dict[str, Any]:
+        joined = oai.join_deltas([self._parsed(d) for d in deltas])
+        build = oai.chat_completion_response if self.chat else oai.completion_response
+        return build(self.req.model, self.request_id, self.created, joined, statuses=HTTP_STATUS)
+
+
+class AnthropicRenderer:
+    """Anthropic Messages: thinking / text / tool_use blocks, Anthropic's SSE event sequence."""
+
+    protocol: Protocol = "anthropic"
+
+    def __init__(self, req: anth.MessagesRequest, parser: OutputParser):
+        self.req = req
+        self.parser = parser
+        self.message_id = anth.new_message_id()
+        self.encoder = anth.MessageStreamEncoder(req.model, self.message_id, statuses=HTTP_STATUS)
+
+    def start(self) -> bytes:
+        return self.encoder.start()
+
+    def feed(self, delta: dict) -> bytes:
+        return b"".join(self.encoder.feed(e) for e in self.parser.feed(delta))
+
+    def fail(self, status: int, code: str, message: str) -> bytes:
+        return self.encoder.error(status, message, code)
+
+    def close(self) -> bytes:
+        return self.encoder.close()
+
+    def respond(self, deltas: list[dict]) -> dict[str, Any]:
+        events = [e for d in deltas for e in self.parser.feed(d)]
+        return anth.message_response(self.req.model, self.message_id, events, statuses=HTTP_STATUS)
+
+
+class ResponsesRenderer:
+    """OpenAI Responses: message / reasoning / function_call output items (stateless)."""
+
+    protocol: Protocol = "openai"
+
+    def __init__(self, req: resp.ResponsesRequest, parser: OutputParser):
+        self.req = req
+        self.parser = parser
+        self.response_id = resp.new_response_id()
+        self.encoder = resp.ResponseStreamEncoder(req, self.response_id, statuses=HTTP_STATUS)
+
+    def start(self) -> bytes:
+        return self.encoder.start()
+
+    def feed(self, delta: dict) -> bytes:
+        return b"".join(self.encoder.feed(e) for e in self.parser.feed(delta))
+
+    def fail(self, status: int, code: str, message: str) -> bytes:
+        return self.encoder.error(status, message, code)
+
+    def close(self) -> bytes:
+        return self.encoder.close()
+
+    def respond(self, deltas: list[dict]) -> dict[str, Any]:
+        events = [e for d in deltas for e in self.parser.feed(d)]
+        return resp.response_object(self.req, self.response_id, events, statuses=HTTP_STATUS)
+
+
+Renderer = OpenAIRenderer | AnthropicRenderer | ResponsesRenderer

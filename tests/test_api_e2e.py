@@ -1,0 +1,339 @@
+"""The full API surface end to end: a real Ray cluster, real MLX models, the official `openai` and
+`anthropic` SDKs as clients. Tool calls, JSON schemas and reasoning ride on random-weight models
+whose output is steered by constrained decoding (forced-call grammars, JSON schemas) or by the
+registry's reasoning markers, so every assertion is about what the router and engine guarantee,
+not about what a random model happens to say."""
+
+import base64
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import wave
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import pytest
+import requests
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # as cluster.local.SERVE_ENV
+
+ray = pytest.importorskip("ray")
+anthropic = pytest.importorskip("anthropic")
+import openai  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from router.app import build_app  # noqa: E402
+from router.registry import from_manifest  # noqa: E402
+from tests.test_cluster_e2e import free_port, node_args  # noqa: E402
+from tests.test_structured_output import random_schemas  # noqa: E402
+
+MIB = 1024**2
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def orchard(models_dir):
+    """One head node with room for every model; the Serve app with a few registry variants."""
+    cluster = Cluster(initialize_head=True, head_node_args=node_args("head", 6, 2) | {"include_dashboard": False})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    models = from_manifest(models_dir)
+    models += [
+        {"name": "llama-think", "kind": "llm", "path": "llama-10m", "reasoning": {"starts_inside": True}},
+        {"name": "llama-no-tools", "kind": "llm", "path": "llama-10m", "tool_parser": None},
+        {"name": "llama-mistral", "kind": "llm", "path": "llama-10m", "tool_parser": "mistral"},
+        {"name": "minilm-rerank", "kind": "rerank", "path": "all-minilm-l6-v2"},
+    ]
+    policy = {"min_residency_s": 0, "instance_overhead_bytes": 32 * MIB}
+    serve.run(build_app({"models_dir": str(models_dir), "models": models, "policy": policy, "max_audio_bytes": 2 * MIB}), name="orchard", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    yield {
+        "base": base,
+        "openai": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=180),
+        "anthropic": anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=180),
+    }
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+# ---- tools -------------------------------------------------------------------------------------
+
+
+def _weather_args(arguments: str) -> dict:
+    args = json.loads(arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    return args
+
+
+def test_forced_tool_call_round_trip(orchard):
+    client = orchard["openai"]
+    reply = client.chat.completions.create(
+        model="llama-10m", messages=USER, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=120
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and re.fullmatch(r"call_[0-9a-f]{24}", call.id)
+    _weather_args(call.function.arguments)
+    # the result goes back; the model answers in text (tool_choice none: no call parsing)
+    history = USER + [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
+    answer = client.chat.completions.create(model="llama-10m", messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
+    assert answer.usage.prompt_tokens > reply.usage.prompt_tokens  # the call and its result are in the prompt
+
+
+def test_streamed_tool_call_deltas_and_final_chunk(orchard):
+    stream = orchard["openai"].chat.completions.create(
+        model="llama-10m", messages=USER, tools=[WEATHER], tool_choice="required", max_tokens=120, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            call = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+            call["name"] += (d.function.name or "") if d.function else ""
+            call["arguments"] += (d.function.arguments or "") if d.function else ""
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["tool_calls"]  # the parser never swallows the final chunk
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    _weather_args(calls[0]["arguments"])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_mistral_family_call(orchard):
+    reply = orchard["openai"].chat.completions.create(model="llama-mistral", messages=USER, tools=[WEATHER], tool_choice="required", max_tokens=120)
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    _weather_args(call.function.arguments)
+
+
+def test_tools_to_a_model_without_a_parser_are_refused(orchard):
+    with pytest.raises(openai.BadRequestError) as info:
+        orchard["openai"].chat.completions.create(model="llama-no-tools", messages=USER, tools=[WEATHER], max_tokens=4)
+    assert info.value.code == "tools_not_supported" and info.value.param == "tools"
+
+
+# ---- structured output ---------------------------------------------------------------------------
+
+
+def test_twenty_random_json_schemas_validate_through_the_cluster(orchard):
+    client = orchard["openai"]
+    schemas = random_schemas(20, seed=7)
+
+    def ask(i_schema):
+        i, schema = i_schema
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+        if i % 4 == 0:  # some streamed
+            chunks = client.chat.completions.create(model="llama-10m", messages=USER, response_format=fmt, max_tokens=400, temperature=1.0, stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return client.chat.completions.create(model="llama-10m", messages=USER, response_format=fmt, max_tokens=400, temperature=1.0).choices[0].message.content
+
+    with ThreadPoolExecutor(10) as pool:
+        outputs = list(pool.map(ask, enumerate(schemas)))
+    for schema, text in zip(schemas, outputs):
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_response_format(orchard):
+    reply = orchard["openai"].chat.completions.create(model="llama-10m", messages=USER, response_format={"type": "json_object"}, max_tokens=200, temperature=1.0)
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    else:  # a random model may keep writing one object; what came out is still a JSON prefix
+        assert reply.choices[0].message.content.startswith("{")
+
+
+# ---- reasoning -----------------------------------------------------------------------------------
+
+
+def test_reasoning_is_split_into_reasoning_content(orchard):
+    """llama-think's markers open in the prompt (starts_inside): everything before </think> is
+    reasoning, which a random model never closes."""
+    reply = orchard["openai"].chat.completions.create(model="llama-think", messages=USER, max_tokens=12, temperature=0)
+    message = reply.choices[0].message.model_dump()
+    assert message["reasoning_content"] and not message["content"]
+    chunks = list(orchard["openai"].chat.completions.create(model="llama-think", messages=USER, max_tokens=12, temperature=0, stream=True))
+    streamed = "".join(c.choices[0].delta.model_dump().get("reasoning_content") or "" for c in chunks if c.choices)
+    assert streamed == message["reasoning_content"]
+
+
+# ---- Anthropic Messages --------------------------------------------------------------------------
+
+
+def test_anthropic_messages_plain_and_streamed(orchard):
+    client = orchard["anthropic"]
+    msg = client.messages.create(
+        model="smollm2-135m-instruct", max_tokens=16, system="You answer in one short sentence.",
+        messages=[{"role": "user", "content": "What is the capital of France?"}], extra_body={"temperature": 0},
+    )
+    assert msg.type == "message" and msg.role == "assistant" and msg.stop_reason in ("end_turn", "max_tokens")
+    assert "Paris" in msg.content[0].text and msg.usage.input_tokens > 0 and msg.usage.output_tokens > 0
+    with client.messages.stream(
+        model="smollm2-135m-instruct", max_tokens=16, system="You answer in one short sentence.",
+        messages=[{"role": "user", "content": "What is the capital of France?"}], extra_body={"temperature": 0},
+    ) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
+    assert final.content[0].text == msg.content[0].text
+
+
+def test_anthropic_tool_use_round_trip(orchard):
+    client = orchard["anthropic"]
+    tool = {"name": "get_weather", "description": "weather", "input_schema": WEATHER["function"]["parameters"]}
+    msg = client.messages.create(
+        model="llama-10m", max_tokens=120, tools=[tool], tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+    )
+    assert msg.stop_reason == "tool_use"
+    (use,) = [b for b in msg.content if b.type == "tool_use"]
+    jsonschema.validate(use.input, tool["input_schema"])
+    follow = client.messages.create(
+        model="llama-10m", max_tokens=8, tools=[tool],
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [b.model_dump() for b in msg.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C"}]},
+        ],
+    )
+    assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    with client.messages.stream(
+        model="llama-10m", max_tokens=120, tools=[tool], tool_choice={"type": "any"}, messages=[{"role": "user", "content": "Weather?"}]
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[-1].type == "tool_use"
+    jsonschema.validate(final.content[-1].input, tool["input_schema"])
+
+
+def test_anthropic_thinking_blocks(orchard):
+    msg = orchard["anthropic"].messages.create(model="llama-think", max_tokens=10, messages=[{"role": "user", "content": "hi"}])
+    assert msg.content[0].type == "thinking" and msg.content[0].thinking
+
+
+def test_anthropic_count_tokens_and_errors(orchard):
+    client = orchard["anthropic"]
+    short = client.messages.count_tokens(model="llama-10m", messages=[{"role": "user", "content": "hi"}])
+    longer = client.messages.count_tokens(model="llama-10m", messages=[{"role": "user", "content": "hi " * 50}], system="Be brief.")
+    assert 0 < short.input_tokens < longer.input_tokens
+    with pytest.raises(anthropic.NotFoundError) as info:
+        client.messages.create(model="no-such-model", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model="llama-10m", max_tokens=4, messages=[])
+    assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "invalid_request_error"
+
+
+# ---- Responses -----------------------------------------------------------------------------------
+
+
+def test_responses_text_stream_and_function_call(orchard):
+    client = orchard["openai"]
+    r = client.responses.create(model="smollm2-135m-instruct", input="What is the capital of France?", instructions="Answer briefly.", max_output_tokens=16, temperature=0)
+    assert r.status in ("completed", "incomplete") and "Paris" in r.output_text
+    with client.responses.stream(model="smollm2-135m-instruct", input="What is the capital of France?", instructions="Answer briefly.", max_output_tokens=16, temperature=0) as stream:
+        kinds = [e.type for e in stream]
+    assert kinds[0] == "response.created" and "response.output_text.delta" in kinds
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"], "strict": True}
+    r = client.responses.create(model="llama-10m", input="Weather in Paris?", tools=[tool], tool_choice="required", max_output_tokens=120)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather"
+    _weather_args(call.arguments)
+
+
+# ---- vision --------------------------------------------------------------------------------------
+
+
+def _png_data_url() -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_image_parts_reach_the_vision_model_and_are_refused_elsewhere(orchard):
+    client = orchard["openai"]
+    content = [{"type": "text", "text": "What colour is this?"}, {"type": "image_url", "image_url": {"url": _png_data_url()}}]
+    reply = client.chat.completions.create(model="llava-tiny-random", messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens > 0
+    remote = [{"type": "text", "text": "?"}, {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="llava-tiny-random", messages=[{"role": "user", "content": remote}], max_tokens=4)
+    assert info.value.code == "invalid_image_url" and info.value.param == "messages[0].content[1].image_url.url"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="llama-10m", messages=[{"role": "user", "content": content}], max_tokens=4)
+    assert "image" in info.value.message
+
+
+# ---- audio ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng is not on PATH")
+def test_transcription_of_espeak_speech(orchard, tmp_path):
+    wav = tmp_path / "speech.wav"
+    subprocess.run(["espeak-ng", "-s", "120", "-w", str(wav), "The quick brown fox jumps over the lazy dog."], check=True, capture_output=True)
+    client = orchard["openai"]
+    with wav.open("rb") as f:
+        result = client.audio.transcriptions.create(model="whisper-tiny-en", file=f)
+    heard = set(re.findall(r"[a-z]+", result.text.lower()))
+    assert len(heard & {"quick", "brown", "fox", "jumps", "over", "lazy", "dog"}) >= 5, result.text
+    with wav.open("rb") as f:
+        text = client.audio.transcriptions.create(model="whisper-tiny-en", file=f, response_format="text")
+    assert isinstance(text, str) and "fox" in text.lower()
+    with wav.open("rb") as f:
+        verbose = client.audio.transcriptions.create(model="whisper-tiny-en", file=f, response_format="verbose_json")
+    assert verbose.duration > 1 and verbose.segments
+    big = io.BytesIO(b"RIFF" + b"\0" * (3 * MIB))
+    with pytest.raises(openai.APIStatusError) as info:
+        client.audio.transcriptions.create(model="whisper-tiny-en", file=("big.wav", big))
+    assert info.value.status_code == 413
+
+
+def test_speech_returns_wav(orchard):
+    audio = orchard["openai"].audio.speech.create(model="soprano-tiny-random", input="Hello from Orchard.", voice="alloy")
+    with wave.open(io.BytesIO(audio.content)) as w:
+        assert w.getnframes() > 0 and w.getnchannels() == 1
+    with pytest.raises(openai.BadRequestError):
+        orchard["openai"].audio.speech.create(model="llama-10m", input="hi", voice="alloy")
+
+
+# ---- rerank --------------------------------------------------------------------------------------
+
+
+def test_rerank_orders_relevant_documents_first(orchard):
+    docs = [
+        "The Eiffel Tower is in Paris.",
+        "Bananas are rich in potassium.",
+        {"text": "Paris is the capital and largest city of France."},
+        "Photosynthesis happens in chloroplasts.",
+    ]
+    body = {"model": "minilm-rerank", "query": "What is the capital of France?", "documents": docs, "top_n": 2, "return_documents": True}
+    r = requests.post(orchard["base"] + "/v1/rerank", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == [2, 0] and results[0]["relevance_score"] >= results[1]["relevance_score"]
+    assert results[0]["document"]["text"].startswith("Paris is the capital")
+    bad = requests.post(orchard["base"] + "/v1/rerank", json=body | {"model": "llama-10m"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
