@@ -97,8 +97,14 @@ def test_stop_strings_cut_exactly_and_never_leak(engine):
     deltas = run(streamed())
     text = "".join(d.text for d in deltas)
     assert text == full[: full.find(stop)]
-    assert deltas[-1].finish_reason == "stop"
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_sequence == stop
     assert all(stop not in d.text for d in deltas)
+
+    # of several stop strings, the one found first in the text ended it, whatever the list order
+    later = full[20:24]
+    assert later not in full[:20]
+    both = run(engine.complete(greedy(PROMPTS[1], 40, stop=[later, stop])))
+    assert both.text == full[: full.find(stop)] and both.stop_sequence == stop
 
 
 def test_unicode_streams_whole_characters(engine):
@@ -131,7 +137,7 @@ def test_seed_reproduces_even_inside_a_batch(engine):
 def test_max_tokens_usage_and_logprobs(engine):
     d = run(engine.complete(greedy("Hello there", 7, logprobs=True, top_logprobs=3)))
     prompt_tokens = len(engine.tokenizer.encode("Hello there", add_special_tokens=False))
-    assert d.finish_reason == "length"
+    assert d.finish_reason == "length" and d.stop_sequence is None
     assert (d.usage.prompt_tokens, d.usage.completion_tokens) == (prompt_tokens, 7)
     assert len(d.logprobs) == 7 and [lp.token_id for lp in d.logprobs] == d.token_ids
     for lp in d.logprobs:

@@ -9,6 +9,7 @@ requests through mlx-lm's LRUPromptCache."""
 import asyncio
 import gc
 import itertools
+import math
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -21,9 +22,12 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from deployments.engine import Engine, Frozen, MemoryReport, RequestError
+from deployments.engines.chat_format import chat_inputs, template_supports_tools
+from deployments.engines.constrained import Constraint, GrammarCompiler, GrammarProcessor
+from deployments.engines.text_stream import StopStringFilter
 from deployments.estimate import kv_bytes_per_token
 from deployments.manifest import safetensors_bytes
 from deployments.worker import MLXWorker
@@ -32,7 +36,12 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
 class GenerationRequest(Frozen):
-    """One completion. Exactly one of prompt (raw text), messages (chat) or prompt_tokens."""
+    """One completion. Exactly one of prompt (raw text), messages (chat) or prompt_tokens.
+
+    messages may hold OpenAI tool history: assistant messages with `tool_calls` (content None) and
+    role "tool" messages with `tool_call_id`. `tools` are OpenAI function tools; a chat template
+    that knows tools gets them, any other renders them through `chat_format`. `constraint` makes
+    the output match a JSON object / JSON schema / regex / Lark grammar (`constrained`)."""
 
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -51,6 +60,17 @@ class GenerationRequest(Frozen):
     logit_bias: dict[int, float] | None = None
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
+    constraint: Constraint | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(tools or ()):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError(f'tools[{i}] is not {{"type": "function", "function": {{"name": ..., ...}}}}')
+        return tools
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerationRequest":
@@ -87,6 +107,7 @@ class Delta(Frozen):
     usage: Usage | None = None
     error: str | None = None
     error_code: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the stream (None for EOS / length)
 
 
 def seeded_sampler(temp: float, top_p: float, min_p: float, top_k: int, seed: int) -> Callable[[mx.array], mx.array]:
@@ -120,6 +141,7 @@ class _Stream:
     out: asyncio.Queue
     detokenizer: Any
     stops: Any
+    grammar: GrammarProcessor | None = None
     uid: int = -1
     cached: int = 0
     completion: int = 0
@@ -172,6 +194,12 @@ class LLMEngine(Engine):
         self.kv_bytes_per_token = kv_bytes_per_token(config)
         self.eos_ids = sorted(self.tokenizer.eos_token_ids)
         self.prompt_cache = LRUPromptCache(max_size=max(1, self._prompt_cache_entries), max_bytes=self._prompt_cache_bytes)
+        hf_tokenizer = self.tokenizer._tokenizer
+        self.grammars = GrammarCompiler(hf_tokenizer, self.eos_ids, getattr(getattr(self.model, "args", None), "vocab_size", None))
+        # mlx-lm's own renderers (a Python chat template) take tools; a Jinja one must name them
+        self.template_knows_tools = getattr(self.tokenizer, "_chat_template", None) is not None or template_supports_tools(
+            getattr(hf_tokenizer, "chat_template", None)
+        )
         self.generator = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -210,12 +238,17 @@ class LLMEngine(Engine):
     # ---- the request API (event loop side) --------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         """Stream the deltas of one request. Closing the iterator early cancels the request and
-        frees its KV cache at once."""
+        frees its KV cache at once. A constraint whose grammar does not compile raises
+        RequestError(invalid_request, param response_format) before any output."""
         self._check_ready()
+        grammar = None
+        if request.constraint is not None:
+            # compiled off the event loop and off the MLX thread (whose steps serve every stream)
+            grammar = await asyncio.to_thread(self.grammars.compile, request.constraint)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[Delta] = asyncio.Queue()
         request_id = next(self._ids)
-        self._commands.put(("add", (request_id, request, loop, out)))
+        self._commands.put(("add", (request_id, request, loop, out, grammar)))
         finished = False
         try:
             while True:
@@ -240,7 +273,7 @@ class LLMEngine(Engine):
             raise RequestError(last.error_code or "internal", last.error or "generation failed")
         return Delta(
             text="".join(text), token_ids=tokens, logprobs=logprobs if request.logprobs else None,
-            finish_reason=last.finish_reason, usage=last.usage,
+            finish_reason=last.finish_reason, usage=last.usage, stop_sequence=last.stop_sequence,
         )
 
     # ---- the loop (worker thread) ----------------------------------------------------------
@@ -319,9 +352,9 @@ class LLMEngine(Engine):
     ) -> None:
         kind, payload = command
         if kind == "add":
-            rid, request, loop, out = payload
+            rid, request, loop, out, grammar = payload
             try:
-                stream = self._admit(request, loop, out)
+                stream = self._admit(request, loop, out, grammar)
             except Exception as e:
                 code = e.code if isinstance(e, RequestError) else "internal"
                 message = e.message if isinstance(e, RequestError) else f"{type(e).__name__}: {e}"
@@ -339,7 +372,9 @@ class LLMEngine(Engine):
                 self._finish(stream, "cancelled")
                 outbox.append(stream)
 
-    def _admit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> _Stream:
+    def _admit(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, out: asyncio.Queue, grammar: GrammarProcessor | None = None
+    ) -> _Stream:
         tokens = self._tokenize(request)
         if not tokens:
             raise RequestError("invalid_request", "the prompt is empty")
@@ -364,7 +399,7 @@ class LLMEngine(Engine):
         cached = len(tokens) - len(rest)
         stream = _Stream(
             request=request, tokens=tokens, loop=loop, out=out, detokenizer=self.tokenizer.detokenizer,
-            stops=_stop_filter(request.stop), cached=cached,
+            stops=_stop_filter(request.stop), cached=cached, grammar=grammar,
         )
         (stream.uid,) = self.generator.insert(
             [rest],
@@ -372,7 +407,7 @@ class LLMEngine(Engine):
             caches=[cache] if cache is not None else None,
             all_tokens=[tokens[:cached]],
             samplers=[_sampler(request)],
-            logits_processors=[_processors(request)],
+            logits_processors=[_processors(request) + ([grammar] if grammar is not None else [])],  # the mask last
             stop_sequences=[StopSequences([[t] for t in self.eos_ids])],
         )
         return stream
@@ -383,9 +418,10 @@ class LLMEngine(Engine):
         if request.messages is not None:
             if not request.messages:
                 raise RequestError("invalid_request", "messages is empty")
+            messages, extra = chat_inputs(request.messages, request.tools, self.template_knows_tools)
             try:
                 tokens = self.tokenizer.apply_chat_template(
-                    request.messages, add_generation_prompt=True, **request.chat_template_kwargs
+                    messages, add_generation_prompt=True, **extra, **request.chat_template_kwargs
                 )
             except Exception as e:
                 raise RequestError("invalid_request", f"the chat template rejected the messages: {e}") from e
@@ -404,8 +440,11 @@ class LLMEngine(Engine):
         logprobs = self._logprobs(stream.request, r) if stream.request.logprobs and not eos else None
         token_ids = [] if eos else [r.token]
         stream.pending.append(Delta(text=text, token_ids=token_ids, logprobs=logprobs))
+        if stream.grammar is not None and stream.grammar.error is not None:
+            self._finish(stream, "error", error=stream.grammar.error, code="internal")
+            return True
         if stream.stops and stream.stops.stopped:
-            self._finish(stream, "stop")
+            self._finish(stream, "stop", stop_sequence=stream.stops.matched)
             return True
         if r.finish_reason is not None:
             if stream.stops:
@@ -421,12 +460,15 @@ class LLMEngine(Engine):
             ids = mx.argpartition(-row, request.top_logprobs - 1)[: request.top_logprobs]
             values = row[ids]
             pairs = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
-            top = [(i, self.tokenizer.decode([i]), v) for i, v in pairs]
+            # a grammar leaves some tokens at -inf: they are not alternatives (nor valid JSON)
+            top = [(i, self.tokenizer.decode([i]), v) for i, v in pairs if v != -math.inf]
         return [TokenLogprob(token_id=r.token, token=self.tokenizer.decode([r.token]), logprob=row[r.token].item(), top=top)]
 
-    def _finish(self, stream: _Stream, reason: FinishReason, error: str | None = None, code: str | None = None) -> None:
+    def _finish(
+        self, stream: _Stream, reason: FinishReason, error: str | None = None, code: str | None = None, stop_sequence: str | None = None
+    ) -> None:
         usage = Usage(prompt_tokens=len(stream.tokens), completion_tokens=stream.completion, cached_tokens=stream.cached)
-        stream.pending.append(Delta(finish_reason=reason, usage=usage, error=error, error_code=code))
+        stream.pending.append(Delta(finish_reason=reason, usage=usage, error=error, error_code=code, stop_sequence=stop_sequence))
 
 
 def _merged(stream: _Stream) -> Delta:
@@ -440,6 +482,7 @@ def _merged(stream: _Stream) -> Delta:
         usage=pending[-1].usage,
         error=pending[-1].error,
         error_code=pending[-1].error_code,
+        stop_sequence=pending[-1].stop_sequence,
     )
 
 
@@ -464,10 +507,24 @@ def _put(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Delta
         pass  # that event loop is closed: its client is gone
 
 
-def _stop_filter(stops: list[str]):
-    from deployments.engines.text_stream import StopStringFilter
+class _StopFilter(StopStringFilter):
+    """StopStringFilter that also keeps which stop string cut the text (`matched`)."""
 
-    return StopStringFilter(stops) if stops else None
+    matched: str | None = None
+
+    def push(self, segment: str) -> str:
+        if self.stopped:
+            return ""
+        text = self._held + segment
+        out = super().push(segment)
+        if self.stopped:  # the cut is where the earliest stop string starts
+            rest = text[len(out) :]
+            self.matched = next((s for s in self.stops if rest.startswith(s)), None)
+        return out
+
+
+def _stop_filter(stops: list[str]) -> _StopFilter | None:
+    return _StopFilter(stops) if stops else None
 
 
 def _sampler(request: GenerationRequest):
