@@ -84,12 +84,13 @@ def default_ip() -> str:
     return "127.0.0.1" if sys.platform == "darwin" else "127.0.0.2"
 
 
-# Ray Serve's throughput mode: user code on the replica's own loop, gRPC between Serve actors, and
-# direct ingress (the ingress replica answers HTTP itself instead of relaying every SSE event
-# through the proxy actor). Measured through the full path: llama-10m at 16 streams 0.79x -> 0.86x
-# of the in-process engine (docs/serve-benchmark.md). Read by every Serve process at import, so it
-# must be in the environment of every node (Macs: export it before `ray start`).
-SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# Ray Serve's throughput mode: user code on the replica's own event loop (no thread hop per call)
+# and gRPC between Serve actors. Measured through the full path: llama-10m at 16 streams 0.79x ->
+# 0.86x of the in-process engine (docs/serve-benchmark.md). The mode also turns on "direct ingress"
+# (each ingress replica opens an HTTP port of its own beside the proxy's); Orchard keeps that off:
+# clients use the one proxy URL, and no extra port is opened. Read by every Serve process at
+# import, so it must be in the environment of every node (Macs: export both before `ray start`).
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 
 
 def ray_env(temp_root: Path) -> dict[str, str]:

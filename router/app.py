@@ -9,14 +9,13 @@ frozen node from hanging a stream."""
 import asyncio
 import hmac
 import time
-import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError
 from ray import serve
 
 from cluster.placement import NAMESPACE, actor_name
@@ -30,6 +29,7 @@ from router.output_parsing import OutputConfig, OutputParser
 from router.renderers import AnthropicRenderer, OpenAIRenderer, Protocol, Renderer, ResponsesRenderer, error_response, protocol_error_response
 from router.residency_service import ON_HEAD, ResidencyService
 from router.tool_grammar import forced_call_grammar
+from router.rerank_audio_protocol import RerankRequest, SpeechRequest, TranscriptionForm, rerank_response
 from router.stream_mux import StreamMux, Unavailable
 
 app = FastAPI(title="Orchard", description="Many MLX models, one OpenAI-compatible URL")
@@ -422,72 +422,11 @@ class Ingress:
             return failure
         audio, failure = await self._call(
             body.model, "tts", "a text-to-speech model",
-            lambda a: a.speak.remote(body.input, body.voice, body.speed, body.response_format),
+            lambda a: a.speak.remote(body.input, body.engine_voice(), body.speed, body.response_format),
         )
         if failure is not None:
             return failure
         return Response(audio, media_type="audio/wav" if body.response_format == "wav" else "audio/pcm")
-
-
-class RerankRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = Field(min_length=1)
-    query: str = Field(min_length=1)
-    documents: list[str | dict[str, Any]] = Field(min_length=1, max_length=1000)
-    top_n: int | None = Field(default=None, ge=1)
-    return_documents: bool = False
-
-    def texts(self) -> list[str]:
-        out = []
-        for i, d in enumerate(self.documents):
-            text = d if isinstance(d, str) else d.get("text")
-            if not isinstance(text, str):
-                raise oai.ProtocolError(400, "invalid_value", "a document is a string or {\"text\": ...}", f"documents[{i}]")
-            out.append(text)
-        return out
-
-    @model_validator(mode="after")
-    def _documents_have_text(self) -> "RerankRequest":
-        self.texts()
-        return self
-
-
-def rerank_response(req: RerankRequest, result: dict) -> dict:
-    """Cohere v2 / Jina: results best first with index and relevance_score (and the document)."""
-    texts = req.texts()
-    results = []
-    for r in result["results"]:
-        item = {"index": r["index"], "relevance_score": r["relevance_score"]}
-        if req.return_documents:
-            item["document"] = {"text": texts[r["index"]]}
-        results.append(item)
-    tokens = (result.get("usage") or {}).get("total_tokens", 0)
-    return {
-        "id": f"rerank-{uuid.uuid4().hex}", "object": "list", "model": req.model, "results": results,
-        "usage": {"total_tokens": tokens}, "meta": {"billed_units": {"search_units": 1}},
-    }
-
-
-class TranscriptionForm(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = Field(min_length=1)
-    language: str | None = None
-    prompt: str | None = None
-    temperature: float = Field(default=0.0, ge=0, le=1)
-    response_format: str = "json"
-
-
-class SpeechRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = Field(min_length=1)
-    input: str = Field(min_length=1, max_length=4096)
-    voice: str | None = None
-    response_format: str = "wav"
-    speed: float = Field(default=1.0, ge=0.25, le=4.0)
-    stream_format: Literal["audio"] | None = None  # "sse" streaming is not offered
 
 
 class AppArgs(BaseModel):

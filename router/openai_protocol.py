@@ -690,7 +690,7 @@ def generation_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[st
             template.setdefault("reasoning_effort", req.reasoning_effort)
         if template:
             out["chat_template_kwargs"] = template
-        if req.uses_tools:
+        if req.tools:  # with tool_choice "none" too: the tools stay in the prompt, calls are not parsed
             out["tools"] = [t.as_dict() for t in req.tools]
         if req.response_format is not None and req.response_format.constraint() is not None:
             out["constraint"] = req.response_format.constraint()
@@ -732,7 +732,7 @@ def to_vlm_request(req: ChatCompletionRequest) -> dict[str, Any]:
         "min_p": bool(req.min_p),
         "repetition_penalty": req.repetition_penalty not in (None, 1.0),
         "chat_template_kwargs": bool(req.chat_template_kwargs),
-        "tools": req.uses_tools,
+        "tools": bool(req.tools),
         "response_format": req.response_format is not None and req.response_format.type != "text",
     }
     bad = next((name for name, on in used.items() if on), None)

@@ -20,7 +20,8 @@ import requests
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # as cluster.local.SERVE_ENV
+for _k, _v in {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}.items():  # cluster.local.SERVE_ENV
+    os.environ.setdefault(_k, _v)
 
 ray = pytest.importorskip("ray")
 anthropic = pytest.importorskip("anthropic")
@@ -31,6 +32,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from router.app import build_app  # noqa: E402
 from router.registry import from_manifest  # noqa: E402
 from tests.test_cluster_e2e import free_port, node_args  # noqa: E402
+from tests.test_engine_stt import REFERENCE, words  # noqa: E402
 from tests.test_structured_output import random_schemas  # noqa: E402
 
 MIB = 1024**2
@@ -103,6 +105,7 @@ def test_forced_tool_call_round_trip(orchard):
     answer = client.chat.completions.create(model="llama-10m", messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8)
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
     assert answer.usage.prompt_tokens > reply.usage.prompt_tokens  # the call and its result are in the prompt
+    assert "get_weather" not in (answer.choices[0].message.content or "") or answer.choices[0].message.tool_calls is None
 
 
 def test_streamed_tool_call_deltas_and_final_chunk(orchard):
@@ -250,9 +253,9 @@ def test_anthropic_count_tokens_and_errors(orchard):
 
 def test_responses_text_stream_and_function_call(orchard):
     client = orchard["openai"]
-    r = client.responses.create(model="smollm2-135m-instruct", input="What is the capital of France?", instructions="Answer briefly.", max_output_tokens=16, temperature=0)
+    r = client.responses.create(model="smollm2-135m-instruct", input="What is the capital of France?", instructions="You answer in one short sentence.", max_output_tokens=16, temperature=0)
     assert r.status in ("completed", "incomplete") and "Paris" in r.output_text
-    with client.responses.stream(model="smollm2-135m-instruct", input="What is the capital of France?", instructions="Answer briefly.", max_output_tokens=16, temperature=0) as stream:
+    with client.responses.stream(model="smollm2-135m-instruct", input="What is the capital of France?", instructions="You answer in one short sentence.", max_output_tokens=16, temperature=0) as stream:
         kinds = [e.type for e in stream]
     assert kinds[0] == "response.created" and "response.output_text.delta" in kinds
     tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"], "strict": True}
@@ -293,12 +296,13 @@ def test_image_parts_reach_the_vision_model_and_are_refused_elsewhere(orchard):
 @pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng is not on PATH")
 def test_transcription_of_espeak_speech(orchard, tmp_path):
     wav = tmp_path / "speech.wav"
-    subprocess.run(["espeak-ng", "-s", "120", "-w", str(wav), "The quick brown fox jumps over the lazy dog."], check=True, capture_output=True)
+    subprocess.run(["espeak-ng", "-s", "120", "-w", str(wav), REFERENCE], check=True, capture_output=True)
     client = orchard["openai"]
     with wav.open("rb") as f:
         result = client.audio.transcriptions.create(model="whisper-tiny-en", file=f)
-    heard = set(re.findall(r"[a-z]+", result.text.lower()))
-    assert len(heard & {"quick", "brown", "fox", "jumps", "over", "lazy", "dog"}) >= 5, result.text
+    said = words(REFERENCE)
+    heard = set(words(result.text))
+    assert sum(w in heard for w in said) >= 0.6 * len(said), result.text  # the engine test scores 11 of 13
     with wav.open("rb") as f:
         text = client.audio.transcriptions.create(model="whisper-tiny-en", file=f, response_format="text")
     assert isinstance(text, str) and "fox" in text.lower()

@@ -11,7 +11,8 @@ import requests
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # as cluster.local.SERVE_ENV: the product's Serve mode
+for _k, _v in {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}.items():  # cluster.local.SERVE_ENV
+    os.environ.setdefault(_k, _v)
 
 ray = pytest.importorskip("ray")
 from openai import OpenAI  # noqa: E402

@@ -16,7 +16,8 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # as cluster.local.SERVE_ENV: the product's Serve mode
+for _k, _v in {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}.items():  # cluster.local.SERVE_ENV
+    os.environ.setdefault(_k, _v)
 
 import ray  # noqa: E402
 import requests  # noqa: E402
@@ -36,39 +37,68 @@ def messages(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]} (number {i})."}]
 
 
-async def through_http(client: AsyncOpenAI, model: str, n: int, max_tokens: int) -> tuple[int, float, list[float]]:
-    async def one(i: int) -> tuple[int, float]:
-        started = time.perf_counter()
-        first = None
-        tokens = 0
-        stream = await client.chat.completions.create(
-            model=model, messages=messages(i), max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}
-        )
-        async for chunk in stream:
-            if first is None and chunk.choices and chunk.choices[0].delta.content:
-                first = time.perf_counter() - started
-            if chunk.usage:
-                tokens = chunk.usage.completion_tokens
-        return tokens, first or 0.0
-
+async def http_one(client: AsyncOpenAI, model: str, i: int, max_tokens: int) -> tuple[int, float]:
+    """One streamed chat request: (completion tokens, seconds to the first content)."""
     started = time.perf_counter()
-    results = await asyncio.gather(*(one(i) for i in range(n)))
+    first = None
+    tokens = 0
+    stream = await client.chat.completions.create(
+        model=model, messages=messages(i), max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    async for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - started
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    return tokens, first or 0.0
+
+
+async def engine_one(engine: LLMEngine, i: int, max_tokens: int) -> tuple[int, float]:
+    started = time.perf_counter()
+    first, tokens = None, 0
+    async for d in engine.generate(GenerationRequest(messages=messages(i), max_tokens=max_tokens, temperature=0)):
+        if first is None and d.text:
+            first = time.perf_counter() - started
+        if d.usage:
+            tokens = d.usage.completion_tokens
+    return tokens, first or 0.0
+
+
+async def closed_loop(one, n: int, seconds: float) -> tuple[int, float, list[float]]:
+    """n clients, each sending its next request as soon as the last one ends, for `seconds` (a
+    request started in time runs to its end): steady-state tokens, elapsed seconds, TTFTs. Steady
+    state, not one burst of n, so the ramp-up and the tail of a single round do not dominate."""
+    started = time.perf_counter()
+    deadline = started + seconds
+    ttfts: list[float] = []
+
+    async def client(k: int) -> int:
+        tokens, i = 0, k
+        while time.perf_counter() < deadline:
+            t, f = await one(i)
+            tokens += t
+            ttfts.append(f)
+            i += n
+        return tokens
+
+    totals = await asyncio.gather(*(client(k) for k in range(n)))
+    return sum(totals), time.perf_counter() - started, ttfts
+
+
+async def through_http(client: AsyncOpenAI, model: str, n: int, max_tokens: int, seconds: float = 0.0) -> tuple[int, float, list[float]]:
+    """n concurrent streams once each (seconds=0), or a closed loop of n clients for `seconds`."""
+    if seconds > 0:
+        return await closed_loop(lambda i: http_one(client, model, i, max_tokens), n, seconds)
+    started = time.perf_counter()
+    results = await asyncio.gather(*(http_one(client, model, i, max_tokens) for i in range(n)))
     return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
 
 
-async def in_process(engine: LLMEngine, n: int, max_tokens: int) -> tuple[int, float, list[float]]:
-    async def one(i: int) -> tuple[int, float]:
-        started = time.perf_counter()
-        first, tokens = None, 0
-        async for d in engine.generate(GenerationRequest(messages=messages(i), max_tokens=max_tokens, temperature=0)):
-            if first is None and d.text:
-                first = time.perf_counter() - started
-            if d.usage:
-                tokens = d.usage.completion_tokens
-        return tokens, first or 0.0
-
+async def in_process(engine: LLMEngine, n: int, max_tokens: int, seconds: float = 0.0) -> tuple[int, float, list[float]]:
+    if seconds > 0:
+        return await closed_loop(lambda i: engine_one(engine, i, max_tokens), n, seconds)
     started = time.perf_counter()
-    results = await asyncio.gather(*(one(i) for i in range(n)))
+    results = await asyncio.gather(*(engine_one(engine, i, max_tokens) for i in range(n)))
     return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
 
 
@@ -82,6 +112,7 @@ def main() -> None:
     parser.add_argument("--models-dir", default="models")
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--models", default="llama-10m,smollm2-135m-instruct")
+    parser.add_argument("--seconds", type=float, default=20.0, help="steady-state seconds per throughput cell")
     parser.add_argument("--coalesce-tokens", type=int, default=8)
     parser.add_argument("--coalesce-ms", type=float, default=50.0)
     parser.add_argument("--json", default="bench/results/serve.json")
@@ -131,8 +162,8 @@ def main() -> None:
                 "engine_p50_ms": round(1000 * statistics.median(engine_f), 1), "engine_p95_ms": round(1000 * pct(engine_f, 0.95), 1),
             })
             for c in concurrencies:
-                h_tokens, h_s, _ = await through_http(client, model, c, max_tokens)
-                e_tokens, e_s, _ = await in_process(engine, c, max_tokens)
+                e_tokens, e_s, _ = await in_process(engine, c, max_tokens, args.seconds)
+                h_tokens, h_s, _ = await through_http(client, model, c, max_tokens, args.seconds)
                 row = {"model": model, "concurrency": c, "http_tok_s": round(h_tokens / h_s, 1), "engine_tok_s": round(e_tokens / e_s, 1)}
                 row["ratio"] = round(row["http_tok_s"] / row["engine_tok_s"], 3)
                 print(f"| {model} | {c} | {row['engine_tok_s']} | {row['http_tok_s']} | {row['ratio']:.2f} |", flush=True)
@@ -143,7 +174,7 @@ def main() -> None:
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
-    result = {"coalesce": {"tokens": args.coalesce_tokens, "ms": args.coalesce_ms}, "throughput": rows, "ttft": ttft, "cold_start": cold, "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()}}
+    result = {"coalesce": {"tokens": args.coalesce_tokens, "ms": args.coalesce_ms}, "seconds_per_cell": args.seconds, "throughput": rows, "ttft": ttft, "cold_start": cold, "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     text = render(result)

@@ -412,6 +412,13 @@ class LLMEngine(Engine):
         )
         return stream
 
+    def tokenize(self, request: GenerationRequest) -> list[int]:
+        """The prompt tokens the engine would feed for `request` (chat template and tools applied),
+        without generating: for token counting. Safe off the MLX thread (tokenizer only)."""
+        if self.tokenizer is None:
+            raise RequestError("engine_stopped", f"model {self.name} is not loaded")
+        return self._tokenize(request)
+
     def _tokenize(self, request: GenerationRequest) -> list[int]:
         if request.prompt_tokens is not None:
             return list(request.prompt_tokens)
