@@ -198,6 +198,7 @@ class ModelServer:
         engine_options: dict[str, Any] | None = None,
         coalesce_tokens: int = 4,
         coalesce_ms: float = 25.0,
+        coalesce_max_ms: float | None = None,
     ):
         from deployments.models import open_engine
 
@@ -207,6 +208,10 @@ class ModelServer:
         self.path = Path(model_location(self.entry, models_dir))
         self.coalesce_tokens = coalesce_tokens
         self.coalesce_ms = coalesce_ms
+        # Channels stretch their flush interval from coalesce_ms (up to 8 streams) linearly to
+        # coalesce_max_ms (16 streams and more): each SSE event costs the same CPU whatever it
+        # carries, and a stream's own token rate falls as the batch grows.
+        self.coalesce_max_ms = max(coalesce_ms, coalesce_max_ms if coalesce_max_ms is not None else coalesce_ms)
         self.engine = open_engine(self.entry, Path(models_dir), **(engine_options or {}))
         self._in_flight = 0
         self._load_lock = asyncio.Lock()
@@ -378,14 +383,14 @@ class ModelServer:
     async def channel(self, channel_id: str) -> AsyncIterator[list[tuple[str, dict]]]:
         """The stream of batches for one caller: [(request_id, delta dict), ...], one Ray item per
         flush. A flush goes out at once when a stream has its first delta, its end, or
-        `coalesce_tokens` tokens waiting, else `coalesce_ms` after the oldest waiting delta. A
+        `coalesce_tokens` tokens waiting, else `flush_interval_s()` after the oldest waiting delta. A
         request that fails before any output sends {"failure": {code, message, param}} as its only
         item. Closing the channel (the caller went away) cancels its requests."""
         ch = self._channels.setdefault(channel_id, _Channel())
-        wait_s = self.coalesce_ms / 1000.0
         try:
             while True:
                 await ch.wake.wait()
+                wait_s = self.flush_interval_s(len(ch.tasks))
                 left = ch.oldest + wait_s - time.monotonic() if ch.oldest is not None else 0.0
                 if left > 0 and not ch.urgent.is_set():
                     with contextlib.suppress(asyncio.TimeoutError):
@@ -396,6 +401,11 @@ class ModelServer:
                 task.cancel()
             self._channels.pop(channel_id, None)
             self._closed_channels.add(channel_id)
+
+    def flush_interval_s(self, streams: int) -> float:
+        """coalesce_ms with up to 8 open streams, rising linearly to coalesce_max_ms at 16."""
+        stretch = min(1.0, max(0.0, (streams - 8) / 8))
+        return (self.coalesce_ms + stretch * (self.coalesce_max_ms - self.coalesce_ms)) / 1000.0
 
     def submit(self, channel_id: str, request_id: str, request: dict) -> None:
         """Start a generation whose deltas go out on `channel_id` under `request_id`. Never raises:

@@ -444,6 +444,8 @@ class AppArgs(BaseModel):
     # 8 / 50 ms measured better than 4 / 25 ms through the full path (docs/serve-benchmark.md).
     coalesce_tokens: int = Field(default=8, ge=1)
     coalesce_ms: float = Field(default=50.0, ge=0)
+    # ... stretched linearly to this at 16+ streams on one instance (docs/serve-benchmark.md).
+    coalesce_max_ms: float = Field(default=100.0, ge=0)
     # Vision: image parts may be data: URLs; http(s) URLs only when the operator allows fetching.
     allow_remote_images: bool = False
     max_audio_bytes: int = Field(default=25 * 1024**2, ge=1)  # OpenAI's transcription limit
@@ -453,6 +455,6 @@ def build_app(args: dict) -> serve.Application:
     a = AppArgs.model_validate(args)
     models_dir = str(Path(a.models_dir).resolve())
     models = a.models if a.models is not None else from_manifest(models_dir, a.overrides)
-    server_options = {"coalesce_tokens": a.coalesce_tokens, "coalesce_ms": a.coalesce_ms}
+    server_options = {"coalesce_tokens": a.coalesce_tokens, "coalesce_ms": a.coalesce_ms, "coalesce_max_ms": a.coalesce_max_ms}
     residency = ResidencyService.bind(models, a.policy, models_dir, a.watch_period_s, server_options)
     return Ingress.bind(residency, a.chunk_timeout_s, a.api_keys, allow_remote_images=a.allow_remote_images, max_audio_bytes=a.max_audio_bytes)

@@ -112,9 +112,11 @@ def main() -> None:
     parser.add_argument("--models-dir", default="models")
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--models", default="llama-10m,smollm2-135m-instruct")
-    parser.add_argument("--seconds", type=float, default=20.0, help="steady-state seconds per throughput cell")
+    parser.add_argument("--seconds", type=float, default=10.0, help="steady-state seconds per side per round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating in-process / HTTP rounds per cell")
     parser.add_argument("--coalesce-tokens", type=int, default=8)
     parser.add_argument("--coalesce-ms", type=float, default=50.0)
+    parser.add_argument("--coalesce-max-ms", type=float, default=100.0)
     parser.add_argument("--json", default="bench/results/serve.json")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -131,7 +133,7 @@ def main() -> None:
     overrides = {"llama-10m": {"reserve_context_tokens": 1024, "reserve_concurrency": 64}, "smollm2-135m-instruct": {"reserve_context_tokens": 512, "reserve_concurrency": 64}}
     registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in overrides]
     policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
-    app_args = {"models_dir": str(models_dir), "models": registry, "policy": policy, "coalesce_tokens": args.coalesce_tokens, "coalesce_ms": args.coalesce_ms}
+    app_args = {"models_dir": str(models_dir), "models": registry, "policy": policy, "coalesce_tokens": args.coalesce_tokens, "coalesce_ms": args.coalesce_ms, "coalesce_max_ms": args.coalesce_max_ms}
     serve.run(build_app(app_args), name="orchard", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     rows, ttft, cold = [], [], []
@@ -162,11 +164,19 @@ def main() -> None:
                 "engine_p50_ms": round(1000 * statistics.median(engine_f), 1), "engine_p95_ms": round(1000 * pct(engine_f, 0.95), 1),
             })
             for c in concurrencies:
-                e_tokens, e_s, _ = await in_process(engine, c, max_tokens, args.seconds)
-                h_tokens, h_s, _ = await through_http(client, model, c, max_tokens, args.seconds)
-                row = {"model": model, "concurrency": c, "http_tok_s": round(h_tokens / h_s, 1), "engine_tok_s": round(e_tokens / e_s, 1)}
-                row["ratio"] = round(row["http_tok_s"] / row["engine_tok_s"], 3)
-                print(f"| {model} | {c} | {row['engine_tok_s']} | {row['http_tok_s']} | {row['ratio']:.2f} |", flush=True)
+                # Alternating rounds, median of each: this VM's speed drifts by ~10% over minutes,
+                # which one long run of each side would read as a difference of the paths.
+                e_rates, h_rates = [], []
+                for _ in range(args.rounds):
+                    e_tokens, e_s, _ = await in_process(engine, c, max_tokens, args.seconds)
+                    h_tokens, h_s, _ = await through_http(client, model, c, max_tokens, args.seconds)
+                    e_rates.append(e_tokens / e_s)
+                    h_rates.append(h_tokens / h_s)
+                ratios = sorted(h / e for h, e in zip(h_rates, e_rates))
+                row = {"model": model, "concurrency": c, "http_tok_s": round(statistics.median(h_rates), 1), "engine_tok_s": round(statistics.median(e_rates), 1)}
+                row["ratio"] = round(statistics.median(ratios), 3)
+                row["ratio_min_max"] = [round(ratios[0], 3), round(ratios[-1], 3)]
+                print(f"| {model} | {c} | {row['engine_tok_s']} | {row['http_tok_s']} | {row['ratio']:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) |", flush=True)
                 rows.append(row)
 
         asyncio.run(measure())
@@ -174,7 +184,7 @@ def main() -> None:
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
-    result = {"coalesce": {"tokens": args.coalesce_tokens, "ms": args.coalesce_ms}, "seconds_per_cell": args.seconds, "throughput": rows, "ttft": ttft, "cold_start": cold, "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()}}
+    result = {"coalesce": {"tokens": args.coalesce_tokens, "ms": args.coalesce_ms, "max_ms": args.coalesce_max_ms}, "seconds_per_side_per_round": args.seconds, "rounds": args.rounds, "throughput": rows, "ttft": ttft, "cold_start": cold, "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     text = render(result)
@@ -185,8 +195,11 @@ def main() -> None:
 
 
 def render(r: dict) -> str:
-    lines = ["| model | concurrency | engine in-process tok/s | through HTTP tok/s | ratio |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {x['model']} | {x['concurrency']} | {x['engine_tok_s']} | {x['http_tok_s']} | {x['ratio']:.2f} |" for x in r["throughput"]]
+    lines = ["| model | concurrency | engine in-process tok/s | through HTTP tok/s | ratio (median) | ratio min-max |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [
+        f"| {x['model']} | {x['concurrency']} | {x['engine_tok_s']} | {x['http_tok_s']} | {x['ratio']:.2f} | {x['ratio_min_max'][0]:.2f}-{x['ratio_min_max'][1]:.2f} |"
+        for x in r["throughput"]
+    ]
     lines += ["", "| model | TTFT HTTP p50 / p95 ms | TTFT engine p50 / p95 ms |", "|---|---:|---:|"]
     lines += [f"| {x['model']} | {x['http_p50_ms']} / {x['http_p95_ms']} | {x['engine_p50_ms']} / {x['engine_p95_ms']} |" for x in r["ttft"]]
     lines += ["", "| model | first token, model not loaded (s) | raw load in-process (s) |", "|---|---:|---:|"]
