@@ -92,6 +92,12 @@ class OutputParser:
         self.finished = False
 
     @property
+    def transforms(self) -> bool:
+        """Whether this chain can change the text at all (reasoning markers or tool parsing on):
+        an OpenAI chat stream without either needs no parsing, and skips it."""
+        return self._reasoning is not None or self._tools is not None
+
+    @property
     def tool_calls(self) -> int:
         """Complete calls parsed so far."""
         return self._tools.calls if self._tools else 0

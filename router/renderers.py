@@ -38,7 +38,7 @@ class OpenAIRenderer:
     def __init__(self, req: oai.ChatCompletionRequest | oai.CompletionRequest, parser: OutputParser | None):
         self.chat = isinstance(req, oai.ChatCompletionRequest)
         self.req = req
-        self.parser = parser
+        self.parser = parser if parser is not None and parser.transforms else None  # plain text: no per-delta parsing
         self.request_id = oai.new_request_id("chat" if self.chat else "completion")
         self.created = oai.now()
         self.encoder = oai.StreamEncoder(
