@@ -210,13 +210,21 @@ def render(r: dict) -> str:
 HEAD = """# Serving path benchmark
 
 Produced by `make bench-serve` (`python -m bench.serve --markdown docs/serve-benchmark.md`); JSON in
-`bench/results/serve.json`. One Ray node on this 2-core Linux machine (CPU MLX, OpenBLAS), the Serve
-app of ray-config.yaml's shape, the official openai client (async, streaming, greedy, every request
-the same max_tokens: 128 for the 10M llama, 48 for SmolLM2; model servers coalesce deltas into one
-Ray item per 8 tokens or 50 ms after the first). "engine in-process" is the same
-LLMEngine driven in the benchmark process with the same requests and settings (prefix reuse on, as
-served): the ceiling for the path. The client, the ingress, the Serve proxy and the model actor all
-share the same 2 cores, so the figures are single runs with some noise.
+`bench/results/serve.json`. One Ray node on this 2-core Linux VM (CPU MLX, OpenBLAS), the Serve app
+of ray-config.yaml's shape in Serve's throughput mode (cluster.local.SERVE_ENV), the official openai
+client (async, streaming, greedy, max_tokens 128 for the 10M llama and 48 for SmolLM2).
+
+- "engine in-process" is the same LLMEngine driven in the benchmark process with the same requests
+  and settings (prefix reuse on, as served): the ceiling for the path.
+- Throughput is steady state: c clients, each sending its next request as soon as the last ends,
+  for 10 s; in-process and HTTP alternate for 3 rounds and the table gives the medians (and the
+  spread of the per-round ratio): the VM's speed drifts by ~10% over minutes.
+- The path: one multiplexed channel per ingress replica and model-server actor carries every stream
+  (one Ray item per flush); a stream's first delta goes out at once, then every 8 tokens or 50 ms,
+  stretched to 100 ms at 16+ streams per instance.
+- The client, the Serve proxy, the ingress and the model actor all share the same 2 cores with the
+  engine, which on this machine computes on the CPU: every cycle the path spends is taken from the
+  engine. On a Mac the engine computes on the GPU.
 
 """
 
