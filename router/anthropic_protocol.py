@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from router.openai_protocol import ENGINE_STATUS, MAX_STOP, ProtocolError
+from router.openai_protocol import ENGINE_STATUS, MAX_STOP, ProtocolError, parse_body
 from router.output_events import (
     Finish,
     OutputEvent,
@@ -367,27 +367,13 @@ class MessagesRequest(CountTokensRequest):
         return v
 
 
-def _parse(cls: type[BaseModel], body: Any) -> Any:
-    if isinstance(body, bytes | bytearray | str):
-        try:
-            body = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise ProtocolError(400, "invalid_json", "The request body is not valid JSON.", type="invalid_request_error") from None
-    if not isinstance(body, dict):
-        raise ProtocolError(400, "invalid_type", "The request body must be a JSON object.", type="invalid_request_error")
-    try:
-        return cls.model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e) from None
-
-
 def parse_messages_request(body: Any) -> MessagesRequest:
     """A /v1/messages request from JSON bytes / str or a dict; ProtocolError (400) if it is bad."""
-    return _parse(MessagesRequest, body)
+    return parse_body(MessagesRequest, body, validation_error)
 
 
 def parse_count_tokens_request(body: Any) -> CountTokensRequest:
-    return _parse(CountTokensRequest, body)
+    return parse_body(CountTokensRequest, body, validation_error)
 
 
 # ---- translation to an OpenAI chat body ----------------------------------------------------------

@@ -23,7 +23,7 @@ import math
 import struct
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -596,7 +596,10 @@ class EmbeddingRequest(_Request):
         return v
 
 
-def _parse(cls: type[BaseModel], body: Any) -> Any:
+def parse_body(cls: type[BaseModel], body: Any, to_error: Callable[[ValidationError], ProtocolError] | None = None) -> Any:
+    """`cls` from JSON bytes / str or a decoded dict; ProtocolError (400) if it is bad, built by
+    `to_error` (default: OpenAI's spelling of the failing path) for a field that fails validation.
+    Every protocol's parser goes through here."""
     if isinstance(body, bytes | bytearray | str):
         try:
             body = json.loads(body)
@@ -607,20 +610,20 @@ def _parse(cls: type[BaseModel], body: Any) -> Any:
     try:
         return cls.model_validate(body)
     except ValidationError as e:
-        raise validation_error(e) from None
+        raise (to_error or validation_error)(e) from None
 
 
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
     """A chat request from JSON bytes / str or a decoded dict; ProtocolError (400) if it is bad."""
-    return _parse(ChatCompletionRequest, body)
+    return parse_body(ChatCompletionRequest, body)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
-    return _parse(CompletionRequest, body)
+    return parse_body(CompletionRequest, body)
 
 
 def parse_embedding_request(body: Any) -> EmbeddingRequest:
-    return _parse(EmbeddingRequest, body)
+    return parse_body(EmbeddingRequest, body)
 
 
 # ---- translation to engine requests -------------------------------------------------------------

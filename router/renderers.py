@@ -66,60 +66,56 @@ class OpenAIRenderer:
         return build(self.req.model, self.request_id, self.created, joined, statuses=HTTP_STATUS)
 
 
-class AnthropicRenderer:
+class _EventRenderer:
+    """A protocol whose encoder takes output events (Anthropic Messages, Responses): every delta
+    goes through the model's parser chain, and the encoder turns events into SSE bytes."""
+
+    protocol: Protocol = "openai"
+
+    def __init__(self, parser: OutputParser, encoder: Any):
+        self.parser = parser
+        self.encoder = encoder
+
+    def _events(self, deltas: list[dict]) -> list:
+        return [e for d in deltas for e in self.parser.feed(d)]
+
+    def start(self) -> bytes:
+        return self.encoder.start()
+
+    def feed(self, delta: dict) -> bytes:
+        return b"".join(self.encoder.feed(e) for e in self.parser.feed(delta))
+
+    def fail(self, status: int, code: str, message: str) -> bytes:
+        return self.encoder.error(status, message, code)
+
+    def close(self) -> bytes:
+        return self.encoder.close()
+
+
+class AnthropicRenderer(_EventRenderer):
     """Anthropic Messages: thinking / text / tool_use blocks, Anthropic's SSE event sequence."""
 
     protocol: Protocol = "anthropic"
 
     def __init__(self, req: anth.MessagesRequest, parser: OutputParser):
         self.req = req
-        self.parser = parser
         self.message_id = anth.new_message_id()
-        self.encoder = anth.MessageStreamEncoder(req.model, self.message_id, statuses=HTTP_STATUS)
-
-    def start(self) -> bytes:
-        return self.encoder.start()
-
-    def feed(self, delta: dict) -> bytes:
-        return b"".join(self.encoder.feed(e) for e in self.parser.feed(delta))
-
-    def fail(self, status: int, code: str, message: str) -> bytes:
-        return self.encoder.error(status, message, code)
-
-    def close(self) -> bytes:
-        return self.encoder.close()
+        super().__init__(parser, anth.MessageStreamEncoder(req.model, self.message_id, statuses=HTTP_STATUS))
 
     def respond(self, deltas: list[dict]) -> dict[str, Any]:
-        events = [e for d in deltas for e in self.parser.feed(d)]
-        return anth.message_response(self.req.model, self.message_id, events, statuses=HTTP_STATUS)
+        return anth.message_response(self.req.model, self.message_id, self._events(deltas), statuses=HTTP_STATUS)
 
 
-class ResponsesRenderer:
+class ResponsesRenderer(_EventRenderer):
     """OpenAI Responses: message / reasoning / function_call output items (stateless)."""
-
-    protocol: Protocol = "openai"
 
     def __init__(self, req: resp.ResponsesRequest, parser: OutputParser):
         self.req = req
-        self.parser = parser
         self.response_id = resp.new_response_id()
-        self.encoder = resp.ResponseStreamEncoder(req, self.response_id, statuses=HTTP_STATUS)
-
-    def start(self) -> bytes:
-        return self.encoder.start()
-
-    def feed(self, delta: dict) -> bytes:
-        return b"".join(self.encoder.feed(e) for e in self.parser.feed(delta))
-
-    def fail(self, status: int, code: str, message: str) -> bytes:
-        return self.encoder.error(status, message, code)
-
-    def close(self) -> bytes:
-        return self.encoder.close()
+        super().__init__(parser, resp.ResponseStreamEncoder(req, self.response_id, statuses=HTTP_STATUS))
 
     def respond(self, deltas: list[dict]) -> dict[str, Any]:
-        events = [e for d in deltas for e in self.parser.feed(d)]
-        return resp.response_object(self.req, self.response_id, events, statuses=HTTP_STATUS)
+        return resp.response_object(self.req, self.response_id, self._events(deltas), statuses=HTTP_STATUS)
 
 
 Renderer = OpenAIRenderer | AnthropicRenderer | ResponsesRenderer

@@ -26,10 +26,10 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from router.openai_protocol import ENGINE_STATUS, ProtocolError, error_type, validation_error
+from router.openai_protocol import ENGINE_STATUS, ProtocolError, error_type, parse_body
 from router.output_events import (
     Finish,
     OutputEvent,
@@ -306,17 +306,7 @@ class ResponsesRequest(BaseModel):
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
     """A /v1/responses request from JSON bytes / str or a dict; ProtocolError (400, OpenAI's body)."""
-    if isinstance(body, bytes | bytearray | str):
-        try:
-            body = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise ProtocolError(400, "invalid_json", "We could not parse the JSON body of your request.") from None
-    if not isinstance(body, dict):
-        raise ProtocolError(400, "invalid_type", "The request body must be a JSON object.")
-    try:
-        return ResponsesRequest.model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    return parse_body(ResponsesRequest, body)
 
 
 # ---- translation to an OpenAI chat body ----------------------------------------------------------

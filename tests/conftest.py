@@ -8,6 +8,15 @@ import os
 
 import pytest
 
+from cluster.local import SERVE_ENV  # stdlib only: importing it does not import Ray
+
+# Before any test module imports Ray (shared/ray/README.md pitfalls 1 and 2): test clusters run
+# without token auth, cluster_utils nodes on 127.0.0.1, and Serve in Orchard's own mode.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+for _key, _value in SERVE_ENV.items():
+    os.environ.setdefault(_key, _value)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -7,7 +7,6 @@ not about what a random model happens to say."""
 import base64
 import io
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -17,11 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 import requests
-
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-for _k, _v in {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}.items():  # cluster.local.SERVE_ENV
-    os.environ.setdefault(_k, _v)
 
 ray = pytest.importorskip("ray")
 anthropic = pytest.importorskip("anthropic")

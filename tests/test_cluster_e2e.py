@@ -2,17 +2,11 @@
 real MLX models, through HTTP with the official openai client: placement by headroom, rejection
 with the policy's reason, eviction, pinning, cluster operations, node death and re-placement."""
 
-import os
 import socket
 import time
 
 import pytest
 import requests
-
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-for _k, _v in {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}.items():  # cluster.local.SERVE_ENV
-    os.environ.setdefault(_k, _v)
 
 ray = pytest.importorskip("ray")
 from openai import OpenAI  # noqa: E402
@@ -180,7 +174,9 @@ def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard):
             next(lines)
     node = where(orchard, "llama-10m")[0]
     server = ray.get_actor(f"orchard:llama-10m@{node}", namespace="orchard")
-    deadline = time.time() + 20
+    # 3000 tokens take 30 s or more at this model's ~100 tok/s for one stream: an end well before
+    # that is the cancellation's doing (under load the disconnect can take seconds to propagate)
+    deadline = time.time() + 25
     while time.time() < deadline:
         running = ray.get(server.health.remote())["running_requests"]
         instances = {i["model"]: i for n in http.get("/v1/cluster").json()["nodes"] for i in n["instances"]}

@@ -11,11 +11,6 @@ import time
 import pytest
 import requests
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-for _k, _v in {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}.items():  # cluster.local.SERVE_ENV
-    os.environ.setdefault(_k, _v)
-
 ray = pytest.importorskip("ray")
 import openai  # noqa: E402
 from ray import serve  # noqa: E402

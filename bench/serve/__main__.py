@@ -16,7 +16,9 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-for _k, _v in {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}.items():  # cluster.local.SERVE_ENV
+from cluster.local import SERVE_ENV  # noqa: E402 (stdlib only)
+
+for _k, _v in SERVE_ENV.items():  # the product's Serve mode
     os.environ.setdefault(_k, _v)
 
 import ray  # noqa: E402
