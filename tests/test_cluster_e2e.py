@@ -166,7 +166,7 @@ def test_filling_a_node_evicts(orchard):
 
 def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard):
     http = orchard["http"]
-    body = {"model": "llama-10m", "prompt": "Go on", "max_tokens": 3000, "temperature": 0, "stream": True}
+    body = {"model": "llama-10m", "prompt": "Go on", "max_tokens": 4000, "temperature": 0, "stream": True}
     with requests.post(http.base + "/v1/completions", json=body, stream=True, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
@@ -174,7 +174,7 @@ def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard):
             next(lines)
     node = where(orchard, "llama-10m")[0]
     server = ray.get_actor(f"orchard:llama-10m@{node}", namespace="orchard")
-    # 3000 tokens take 30 s or more at this model's ~100 tok/s for one stream: an end well before
+    # 4000 tokens take 40 s or more at this model's ~100 tok/s for one stream: an end well before
     # that is the cancellation's doing (under load the disconnect can take seconds to propagate)
     deadline = time.time() + 25
     while time.time() < deadline:
