@@ -2,8 +2,9 @@
 
 Orchard's placement policy decides the node; `model_server_options` turns that decision into Ray
 actor options (num_cpus=0 and a hard node affinity: Apple GPUs are not a Ray resource). The actor
-streams LLM / VLM output coalesced, because every Ray stream item costs ~0.75 ms of CPU end to end
-(docs in shared/ray/README.md), and turns every failure into a `ModelServerError` that pickles
+streams LLM / VLM output coalesced and multiplexed (one channel per caller, one Ray item per flush
+for all of its streams), because every Ray stream item costs ~0.75 ms of CPU end to end (docs in
+shared/ray/README.md), and turns every failure into a `ModelServerError` that pickles
 across Ray, so the router can map it to OpenAI's error format. Importing this module stays light
 (no MLX): the router imports `ModelServerError` and `unwrap` from here."""
 
@@ -30,7 +31,6 @@ _SERVES = {
 }
 _VLM_FIELDS = {"messages", "images", "max_tokens", "temperature", "top_p", "stop"}
 _STT_FORMATS = ("json", "text", "verbose_json")
-_END = object()
 
 
 class ModelServerError(Exception):
@@ -165,6 +165,7 @@ class _Channel:
         self.tokens: dict[str, int] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self.oldest: float | None = None
+        self.sending = False  # a batch went out and its caller has not taken it yet (open_channel)
         self.wake = asyncio.Event()  # something is waiting to go out
         self.urgent = asyncio.Event()  # ... and should go out now (a first delta, an end, a full buffer)
 
@@ -183,6 +184,14 @@ class _Channel:
         self.wake.clear()
         self.urgent.clear()
         return batch
+
+
+def open_channel(server: Any, channel_id: str) -> Any:
+    """Start reading `channel_id` of a ModelServer actor (the ObjectRefGenerator of its batches).
+    Backpressure 1: the actor's generator resumes after a flush only once the caller has taken
+    it, so the server knows what is delivered; a drain then waits for the last batch to be taken,
+    since Ray drops the items a caller has not taken yet when the actor is killed."""
+    return server.channel.options(_generator_backpressure_num_objects=1).remote(channel_id)
 
 
 class ModelServer:
@@ -254,7 +263,10 @@ class ModelServer:
         return self.engine.memory().model_dump()
 
     def running(self) -> int:
-        return max(self._in_flight, self.engine.running_requests())
+        """Requests still generating, or whose last deltas still wait in a channel: a drain that
+        killed the actor before the final flush would cut every stream short of its end."""
+        unsent = sum(1 for ch in self._channels.values() if ch.ready or ch.sending)
+        return max(self._in_flight, self.engine.running_requests()) + unsent
 
     async def drain(self, timeout_s: float) -> int:
         """Wait until no request runs (or timeout_s); how many still run. New calls are not refused:
@@ -313,72 +325,6 @@ class ModelServer:
         options = {k: v for k, v in request.items() if k not in ("messages", "images")}
         return self.engine.generate(request["messages"], images=request.get("images") or [], **options)
 
-    async def generate(
-        self, request: dict, *, coalesce_tokens: int | None = None, coalesce_ms: float | None = None
-    ) -> AsyncIterator[dict]:
-        """Stream Delta dicts (Delta.model_dump(); a VLM's VLMDelta), coalesced: the first delta at
-        once, then merged until `coalesce_tokens` tokens or `coalesce_ms` ms have gathered; the
-        final one (finish_reason, usage) always goes out. A request that fails before any output
-        raises ModelServerError (the router can still answer 4xx); a failure after output ends the
-        stream with finish_reason "error" and error / error_code. Cancelling the Ray generator (or
-        closing this one) cancels the engine request."""
-        engine_stream = None
-        queue: asyncio.Queue = asyncio.Queue()
-        pump = None
-        async with self._call():
-            self._engine_for("generate")
-            engine_stream = self._open_stream(request)
-            pump = asyncio.create_task(self._pump(engine_stream, queue))
-            most = max(1, coalesce_tokens or self.coalesce_tokens)
-            wait_s = (self.coalesce_ms if coalesce_ms is None else coalesce_ms) / 1000.0
-            try:
-                first = await queue.get()
-                if first is _END:
-                    return
-                if isinstance(first, BaseException):
-                    raise first
-                if _is_failure(first):
-                    raise ModelServerError(first.get("error_code") or "internal", first.get("error") or "generation failed")
-                yield first
-                if first.get("finish_reason") is not None:
-                    return
-                buffer: list[dict] = []
-                gathered, since = 0, 0.0
-                while True:
-                    if buffer:
-                        left = since + wait_s - time.monotonic()
-                        try:
-                            item = await asyncio.wait_for(queue.get(), left) if left > 0 else queue.get_nowait()
-                        except (asyncio.TimeoutError, asyncio.QueueEmpty):
-                            yield _merge(buffer)
-                            buffer, gathered = [], 0
-                            continue
-                    else:
-                        item = await queue.get()
-                    if item is _END:
-                        if buffer:
-                            yield _merge(buffer)
-                        return
-                    if isinstance(item, BaseException):  # output already went out: end the stream
-                        error = unwrap(item)
-                        yield _merge(buffer + [{"text": "", "finish_reason": "error", "error": error.message, "error_code": error.code}])
-                        return
-                    if not buffer:
-                        since = time.monotonic()
-                    buffer.append(item)
-                    gathered += _size(item)
-                    if item.get("finish_reason") is not None:
-                        yield _merge(buffer)
-                        return
-                    if gathered >= most:
-                        yield _merge(buffer)
-                        buffer, gathered = [], 0
-            finally:
-                if pump is not None and not pump.done():
-                    pump.cancel()  # cancels the engine request (its generator's finally)
-                    with contextlib.suppress(BaseException):
-                        await pump
-
     # ---- multiplexed streams: one Ray item per flush for all of a caller's streams -------------
     async def channel(self, channel_id: str) -> AsyncIterator[list[tuple[str, dict]]]:
         """The stream of batches for one caller: [(request_id, delta dict), ...], one Ray item per
@@ -395,7 +341,9 @@ class ModelServer:
                 if left > 0 and not ch.urgent.is_set():
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(ch.urgent.wait(), left)
-                yield ch.take()
+                ch.sending = True
+                yield ch.take()  # resumes once the caller took the batch (open_channel's backpressure)
+                ch.sending = False
         finally:
             for task in list(ch.tasks.values()):
                 task.cancel()
@@ -420,6 +368,7 @@ class ModelServer:
         except Exception as e:
             ch.put(request_id, {"failure": unwrap(e).to_dict()}, True, most)
             return
+        self._in_flight += 1  # counted from now, not from the task's first step: a drain must see it
         ch.tasks[request_id] = asyncio.get_running_loop().create_task(self._feed(ch, request_id, stream, most))
 
     def cancel(self, request_id: str) -> bool:
@@ -432,7 +381,7 @@ class ModelServer:
         return False
 
     async def _feed(self, ch: _Channel, request_id: str, stream: AsyncIterator, most: int) -> None:
-        self._in_flight += 1
+        """Engine deltas of one request -> its channel; the caller counted it in `_in_flight`."""
         first = True
         try:
             async for delta in stream:
@@ -458,19 +407,6 @@ class ModelServer:
             ch.tasks.pop(request_id, None)
             with contextlib.suppress(BaseException):
                 await stream.aclose()
-
-    @staticmethod
-    async def _pump(stream: AsyncIterator, queue: asyncio.Queue) -> None:
-        """Engine deltas -> queue as dicts, so the consumer can wait with a deadline without
-        cancelling the engine stream."""
-        try:
-            async for delta in stream:
-                queue.put_nowait(delta.model_dump())
-            queue.put_nowait(_END)
-        except Exception as e:
-            queue.put_nowait(e)
-        finally:
-            await stream.aclose()
 
     async def count_tokens(self, request: dict) -> int:
         """Prompt tokens of a text-generation request as the engine would feed it (chat template,

@@ -13,6 +13,8 @@ from typing import Any
 
 import ray
 
+from deployments.model_server import open_channel
+
 
 class Unavailable(Exception):
     """The instance died or stopped answering mid-request."""
@@ -32,7 +34,7 @@ class _Reader:
         self.channel_id = f"{mux.replica_id}:{uuid.uuid4().hex[:8]}"
         self.queues: dict[str, asyncio.Queue] = {}
         self.failure: str | None = None
-        self.stream = actor.channel.remote(self.channel_id)
+        self.stream = open_channel(actor, self.channel_id)
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:

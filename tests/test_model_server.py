@@ -1,5 +1,5 @@
-"""The model-server actor on a real local Ray cluster with real MLX weights: streams are coalesced
-yet identical to the engine's own output, cancelling a stream frees the engine, failures reach the
+"""The model-server actor on a real local Ray cluster with real MLX weights: streams (multiplexed on
+channels) are coalesced yet identical to the engine's own output, cancelling a stream frees the engine, failures reach the
 caller as structured ModelServerErrors, and detached named servers are found again and removed
 after a drain."""
 
@@ -13,6 +13,7 @@ import asyncio
 import pickle
 import shutil
 import tempfile
+import threading
 import time
 
 import pytest
@@ -21,7 +22,7 @@ import ray
 from cluster.placement import NAMESPACE, actor_name, create_model_server, find_model_servers, kill_model_server
 from deployments.engines.llm import GenerationRequest, LLMEngine
 from deployments.manifest import read_manifest
-from deployments.model_server import ModelServerError, unwrap
+from deployments.model_server import ModelServerError, open_channel, unwrap
 
 NODE = "node-1"  # Orchard's name for the one node of this cluster
 LLAMA = actor_name("llama-10m", NODE)
@@ -87,12 +88,24 @@ def local_engine(models_dir):
 
 
 def _stream(handle, request: dict) -> tuple[list[dict], list[float]]:
-    """All items of a stream and the seconds each arrived after the call."""
+    """All items of one request, submitted on a channel of its own, and the seconds each arrived
+    after the submit. A request that fails before any output raises its ModelServerError, as the
+    ingress does with the channel's failure item."""
+    channel = f"one-{time.monotonic_ns()}"
     started = time.perf_counter()
+    handle.submit.remote(channel, "r", request)
+    stream = open_channel(handle, channel)
     items, times = [], []
-    for ref in handle.generate.remote(request):
-        items.append(ray.get(ref, timeout=30))
-        times.append(time.perf_counter() - started)
+    try:
+        while not items or items[-1].get("finish_reason") is None:
+            for _, item in ray.get(next(stream), timeout=30):
+                if "failure" in item:
+                    f = item["failure"]
+                    raise ModelServerError(f["code"], f["message"], f.get("param"))
+                items.append(item)
+                times.append(time.perf_counter() - started)
+    finally:
+        ray.cancel(stream)
     return items, times
 
 
@@ -131,15 +144,12 @@ def test_stream_is_coalesced_and_equals_the_engine_output(llama, local_engine):
     reference = asyncio.run(local_engine.complete(GenerationRequest(**request)))
     assert tokens == reference.token_ids
     assert "".join(item["text"] for item in items) == reference.text
-    # the limits are per call: one token per item when asked
-    one_each = [ray.get(r) for r in handle.generate.remote(dict(request, max_tokens=8), coalesce_tokens=1)]
-    assert [len(item["token_ids"]) for item in one_each] == [1] * 8
 
 
 def _read_channel(handle, channel_id: str, want: set[str], timeout_s: float = 60.0) -> tuple[dict[str, list[dict]], int]:
     """Every item of the requests in `want` from one channel, until each has ended; and how many
     Ray items (batches) carried them."""
-    stream = handle.channel.remote(channel_id)
+    stream = open_channel(handle, channel_id)
     items: dict[str, list[dict]] = {rid: [] for rid in want}
     batches, open_ = 0, set(want)
     deadline = time.monotonic() + timeout_s
@@ -183,7 +193,7 @@ def test_channel_cancel_stops_the_generation(llama):
     handle, _ = llama
     never_end = {str(i): -100.0 for i in range(4)}  # no EOS
     handle.submit.remote("cancel-channel", "long", {"prompt": "Keep going", "max_tokens": 2000, "temperature": 0, "logit_bias": never_end})
-    stream = handle.channel.remote("cancel-channel")
+    stream = open_channel(handle, "cancel-channel")
     first = ray.get(next(stream), timeout=30)
     assert first[0][0] == "long" and first[0][1]["finish_reason"] is None
     assert ray.get(handle.cancel.remote("long")) is True
@@ -195,14 +205,15 @@ def test_channel_cancel_stops_the_generation(llama):
     ray.cancel(stream)
 
 
-def test_cancelling_a_stream_cancels_the_engine_request(llama, local_engine):
+def test_closing_a_channel_cancels_its_requests(llama, local_engine):
+    """The caller went away (its channel generator is cancelled): every request it had open on the
+    channel is cancelled in the engine and its KV freed."""
     handle, _ = llama
     never_end = {e: -100.0 for e in local_engine.eos_ids}  # random weights may pick EOS: forbid it
-    stream = handle.generate.remote({"prompt": "Keep going", "max_tokens": 2000, "temperature": 0, "logit_bias": never_end})
-    for i, ref in enumerate(stream):
-        assert ray.get(ref, timeout=30)["finish_reason"] is None
-        if i == 2:
-            break
+    handle.submit.remote("closing", "long", {"prompt": "Keep going", "max_tokens": 2000, "temperature": 0, "logit_bias": never_end})
+    stream = open_channel(handle, "closing")
+    for _ in range(3):
+        assert all(item["finish_reason"] is None for _, item in ray.get(next(stream), timeout=30))
     assert _running(handle) == 1
     ray.cancel(stream)
     deadline = time.monotonic() + 5
@@ -210,6 +221,9 @@ def test_cancelling_a_stream_cancels_the_engine_request(llama, local_engine):
         time.sleep(0.02)
     assert _running(handle) == 0
     assert ray.get(handle.memory.remote())["kv_bytes_in_use"] == 0
+    handle.submit.remote("closing", "late", {"prompt": "x", "max_tokens": 2})  # a closed channel takes nothing
+    time.sleep(0.5)
+    assert _running(handle) == 0
 
 
 def test_embedding_server_returns_vectors(embedder):
@@ -257,9 +271,18 @@ def test_found_again_then_drained_and_killed(llama):
     with pytest.raises(ValueError, match="already taken"):
         create_model_server(("llm", "llama-10m", "/anywhere"), NODE, ray_node_id=ray.get_runtime_context().get_node_id())
 
-    stream = fresh.generate.remote({"prompt": PROMPT, "max_tokens": 48, "temperature": 0})
-    assert asyncio.run(kill_model_server(LLAMA, drain_timeout_s=20)) == 0  # waited for the stream
-    items = [ray.get(ref, timeout=10) for ref in stream]
+    fresh.submit.remote("draining", "r", {"prompt": PROMPT, "max_tokens": 48, "temperature": 0})
+    stream = open_channel(fresh, "draining")
+    items: list[dict] = []
+
+    def read():  # as the ingress's reader does, concurrently with the drain
+        while not items or items[-1]["finish_reason"] is None:
+            items.extend(item for _, item in ray.get(next(stream), timeout=30))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert asyncio.run(kill_model_server(LLAMA, drain_timeout_s=20)) == 0  # waited until the end was taken
+    reader.join(5)
     assert sum(len(item["token_ids"]) for item in items) == 48 and items[-1]["finish_reason"] == "length"
     with pytest.raises(ValueError):
         ray.get_actor(LLAMA, namespace=NAMESPACE)
