@@ -259,12 +259,7 @@ class Ingress:
         config = OutputConfig(tool_parser=lease.get("tool_parser"), reasoning=lease.get("reasoning"))
         parser = OutputParser(config, tools=body.uses_tools)
         if kind == "vlm":
-            for i, m in enumerate(body.messages):
-                for j, part in enumerate(m.content or ()):
-                    url = part.image_url.url if part.type == "image_url" else ""
-                    if part.type == "image_url" and not (url.startswith("data:") or (self.allow_remote_images and url.startswith(("http://", "https://")))):
-                        allowed = "a data: URL or an http(s) URL" if self.allow_remote_images else "a data: URL (this server does not fetch remote images)"
-                        raise oai.ProtocolError(400, "invalid_image_url", f"an image must be {allowed}", f"messages[{i}].content[{j}].image_url.url")
+            oai.check_image_urls(body, allow_remote=self.allow_remote_images)
             return oai.to_vlm_request(body), parser
         if body.has_images():
             raise oai.ProtocolError(400, "unsupported_content", f"model {model} takes no images; use a vision model", "messages")

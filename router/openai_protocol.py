@@ -670,6 +670,17 @@ def split_images(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list
     return messages, images
 
 
+def check_image_urls(req: ChatCompletionRequest, allow_remote: bool) -> None:
+    """Image parts must be data: URLs, or http(s) URLs when the operator lets the server fetch
+    them (`allow_remote_images`); anything else (a file path, another scheme) is a 400 naming it."""
+    schemes = ("data:", "http://", "https://") if allow_remote else ("data:",)
+    allowed = "a data: URL or an http(s) URL" if allow_remote else "a data: URL (this server does not fetch remote images)"
+    for i, m in enumerate(req.messages):
+        for j, part in enumerate(m.content or ()):
+            if part.type == "image_url" and not part.image_url.url.startswith(schemes):
+                raise ProtocolError(400, "invalid_image_url", f"an image must be {allowed}", f"messages[{i}].content[{j}].image_url.url")
+
+
 def _sampling(req: _Sampling) -> dict[str, Any]:
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p

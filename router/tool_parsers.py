@@ -236,6 +236,20 @@ class HermesParser(_MarkedParser):
     close = "</tool_call>"
 
     def _call_text(self, final: bool) -> int | None:
+        body = self._buf.lstrip()
+        if body.startswith("{"):  # a call object: its end is found string-aware, so a "</tool_call>"
+            end = self._json_end(body)  # inside an argument value does not close the block
+            if end is None and not final:
+                return None
+            if end is not None:
+                after = body[end:].lstrip()
+                if after.startswith(self.close) and (call := _as_call(_load(body[:end]), ("arguments", "parameters"))):
+                    self._call(*call)
+                    self._buf = after[len(self.close) :]
+                    return 0
+                if not final and self.close.startswith(after):  # the closing tag may still come
+                    self._json_end = _JsonEnd()  # it stops at the object's end: scan again next time
+                    return None
         j = self._buf.find(self.close)
         if j < 0:
             # A body without its closing tag (a stop string ate it, or EOS came first) still counts

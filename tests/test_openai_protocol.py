@@ -279,6 +279,16 @@ def test_tools_and_formats_reach_the_engine_request():
     assert generation_fields(parse_chat_request(_user(response_format={"type": "json_object"})))["constraint"] == {"type": "json_object"}
 
 
+def test_image_urls_are_data_urls_unless_remote_ones_are_allowed():
+    img = lambda url: parse_chat_request(_user() | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+    op.check_image_urls(img("data:image/png;base64,AAAA"), allow_remote=False)
+    op.check_image_urls(img("https://example.com/a.png"), allow_remote=True)
+    for url, remote in (("https://example.com/a.png", False), ("/etc/passwd", True), ("file:///etc/passwd", True)):
+        with pytest.raises(ProtocolError) as info:
+            op.check_image_urls(img(url), allow_remote=remote)
+        assert (info.value.status, info.value.code, info.value.param) == (400, "invalid_image_url", "messages[0].content[0].image_url.url")
+
+
 def test_harmless_values_of_unsupported_fields_pass():
     req = parse_chat_request(_user(n=1, tools=[], tool_choice="auto", response_format={"type": "text"}, modalities=["text"], prediction={"type": "content", "content": "x"}))
     assert req.n == 1

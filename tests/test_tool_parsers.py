@@ -497,3 +497,13 @@ def test_special_token_markers_are_admitted_as_their_token():
     thinking = forced_call_grammar("mistral", TOOLS, "add", reasoning=ReasoningConfig(starts_inside=True), special_tokens={"[TOOL_CALLS]": 257, "</think>": 258})
     assert accepts_tokens(thinking, [*b"Add them.", 258, *b"\n\n", 257, *after])
     assert not accepts_tokens(thinking, [257, *after])
+
+
+def test_a_closing_tag_inside_an_argument_does_not_end_the_hermes_block():
+    """Found by the hypothesis test above: the block's end is found outside JSON strings."""
+    out = '<tool_call>\n{"name": "f", "arguments": {"q": "</tool_call>", "n": 1}}\n</tool_call>'
+    for chunks in ([out], list(out)):
+        assert summary(run("hermes", chunks)) == [call("f", {"q": "</tool_call>", "n": 1})]
+    # an object followed by something other than the closing tag is still text, as before
+    bad = '<tool_call>{"name": "f", "arguments": {}} oops </tool_call> after'
+    assert [kind for kind, *_ in summary(run("hermes", [bad]))] == ["text"]
