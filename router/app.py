@@ -7,6 +7,7 @@ disconnect (the generation is cancelled in the engine). A per-item inactivity ti
 frozen node from hanging a stream."""
 
 import asyncio
+import contextlib
 import contextvars
 import hmac
 import time
@@ -60,6 +61,10 @@ class Ingress:
         self.api_keys = [k.encode() for k in api_keys or []]
         self._releases: set[asyncio.Task] = set()
         self.mux = StreamMux()
+
+    def __del__(self):  # Serve calls it when the replica shuts down
+        with contextlib.suppress(Exception):
+            self.mux.close()
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _authorized(self, request: Request) -> bool:

@@ -111,10 +111,8 @@ class StreamMux:
             del self._readers[reader.key]
 
     def close(self) -> None:
+        """Close every channel (the replica is shutting down): each actor cancels what was open."""
         for reader in list(self._readers.values()):
             reader.task.cancel()
             with contextlib.suppress(Exception):
                 ray.cancel(reader.stream)
-
-    def open_channels(self) -> int:
-        return len(self._readers)
