@@ -21,9 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
-from router.openai_protocol import ENGINE_STATUS, MAX_STOP, ProtocolError, parse_body
+from router.openai_protocol import ENGINE_STATUS, MAX_STOP, ProtocolError, parse_body, reject as _reject
 from router.output_events import (
     Finish,
     OutputEvent,
@@ -72,12 +71,6 @@ def protocol_error_body(error: ProtocolError) -> dict[str, Any]:
 def _path(loc: Iterable[Any]) -> str:
     """('messages', 0, 'content') -> 'messages.0.content' (Anthropic's spelling)."""
     return ".".join(str(p) for p in loc)
-
-
-def _reject(message: str, at: str | None = None, code: str = "unsupported_value") -> PydanticCustomError:
-    """A validation error whose message is ours; `at` extends the location (a model validator's
-    location is the model, not the field)."""
-    return PydanticCustomError("orchard", message, {"code": code, "at": at})
 
 
 def validation_error(error: ValidationError | Sequence[Mapping[str, Any]]) -> ProtocolError:

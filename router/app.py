@@ -38,13 +38,14 @@ app = FastAPI(title="Orchard", description="Many MLX models, one OpenAI-compatib
 
 
 def error(status: int, code: str, message: str, param: str | None = None, retry_after_s: float | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
-    return JSONResponse(oai.error_body(status, code, message, param), status_code=status, headers=headers)
+    """An error in OpenAI's format (the endpoints that only speak OpenAI's protocol)."""
+    return error_response("openai", status, code, message, param, retry_after_s)
 
 
-def lease_error(e: dict) -> JSONResponse:
-    e = e["error"]
-    return error(e["status"], e["code"], e["message"], "model" if e["status"] == 404 else None, e.get("retry_after_s"))
+def lease_error(result: dict, protocol: Protocol = "openai") -> JSONResponse:
+    """The residency service's {"error": ...} (no lease, a failed cluster operation) as a response."""
+    e = result["error"]
+    return error_response(protocol, e["status"], e["code"], e["message"], "model" if e["status"] == 404 else None, e.get("retry_after_s"))
 
 
 @serve.deployment(max_ongoing_requests=500, ray_actor_options=ON_HEAD)
@@ -118,8 +119,7 @@ class Ingress:
     async def _lease(self, model: str, protocol: Protocol = "openai") -> tuple[dict | None, JSONResponse | None]:
         lease = await self.residency.acquire.remote(model)
         if "error" in lease:
-            e = lease["error"]
-            return None, error_response(protocol, e["status"], e["code"], e["message"], "model" if e["status"] == 404 else None, e.get("retry_after_s"))
+            return None, lease_error(lease, protocol)
         return lease, None
 
     async def _deltas(self, lease: dict, request: dict):

@@ -100,14 +100,18 @@ class UnsupportedParameter(ProtocolError):
         super().__init__(400, code, message, param)
 
 
-def _unsupported(message: str, at: str | None = None, code: str = "unsupported_value") -> PydanticCustomError:
-    """A validation error for a field OpenAI defines but Orchard cannot honour. `at` extends the
-    error's location (a model validator's location is its model, not the field)."""
+def reject(message: str, at: str | None = None, code: str = "unsupported_value") -> PydanticCustomError:
+    """A validation error whose message is ours, for a field the protocol defines but Orchard cannot
+    honour (raise it in a validator). `at` extends the error's location (a model validator's
+    location is its model, not the field). Every protocol's `validation_error` reads code and at."""
     return PydanticCustomError("orchard", message, {"code": code, "at": at})
+
+
+_unsupported = reject
 
 
 def _invalid(message: str, at: str | None = None, code: str = "invalid_value") -> PydanticCustomError:
-    return PydanticCustomError("orchard", message, {"code": code, "at": at})
+    return reject(message, at, code)
 
 
 def param_path(loc: Iterable[Any]) -> str | None:

@@ -27,9 +27,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
-from router.openai_protocol import ENGINE_STATUS, ProtocolError, error_type, parse_body
+from router.openai_protocol import ENGINE_STATUS, ProtocolError, error_type, parse_body, reject as _reject
 from router.output_events import (
     Finish,
     OutputEvent,
@@ -39,11 +38,6 @@ from router.output_events import (
     ToolCallEnd,
     ToolCallStart,
 )
-
-
-def _reject(message: str, at: str | None = None, code: str = "unsupported_value") -> PydanticCustomError:
-    """A 400 whose message is ours (router.openai_protocol.validation_error reads code and `at`)."""
-    return PydanticCustomError("orchard", message, {"code": code, "at": at})
 
 
 # ---- request models ------------------------------------------------------------------------------
