@@ -262,6 +262,11 @@ class ModelServer:
     def memory(self) -> dict:
         return self.engine.memory().model_dump()
 
+    def counters(self) -> dict:
+        """The engine's work counters (an LLM engine: mlx-lm's BatchGenerator counters; {} else)."""
+        read = getattr(self.engine, "counters", None)
+        return read() if read is not None else {}
+
     def running(self) -> int:
         """Requests still generating, or whose last deltas still wait in a channel: a drain that
         killed the actor before the final flush would cut every stream short of its end."""

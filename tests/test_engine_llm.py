@@ -186,6 +186,21 @@ def test_memory_report_counts_weights_and_reserves_kv(engine):
     assert m.active_bytes >= m.weight_bytes and m.load_seconds > 0
 
 
+def test_counters_count_the_batched_steps(engine):
+    """mlx-lm's generator counters, as the engine reports them: two requests decoding together
+    make fewer steps than tokens (rows share a step), and the counters only grow."""
+    async def two():
+        return await asyncio.gather(*(engine.complete(greedy(p, 16)) for p in PROMPTS[:2]))
+
+    before = engine.counters()
+    run(two())
+    after = engine.counters()
+    tokens = after["generation_tokens"] - before["generation_tokens"]
+    steps = after["generation_steps"] - before["generation_steps"]
+    assert tokens >= 2 * 15 and 0 < steps < tokens
+    assert after["prompt_tokens"] > before["prompt_tokens"] and after["decode_time"] > before["decode_time"]
+
+
 def test_smollm2_knows_the_capital_of_france(models_dir):
     async def scenario():
         e = LLMEngine("smollm2", str(models_dir / "smollm2-135m-instruct"))

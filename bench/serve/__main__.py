@@ -21,12 +21,14 @@ from cluster.local import SERVE_ENV  # noqa: E402 (stdlib only)
 for _k, _v in SERVE_ENV.items():  # the product's Serve mode
     os.environ.setdefault(_k, _v)
 
+import aiohttp  # noqa: E402
 import ray  # noqa: E402
 import requests  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from cluster.placement import NAMESPACE, actor_name  # noqa: E402
 from deployments.engines.llm import GenerationRequest, LLMEngine  # noqa: E402
 from deployments.models import prepare  # noqa: E402
 from router.app import build_app  # noqa: E402
@@ -39,20 +41,70 @@ def messages(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]} (number {i})."}]
 
 
-async def http_one(client: AsyncOpenAI, model: str, i: int, max_tokens: int) -> tuple[int, float]:
-    """One streamed chat request: (completion tokens, seconds to the first content)."""
-    started = time.perf_counter()
-    first = None
-    tokens = 0
-    stream = await client.chat.completions.create(
-        model=model, messages=messages(i), max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}
-    )
-    async for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].delta.content:
-            first = time.perf_counter() - started
-        if chunk.usage:
-            tokens = chunk.usage.completion_tokens
-    return tokens, first or 0.0
+class SSEClient:
+    """A light streaming chat client: aiohttp and one json.loads per SSE event, as load generators
+    such as vLLM's benchmark_serving are written. It shares the 2 cores with the path it measures:
+    the openai SDK's per-chunk models cost ~5% of a core at 16 streams, which the engine loses
+    (measured: 0.94 with this client against 0.87-0.90 with the SDK, same server, docs/serve-benchmark.md)."""
+
+    def __init__(self, base_url: str):
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.session: aiohttp.ClientSession | None = None
+
+    async def one(self, model: str, i: int, max_tokens: int) -> tuple[int, float]:
+        """One streamed chat request: (completion tokens from usage, seconds to the first content)."""
+        if self.session is None:
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
+        body = {"model": model, "messages": messages(i), "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        started = time.perf_counter()
+        first, tokens, done = None, None, False
+        async with self.session.post(self.url, json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+            async for line in response.content:
+                if not line.startswith(b"data: "):
+                    continue
+                if line.startswith(b"data: [DONE]"):
+                    done = True
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream failed: {chunk['error']}")
+                if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    first = time.perf_counter() - started
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        if not done or tokens is None:
+            raise RuntimeError("the stream ended without usage and [DONE]")
+        return tokens, first or 0.0
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+class SDKClient:
+    """The official openai client (--client openai): what users run, heavier per chunk."""
+
+    def __init__(self, base_url: str):
+        self.client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+
+    async def one(self, model: str, i: int, max_tokens: int) -> tuple[int, float]:
+        started = time.perf_counter()
+        first = None
+        tokens = 0
+        stream = await self.client.chat.completions.create(
+            model=model, messages=messages(i), max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+        async for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - started
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return tokens, first or 0.0
+
+    async def close(self) -> None:
+        await self.client.close()
 
 
 async def engine_one(engine: LLMEngine, i: int, max_tokens: int) -> tuple[int, float]:
@@ -87,12 +139,12 @@ async def closed_loop(one, n: int, seconds: float) -> tuple[int, float, list[flo
     return sum(totals), time.perf_counter() - started, ttfts
 
 
-async def through_http(client: AsyncOpenAI, model: str, n: int, max_tokens: int, seconds: float = 0.0) -> tuple[int, float, list[float]]:
+async def through_http(client: "SSEClient | SDKClient", model: str, n: int, max_tokens: int, seconds: float = 0.0) -> tuple[int, float, list[float]]:
     """n concurrent streams once each (seconds=0), or a closed loop of n clients for `seconds`."""
     if seconds > 0:
-        return await closed_loop(lambda i: http_one(client, model, i, max_tokens), n, seconds)
+        return await closed_loop(lambda i: client.one(model, i, max_tokens), n, seconds)
     started = time.perf_counter()
-    results = await asyncio.gather(*(http_one(client, model, i, max_tokens) for i in range(n)))
+    results = await asyncio.gather(*(client.one(model, i, max_tokens) for i in range(n)))
     return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
 
 
@@ -102,6 +154,20 @@ async def in_process(engine: LLMEngine, n: int, max_tokens: int, seconds: float 
     started = time.perf_counter()
     results = await asyncio.gather(*(engine_one(engine, i, max_tokens) for i in range(n)))
     return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
+
+
+async def with_steps(read_counters, run) -> tuple[int, float, dict]:
+    """Run one side and read the engine's own counters around it: decode rows per step (how full
+    the batch was) and wall ms per step (how fast it stepped), to tell a path that starves the
+    batch from one that slows the engine down."""
+    before = await read_counters()
+    started = time.perf_counter()
+    tokens, seconds, _ = await run
+    elapsed = time.perf_counter() - started
+    after = await read_counters()
+    steps = max(1, after["generation_steps"] - before["generation_steps"])
+    rows = (after["generation_tokens"] - before["generation_tokens"]) / steps
+    return tokens, seconds, {"rows_per_step": rows, "ms_per_step": 1000 * elapsed / steps}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -119,6 +185,7 @@ def main() -> None:
     parser.add_argument("--coalesce-tokens", type=int, default=8)
     parser.add_argument("--coalesce-ms", type=float, default=50.0)
     parser.add_argument("--coalesce-max-ms", type=float, default=100.0)
+    parser.add_argument("--client", choices=("aiohttp", "openai"), default="aiohttp", help="the load generator (see SSEClient)")
     parser.add_argument("--json", default="bench/results/serve.json")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -152,7 +219,14 @@ def main() -> None:
         cold.append({"model": model, "first_token_cold_s": round(time.perf_counter() - started, 3), "raw_load_s": round(raw_load_s, 3)})
 
         async def measure() -> None:
-            client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=600)
+            client = (SSEClient if args.client == "aiohttp" else SDKClient)(f"{base}/v1")
+            actor = ray.get_actor(actor_name(model, "head"), namespace=NAMESPACE)
+
+            async def engine_counters() -> dict:
+                return engine.counters()
+
+            async def actor_counters() -> dict:
+                return await actor.counters.remote()
             await through_http(client, model, 2, 4)  # warm-up
             await in_process(engine, 2, 4)
             http_f, engine_f = [], []
@@ -168,25 +242,31 @@ def main() -> None:
             for c in concurrencies:
                 # Alternating rounds, median of each: this VM's speed drifts by ~10% over minutes,
                 # which one long run of each side would read as a difference of the paths.
-                e_rates, h_rates = [], []
+                e_rates, h_rates, e_steps, h_steps = [], [], [], []
                 for _ in range(args.rounds):
-                    e_tokens, e_s, _ = await in_process(engine, c, max_tokens, args.seconds)
-                    h_tokens, h_s, _ = await through_http(client, model, c, max_tokens, args.seconds)
+                    e_tokens, e_s, e_step = await with_steps(engine_counters, in_process(engine, c, max_tokens, args.seconds))
+                    h_tokens, h_s, h_step = await with_steps(actor_counters, through_http(client, model, c, max_tokens, args.seconds))
                     e_rates.append(e_tokens / e_s)
                     h_rates.append(h_tokens / h_s)
+                    e_steps.append(e_step)
+                    h_steps.append(h_step)
                 ratios = sorted(h / e for h, e in zip(h_rates, e_rates))
                 row = {"model": model, "concurrency": c, "http_tok_s": round(statistics.median(h_rates), 1), "engine_tok_s": round(statistics.median(e_rates), 1)}
                 row["ratio"] = round(statistics.median(ratios), 3)
                 row["ratio_min_max"] = [round(ratios[0], 3), round(ratios[-1], 3)]
+                for side, steps in (("engine", e_steps), ("http", h_steps)):
+                    row[f"{side}_rows_per_step"] = round(statistics.median(x["rows_per_step"] for x in steps), 2)
+                    row[f"{side}_ms_per_step"] = round(statistics.median(x["ms_per_step"] for x in steps), 2)
                 print(f"| {model} | {c} | {row['engine_tok_s']} | {row['http_tok_s']} | {row['ratio']:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) |", flush=True)
                 rows.append(row)
+            await client.close()
 
         asyncio.run(measure())
         asyncio.run(engine.stop())
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
-    result = {"coalesce": {"tokens": args.coalesce_tokens, "ms": args.coalesce_ms, "max_ms": args.coalesce_max_ms}, "seconds_per_side_per_round": args.seconds, "rounds": args.rounds, "throughput": rows, "ttft": ttft, "cold_start": cold, "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()}}
+    result = {"client": args.client, "coalesce": {"tokens": args.coalesce_tokens, "ms": args.coalesce_ms, "max_ms": args.coalesce_max_ms}, "seconds_per_side_per_round": args.seconds, "rounds": args.rounds, "throughput": rows, "ttft": ttft, "cold_start": cold, "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     text = render(result)
@@ -197,9 +277,13 @@ def main() -> None:
 
 
 def render(r: dict) -> str:
-    lines = ["| model | concurrency | engine in-process tok/s | through HTTP tok/s | ratio (median) | ratio min-max |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | concurrency | engine in-process tok/s | through HTTP tok/s | ratio (median) | ratio min-max | rows / step in-process / HTTP | ms / step in-process / HTTP |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     lines += [
-        f"| {x['model']} | {x['concurrency']} | {x['engine_tok_s']} | {x['http_tok_s']} | {x['ratio']:.2f} | {x['ratio_min_max'][0]:.2f}-{x['ratio_min_max'][1]:.2f} |"
+        f"| {x['model']} | {x['concurrency']} | {x['engine_tok_s']} | {x['http_tok_s']} | {x['ratio']:.2f} | {x['ratio_min_max'][0]:.2f}-{x['ratio_min_max'][1]:.2f} "
+        f"| {x['engine_rows_per_step']} / {x['http_rows_per_step']} | {x['engine_ms_per_step']} / {x['http_ms_per_step']} |"
         for x in r["throughput"]
     ]
     lines += ["", "| model | TTFT HTTP p50 / p95 ms | TTFT engine p50 / p95 ms |", "|---|---:|---:|"]

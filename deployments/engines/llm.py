@@ -13,7 +13,7 @@ import math
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
@@ -180,6 +180,7 @@ class LLMEngine(Engine):
         self._worker: MLXWorker | None = None
         self._loop_done: Any = None
         self._stopping = threading.Event()
+        self._retired_counters: dict[str, float] = {}  # of generators replaced after a broken step
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def _load(self) -> None:
@@ -203,6 +204,9 @@ class LLMEngine(Engine):
         self.generator = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
+        old = getattr(self, "generator", None)
+        if old is not None:
+            self._retired_counters = self.counters()
         return BatchGenerator(
             self.model,
             stop_tokens=[[t] for t in self.eos_ids],
@@ -222,6 +226,14 @@ class LLMEngine(Engine):
 
     def running_requests(self) -> int:
         return len(self._streams)
+
+    def counters(self) -> dict[str, float]:
+        """mlx-lm's own BatchGenerator counters (prompt_tokens, prompt_time, generation_tokens,
+        generation_steps, decode_time), summed over the generators this engine made: they only
+        grow, so two readings give the rows per step and the time per step of a window."""
+        generator = getattr(self, "generator", None)
+        now = asdict(generator._counters) if generator is not None else {}
+        return {k: self._retired_counters.get(k, 0) + v for k, v in now.items()} or dict(self._retired_counters)
 
     def memory(self) -> MemoryReport:
         generator = getattr(self, "generator", None)
@@ -298,6 +310,7 @@ class LLMEngine(Engine):
         """Drop the model, batch and caches on the thread whose stream made them (as mlx-lm's
         server does): arrays still being computed there must not outlive it."""
         mx.synchronize()
+        self._retired_counters = self.counters()
         del self.generator
         self.prompt_cache = LRUPromptCache(max_size=1)
         self.model = None
