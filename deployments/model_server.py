@@ -163,7 +163,7 @@ class _Channel:
     def __init__(self) -> None:
         self.ready: dict[str, list[dict]] = {}
         self.tokens: dict[str, int] = {}
-        self.tasks: dict[str, asyncio.Task] = {}
+        self.open: dict[str, "_Delivery"] = {}  # generations still running, by request id
         self.oldest: float | None = None
         self.sending = False  # a batch went out and its caller has not taken it yet (open_channel)
         self.wake = asyncio.Event()  # something is waiting to go out
@@ -184,6 +184,69 @@ class _Channel:
         self.wake.clear()
         self.urgent.clear()
         return batch
+
+
+class _Delivery:
+    """One generation's way into its channel. The LLM engine calls `put_nowait` on the server's
+    event loop, one thread-safe call per engine step for all of them, so no task or queue per
+    request stands between the engine and the channel (a VLM stream is fed by a task instead).
+    Ends exactly once: its last delta, a failure, or a cancel."""
+
+    def __init__(self, server: "ModelServer", ch: _Channel, request_id: str, most: int):
+        self.server = server
+        self.ch = ch
+        self.request_id = request_id
+        self.most = most
+        self.first = True
+        self.ended = False
+        self.cancelled = False
+        self.engine_id: int | None = None  # an LLM generation, as the engine knows it
+        self.task: asyncio.Task | None = None  # what starts or feeds it (constraint compile, VLM stream)
+        server._in_flight += 1  # counted from submit, not from the first step: a drain must see it
+        ch.open[request_id] = self
+
+    def put_nowait(self, delta: Any) -> None:
+        if self.ended:
+            return
+        if self.cancelled:  # the caller is gone: only the engine's final delta matters, as the end
+            if delta.finish_reason is not None:
+                self._end()
+            return
+        d = delta.model_dump()
+        if self.first and _is_failure(d):
+            self.fail(ModelServerError(d.get("error_code") or "internal", d.get("error") or "generation failed"))
+            return
+        ended = d.get("finish_reason") is not None
+        self.ch.put(self.request_id, d, self.first or ended, self.most)
+        self.first = False
+        if ended:
+            self._end()
+
+    def fail(self, error: ModelServerError) -> None:
+        """End with an error: a {"failure"} item before any output, an error delta after some."""
+        if self.ended:
+            return
+        if not self.cancelled:
+            item = {"failure": error.to_dict()} if self.first else {"text": "", "finish_reason": "error", "error": error.message, "error_code": error.code}
+            self.ch.put(self.request_id, item, True, self.most)
+        self._end()
+
+    def cancel(self) -> None:
+        """The caller stopped reading: stop the generation; it ends when the engine confirms."""
+        if self.ended or self.cancelled:
+            return
+        self.cancelled = True
+        if self.task is not None:
+            self.task.cancel()
+        if self.engine_id is not None:
+            self.server.engine.cancel(self.engine_id)
+        elif self.task is None or self.task.done():
+            self._end()
+
+    def _end(self) -> None:
+        self.ended = True
+        self.server._in_flight -= 1
+        self.ch.open.pop(self.request_id, None)
 
 
 def open_channel(server: Any, channel_id: str) -> Any:
@@ -309,26 +372,24 @@ class ModelServer:
         finally:
             self._in_flight -= 1
 
-    def _open_stream(self, request: Any) -> AsyncIterator:
-        """The engine's delta stream for a request dict (validated here, so a bad field is an
-        invalid_request naming it)."""
+    def _parse_generation(self, request: Any) -> Any:
+        """A generation request checked for this kind: an LLM GenerationRequest (validated here,
+        so a bad field is an invalid_request naming it), or a VLM request dict."""
         if self.entry.kind == "llm":
             from deployments.engines.llm import GenerationRequest
 
             try:
-                parsed = request if isinstance(request, GenerationRequest) else GenerationRequest.model_validate(request)
+                return request if isinstance(request, GenerationRequest) else GenerationRequest.model_validate(request)
             except ValidationError as e:
                 first = e.errors()[0]
                 param = ".".join(str(p) for p in first["loc"]) or None
                 raise ModelServerError("invalid_request", f"{param + ': ' if param else ''}{first['msg']}", param) from None
-            return self.engine.generate(parsed)
         if not isinstance(request, dict) or "messages" not in request:
             raise ModelServerError("invalid_request", "a VLM request is a dict with messages (and images)", "messages")
         unknown = sorted(set(request) - _VLM_FIELDS)
         if unknown:
             raise ModelServerError("invalid_request", f"unsupported field(s) for a VLM model: {', '.join(unknown)}", unknown[0])
-        options = {k: v for k, v in request.items() if k not in ("messages", "images")}
-        return self.engine.generate(request["messages"], images=request.get("images") or [], **options)
+        return request
 
     # ---- multiplexed streams: one Ray item per flush for all of a caller's streams -------------
     async def channel(self, channel_id: str) -> AsyncIterator[list[tuple[str, dict]]]:
@@ -341,7 +402,7 @@ class ModelServer:
         try:
             while True:
                 await ch.wake.wait()
-                wait_s = self.flush_interval_s(len(ch.tasks))
+                wait_s = self.flush_interval_s(len(ch.open))
                 left = ch.oldest + wait_s - time.monotonic() if ch.oldest is not None else 0.0
                 if left > 0 and not ch.urgent.is_set():
                     with contextlib.suppress(asyncio.TimeoutError):
@@ -350,8 +411,8 @@ class ModelServer:
                 yield ch.take()  # resumes once the caller took the batch (open_channel's backpressure)
                 ch.sending = False
         finally:
-            for task in list(ch.tasks.values()):
-                task.cancel()
+            for delivery in list(ch.open.values()):
+                delivery.cancel()
             self._channels.pop(channel_id, None)
             self._closed_channels.add(channel_id)
 
@@ -369,47 +430,64 @@ class ModelServer:
         most = max(1, self.coalesce_tokens)
         try:
             self._engine_for("generate")
-            stream = self._open_stream(request)
+            parsed = self._parse_generation(request)
         except Exception as e:
             ch.put(request_id, {"failure": unwrap(e).to_dict()}, True, most)
             return
-        self._in_flight += 1  # counted from now, not from the task's first step: a drain must see it
-        ch.tasks[request_id] = asyncio.get_running_loop().create_task(self._feed(ch, request_id, stream, most))
+        delivery = _Delivery(self, ch, request_id, most)
+        loop = asyncio.get_running_loop()
+        if self.entry.kind != "llm":
+            delivery.task = loop.create_task(self._feed(delivery, parsed))
+        elif parsed.constraint is not None:  # its grammar compiles first, off the loop
+            delivery.task = loop.create_task(self._start_constrained(delivery, parsed))
+        else:
+            self._start(delivery, parsed, None)
+
+    def _start(self, delivery: _Delivery, request: Any, grammar: Any) -> None:
+        try:
+            delivery.engine_id = self.engine.start(request, delivery, grammar)
+        except Exception as e:
+            delivery.fail(unwrap(e))
+
+    async def _start_constrained(self, delivery: _Delivery, request: Any) -> None:
+        try:
+            grammar = await self.engine.compile(request)
+        except asyncio.CancelledError:
+            delivery._end()
+            raise
+        except Exception as e:
+            delivery.fail(unwrap(e))
+            return
+        if delivery.cancelled:
+            delivery._end()
+        else:
+            self._start(delivery, request, grammar)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a submitted generation (its caller stopped reading); whether it was running."""
         for ch in self._channels.values():
-            task = ch.tasks.get(request_id)
-            if task is not None:
-                task.cancel()
+            delivery = ch.open.get(request_id)
+            if delivery is not None:
+                delivery.cancel()
                 return True
         return False
 
-    async def _feed(self, ch: _Channel, request_id: str, stream: AsyncIterator, most: int) -> None:
-        """Engine deltas of one request -> its channel; the caller counted it in `_in_flight`."""
-        first = True
+    async def _feed(self, delivery: _Delivery, request: dict) -> None:
+        """A VLM generation: its engine's delta stream -> the delivery."""
+        stream = self.engine.generate(request["messages"], images=request.get("images") or [], **{k: v for k, v in request.items() if k not in ("messages", "images")})
         try:
             async for delta in stream:
-                d = delta.model_dump()
-                if first and _is_failure(d):
-                    error = {"code": d.get("error_code") or "internal", "message": d.get("error") or "generation failed", "param": None}
-                    ch.put(request_id, {"failure": error}, True, most)
+                delivery.put_nowait(delta)
+                if delivery.ended:
                     return
-                ended = d.get("finish_reason") is not None
-                ch.put(request_id, d, first or ended, most)
-                first = False
-                if ended:
-                    return
-            ch.put(request_id, {"text": "", "finish_reason": "error", "error": "the engine stream ended early", "error_code": "internal"}, True, most)
+            delivery.fail(ModelServerError("internal", "the engine stream ended early"))
         except asyncio.CancelledError:
+            if not delivery.ended:
+                delivery._end()
             raise
         except Exception as e:
-            error = unwrap(e)
-            item = {"failure": error.to_dict()} if first else {"text": "", "finish_reason": "error", "error": error.message, "error_code": error.code}
-            ch.put(request_id, item, True, most)
+            delivery.fail(unwrap(e))
         finally:
-            self._in_flight -= 1
-            ch.tasks.pop(request_id, None)
             with contextlib.suppress(BaseException):
                 await stream.aclose()
 

@@ -67,8 +67,12 @@ class MuxStream:
 
     async def next(self, timeout_s: float) -> dict:
         try:
-            item = await asyncio.wait_for(self.queue.get(), timeout_s)
-        except asyncio.TimeoutError:
+            if self.queue.empty():
+                async with asyncio.timeout(timeout_s):  # no task per item, unlike wait_for
+                    item = await self.queue.get()
+            else:
+                item = self.queue.get_nowait()
+        except TimeoutError:
             raise Unavailable(f"{self.reader.label} sent nothing for {timeout_s:.0f} s") from None
         if item is _GONE:
             raise Unavailable(self.reader.failure or f"{self.reader.label} is unavailable")

@@ -24,7 +24,6 @@ for _k, _v in SERVE_ENV.items():  # the product's Serve mode
 import aiohttp  # noqa: E402
 import ray  # noqa: E402
 import requests  # noqa: E402
-from openai import AsyncOpenAI  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
@@ -87,6 +86,8 @@ class SDKClient:
     """The official openai client (--client openai): what users run, heavier per chunk."""
 
     def __init__(self, base_url: str):
+        from openai import AsyncOpenAI
+
         self.client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
 
     async def one(self, model: str, i: int, max_tokens: int) -> tuple[int, float]:
@@ -190,7 +191,7 @@ def main() -> None:
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
     models_dir = Path(args.models_dir).resolve()
-    prepare(models_dir, {"llama-10m", "smollm2-135m-instruct"}, log=lambda *_: None)
+    prepare(models_dir, set(args.models.split(",")), log=lambda *_: None)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "labels": {"orchard.node": "head", "orchard.budget_gib": "8"}, "include_dashboard": False, "object_store_memory": 80 << 20})
@@ -200,6 +201,7 @@ def main() -> None:
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     overrides = {"llama-10m": {"reserve_context_tokens": 1024, "reserve_concurrency": 64}, "smollm2-135m-instruct": {"reserve_context_tokens": 512, "reserve_concurrency": 64}}
+    overrides = {name: o for name, o in overrides.items() if name in args.models.split(",")}
     registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in overrides]
     policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
     app_args = {"models_dir": str(models_dir), "models": registry, "policy": policy, "coalesce_tokens": args.coalesce_tokens, "coalesce_ms": args.coalesce_ms, "coalesce_max_ms": args.coalesce_max_ms}

@@ -11,10 +11,11 @@ import gc
 import itertools
 import math
 import queue
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
@@ -131,6 +132,15 @@ def seeded_sampler(temp: float, top_p: float, min_p: float, top_k: int, seed: in
     return sampler
 
 
+logger = logging.getLogger(__name__)
+
+
+class DeltaSink(Protocol):
+    """Where a started request's deltas go (an asyncio.Queue is one)."""
+
+    def put_nowait(self, delta: Delta) -> None: ...
+
+
 @dataclass(eq=False)
 class _Stream:
     """Worker-thread state of one running request."""
@@ -138,7 +148,7 @@ class _Stream:
     request: GenerationRequest
     tokens: list[int]
     loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
+    out: DeltaSink
     detokenizer: Any
     stops: Any
     grammar: GrammarProcessor | None = None
@@ -252,15 +262,9 @@ class LLMEngine(Engine):
         """Stream the deltas of one request. Closing the iterator early cancels the request and
         frees its KV cache at once. A constraint whose grammar does not compile raises
         RequestError(invalid_request, param response_format) before any output."""
-        self._check_ready()
-        grammar = None
-        if request.constraint is not None:
-            # compiled off the event loop and off the MLX thread (whose steps serve every stream)
-            grammar = await asyncio.to_thread(self.grammars.compile, request.constraint)
-        loop = asyncio.get_running_loop()
+        grammar = await self.compile(request)
         out: asyncio.Queue[Delta] = asyncio.Queue()
-        request_id = next(self._ids)
-        self._commands.put(("add", (request_id, request, loop, out, grammar)))
+        request_id = self.start(request, out, grammar)
         finished = False
         try:
             while True:
@@ -271,7 +275,33 @@ class LLMEngine(Engine):
                     return
         finally:
             if not finished:
-                self._commands.put(("cancel", request_id))
+                self.cancel(request_id)
+
+    async def compile(self, request: GenerationRequest) -> GrammarProcessor | None:
+        """The grammar of `request.constraint` (None without one), compiled off the event loop and
+        off the MLX thread, whose steps serve every stream; RequestError when it does not compile."""
+        self._check_ready()
+        if request.constraint is None:
+            return None
+        return await asyncio.to_thread(self.grammars.compile, request.constraint)
+
+    def start(self, request: GenerationRequest, sink: DeltaSink, grammar: GrammarProcessor | None = None) -> int:
+        """Start a request whose deltas go to `sink.put_nowait` on the calling event loop, in order,
+        the last one with a finish_reason (a failed admission: one error delta). One thread-safe
+        call per step carries every delta that loop gets, so a server that fans many requests into
+        one outbox (ModelServer's channels) needs no task or queue per request. Returns the id
+        that `cancel` takes. `grammar`: from `compile`, required when the request has a constraint."""
+        self._check_ready()
+        if request.constraint is not None and grammar is None:
+            raise RequestError("internal", "a constrained request starts with the grammar from compile()")
+        request_id = next(self._ids)
+        self._commands.put(("add", (request_id, request, asyncio.get_running_loop(), sink, grammar)))
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a started request: its KV cache is freed at once and a `cancelled` delta ends it
+        (nothing happens for one that already ended)."""
+        self._commands.put(("cancel", request_id))
 
     async def complete(self, request: GenerationRequest) -> Delta:
         """The whole completion as one Delta (text, tokens, finish reason, usage)."""
@@ -386,7 +416,7 @@ class LLMEngine(Engine):
                 outbox.append(stream)
 
     def _admit(
-        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, out: asyncio.Queue, grammar: GrammarProcessor | None = None
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, out: DeltaSink, grammar: GrammarProcessor | None = None
     ) -> _Stream:
         tokens = self._tokenize(request)
         if not tokens:
@@ -508,7 +538,7 @@ def _merged(stream: _Stream) -> Delta:
 
 def _hand_off(streams: list[_Stream]) -> None:
     """One thread-safe call per event loop per step carries the deltas of all its streams."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[DeltaSink, Delta]]] = {}
     for stream in dict.fromkeys(streams):  # each stream once, in order
         if stream.pending:
             by_loop.setdefault(stream.loop, []).append((stream.out, _merged(stream)))
@@ -516,10 +546,13 @@ def _hand_off(streams: list[_Stream]) -> None:
         _put(loop, items)
 
 
-def _put(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Delta]]) -> None:
+def _put(loop: asyncio.AbstractEventLoop, items: list[tuple[DeltaSink, Delta]]) -> None:
     def put_all() -> None:
         for out, delta in items:
-            out.put_nowait(delta)
+            try:
+                out.put_nowait(delta)
+            except Exception:  # one broken sink must not cost the other streams their deltas
+                logger.exception("a delta sink failed")
 
     try:
         loop.call_soon_threadsafe(put_all)
