@@ -11,6 +11,7 @@ across Ray, so the router can map it to OpenAI's error format. Importing this mo
 import asyncio
 import contextlib
 import errno
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -271,8 +272,14 @@ class ModelServer:
         coalesce_tokens: int = 4,
         coalesce_ms: float = 25.0,
         coalesce_max_ms: float | None = None,
+        gil_switch_ms: float | None = None,
     ):
         from deployments.models import open_engine
+
+        if gil_switch_ms is not None:
+            # How soon a thread waiting for the GIL (the engine's, after an eval) gets it from the
+            # event loop or Ray's threads; Python's default is 5 ms, a whole fast GPU step.
+            sys.setswitchinterval(gil_switch_ms / 1000.0)
 
         self.entry = entry if isinstance(entry, ManifestEntry) else ManifestEntry.model_validate(entry)
         self.models_dir = models_dir

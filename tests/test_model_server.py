@@ -14,6 +14,7 @@ import pickle
 import shutil
 import tempfile
 import threading
+import sys
 import time
 
 import pytest
@@ -56,9 +57,9 @@ def manifest(models_dir):
     return read_manifest(models_dir)
 
 
-def _start(manifest, models_dir, ray_node, model):
+def _start(manifest, models_dir, ray_node, model, options=None):
     started = time.perf_counter()
-    handle = create_model_server(manifest.entry(model), NODE, ray_node_id=ray_node, models_dir=models_dir)
+    handle = create_model_server(manifest.entry(model), NODE, ray_node_id=ray_node, models_dir=models_dir, options=options)
     report = ray.get(handle.load.remote(), timeout=60)
     print(f"\n{model}: actor create + load {time.perf_counter() - started:.2f} s (engine load {report['load_seconds']:.2f} s)")
     return handle, report
@@ -66,7 +67,7 @@ def _start(manifest, models_dir, ray_node, model):
 
 @pytest.fixture(scope="module")
 def llama(ray_node, manifest, models_dir):
-    handle, report = _start(manifest, models_dir, ray_node, "llama-10m")
+    handle, report = _start(manifest, models_dir, ray_node, "llama-10m", {"gil_switch_ms": 0.1})
     yield handle, report
     asyncio.run(kill_model_server(LLAMA, 1.0))
 
@@ -128,6 +129,10 @@ def test_load_reports_memory_and_health(llama, manifest):
     assert (health["status"], health["kind"], health["node_id"], health["actor_name"]) == ("ready", "llm", NODE, LLAMA)
     assert ray.get(handle.load.remote())["weight_bytes"] == report["weight_bytes"]  # loading twice is harmless
     assert ray.get(handle.memory.remote())["weight_bytes"] == report["weight_bytes"]
+    # the actor process took the shorter GIL switch interval it was given (the engine thread
+    # waits at most that long for the GIL); this test process keeps Python's own
+    assert ray.get(handle.__ray_call__.remote(lambda self: sys.getswitchinterval())) == pytest.approx(0.0001)
+    assert sys.getswitchinterval() == pytest.approx(0.005)
 
 
 def test_stream_is_coalesced_and_equals_the_engine_output(llama, local_engine):

@@ -11,6 +11,7 @@ import os
 import platform
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from cluster.placement import NAMESPACE, actor_name  # noqa: E402
 from deployments.engines.llm import GenerationRequest, LLMEngine  # noqa: E402
 from deployments.models import prepare  # noqa: E402
-from router.app import build_app  # noqa: E402
+from router.app import AppArgs, build_app  # noqa: E402
 from router.registry import from_manifest  # noqa: E402
 
 TOPICS = ["the sea", "a city at night", "bread", "mountains", "a small robot", "rain", "music", "the moon"]
@@ -149,7 +150,21 @@ async def through_http(client: "SSEClient | SDKClient", model: str, n: int, max_
     return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
 
 
+ENGINE_SWITCH_S: float | None = None  # --engine-gil-switch-ms, in seconds
+
+
 async def in_process(engine: LLMEngine, n: int, max_tokens: int, seconds: float = 0.0) -> tuple[int, float, list[float]]:
+    if ENGINE_SWITCH_S is not None:
+        default = sys.getswitchinterval()
+        sys.setswitchinterval(ENGINE_SWITCH_S)
+        try:
+            return await _in_process(engine, n, max_tokens, seconds)
+        finally:
+            sys.setswitchinterval(default)
+    return await _in_process(engine, n, max_tokens, seconds)
+
+
+async def _in_process(engine: LLMEngine, n: int, max_tokens: int, seconds: float = 0.0) -> tuple[int, float, list[float]]:
     if seconds > 0:
         return await closed_loop(lambda i: engine_one(engine, i, max_tokens), n, seconds)
     started = time.perf_counter()
@@ -186,10 +201,14 @@ def main() -> None:
     parser.add_argument("--coalesce-tokens", type=int, default=8)
     parser.add_argument("--coalesce-ms", type=float, default=50.0)
     parser.add_argument("--coalesce-max-ms", type=float, default=100.0)
+    parser.add_argument("--gil-switch-ms", type=float, default=None, help="the model servers' (default: ray-config's, 0.1)")
+    parser.add_argument("--engine-gil-switch-ms", type=float, default=None, help="this process's while the in-process engine runs (default: Python's 5 ms)")
     parser.add_argument("--client", choices=("aiohttp", "openai"), default="aiohttp", help="the load generator (see SSEClient)")
     parser.add_argument("--json", default="bench/results/serve.json")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
+    global ENGINE_SWITCH_S
+    ENGINE_SWITCH_S = args.engine_gil_switch_ms / 1000.0 if args.engine_gil_switch_ms is not None else None
     models_dir = Path(args.models_dir).resolve()
     prepare(models_dir, set(args.models.split(",")), log=lambda *_: None)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -205,6 +224,8 @@ def main() -> None:
     registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in overrides]
     policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
     app_args = {"models_dir": str(models_dir), "models": registry, "policy": policy, "coalesce_tokens": args.coalesce_tokens, "coalesce_ms": args.coalesce_ms, "coalesce_max_ms": args.coalesce_max_ms}
+    if args.gil_switch_ms is not None:
+        app_args["gil_switch_ms"] = args.gil_switch_ms
     serve.run(build_app(app_args), name="orchard", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     rows, ttft, cold = [], [], []
@@ -268,7 +289,7 @@ def main() -> None:
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
-    result = {"client": args.client, "coalesce": {"tokens": args.coalesce_tokens, "ms": args.coalesce_ms, "max_ms": args.coalesce_max_ms}, "seconds_per_side_per_round": args.seconds, "rounds": args.rounds, "throughput": rows, "ttft": ttft, "cold_start": cold, "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()}}
+    result = {"client": args.client, "gil_switch_ms": {"model_server": args.gil_switch_ms if args.gil_switch_ms is not None else AppArgs.model_fields["gil_switch_ms"].default, "in_process": args.engine_gil_switch_ms or 5.0}, "coalesce": {"tokens": args.coalesce_tokens, "ms": args.coalesce_ms, "max_ms": args.coalesce_max_ms}, "seconds_per_side_per_round": args.seconds, "rounds": args.rounds, "throughput": rows, "ttft": ttft, "cold_start": cold, "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     text = render(result)

@@ -2,11 +2,13 @@
 # The serving-path benchmark on a CUDA machine with no package index (the lent H200): install the
 # carried wheels (a tar of cp312 wheels, possibly in split parts) into a private site folder, point
 # mlx-cuda at the machine's own CUDA libraries, write the 10M model with the project's own tool,
-# and run `python -m bench.serve` there. Usage: bench/serve/on_gpu.sh PARTS_DIR OUT_DIR [bench args]
-# (PARTS_DIR holds wheels.tar or its parts wpart.0, wpart.1, ...; see docs/serve-benchmark.md).
+# then run the given command there. Usage: bench/serve/on_gpu.sh PARTS_DIR COMMAND...
+#   e.g. bench/serve/on_gpu.sh /root/wparts python3 -m bench.serve --models llama-10m --json $OUT/serve-gpu.json
+# (PARTS_DIR holds wheels.tar or its parts wpart.0, wpart.1, ..., and loose wheels that override
+# the tar's; see docs/serve-benchmark.md).
 set -euo pipefail
-parts=$1 out=$2
-shift 2
+parts=$1
+shift
 site=/tmp/orchard-site
 py=python3
 nvidia_dir=$($py -c 'import nvidia, os; print(os.path.realpath(nvidia.__path__[0]))')
@@ -15,6 +17,11 @@ if [ ! -f "$site/.installed" ]; then
   if [ -f "$parts/wheels.tar" ]; then tar xf "$parts/wheels.tar" -C /tmp/orchard-wheels
   else cat "$parts"/wpart.* | tar x -C /tmp/orchard-wheels; fi
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" /tmp/orchard-wheels/*.whl
+  # loose wheels beside the parts replace those of the tar (a version that matches the machine's
+  # own packages: grpcio-reflection must match its grpcio)
+  if compgen -G "$parts/*.whl" >/dev/null; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$parts"/*.whl
+  fi
   ln -sfn "$nvidia_dir" "$site/nvidia"  # libmlx.so finds CUDA through $ORIGIN/../../nvidia
   touch "$site/.installed"
 fi
@@ -32,4 +39,4 @@ import mlx.core as mx
 print("mlx", mx.__version__, mx.default_device(), mx.device_info().get("device_name"))
 EOF
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-$py -m bench.serve --models llama-10m --json "$out/serve-gpu.json" --markdown "$out/serve-gpu.md" "$@"
+"$@"
