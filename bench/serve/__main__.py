@@ -11,6 +11,7 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -186,6 +187,25 @@ async def with_steps(read_counters, run) -> tuple[int, float, dict]:
     return tokens, seconds, {"rows_per_step": rows, "ms_per_step": 1000 * elapsed / steps}
 
 
+PROFILED = {"actor": "ray::ModelServer", "ingress": "ServeReplica:orchard:Ingress", "proxy": "ProxyActor", "controller": "ServeReplica:orchard:ResidencyService"}
+
+
+def profile(py_spy: str, out: Path, model: str, seconds: float) -> list:
+    """py-spy records (raw, per thread) of the path's processes, found by their Ray process titles."""
+    import psutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    spies = []
+    for name, title in PROFILED.items():
+        pids = [p.pid for p in psutil.process_iter(["cmdline"]) if any(title in part for part in p.info["cmdline"] or ())]
+        for pid in pids[:1]:
+            spies.append(subprocess.Popen(
+                [py_spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw", "--threads", "--nonblocking", "-o", str(out / f"{model}-{name}.txt")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))
+    return spies
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
@@ -204,6 +224,8 @@ def main() -> None:
     parser.add_argument("--gil-switch-ms", type=float, default=None, help="the model servers' (default: ray-config's, 0.1)")
     parser.add_argument("--engine-gil-switch-ms", type=float, default=None, help="this process's while the in-process engine runs (default: Python's 5 ms)")
     parser.add_argument("--client", choices=("aiohttp", "openai"), default="aiohttp", help="the load generator (see SSEClient)")
+    parser.add_argument("--profile-dir", default=None, help="py-spy records of the path's processes in one more HTTP run")
+    parser.add_argument("--py-spy", default="py-spy")
     parser.add_argument("--json", default="bench/results/serve.json")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -282,6 +304,11 @@ def main() -> None:
                     row[f"{side}_ms_per_step"] = round(statistics.median(x["ms_per_step"] for x in steps), 2)
                 print(f"| {model} | {c} | {row['engine_tok_s']} | {row['http_tok_s']} | {row['ratio']:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) |", flush=True)
                 rows.append(row)
+            if args.profile_dir:  # one more HTTP run at the highest concurrency, under py-spy
+                spies = profile(args.py_spy, Path(args.profile_dir), model, args.seconds)
+                await through_http(client, model, concurrencies[-1], max_tokens, args.seconds)
+                for spy in spies:
+                    spy.wait()
             await client.close()
 
         asyncio.run(measure())
