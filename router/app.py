@@ -62,6 +62,7 @@ class Ingress:
         self.api_keys = [k.encode() for k in api_keys or []]
         self._releases: set[asyncio.Task] = set()
         self.mux = StreamMux()
+        self._handles: dict[tuple[str, str], tuple[float, Any]] = {}  # (model, node) -> (loaded_at, actor)
 
     def __del__(self):  # Serve calls it when the replica shuts down
         with contextlib.suppress(Exception):
@@ -110,11 +111,18 @@ class Ingress:
     async def _send_release(self, lease_id: str) -> None:
         await self.residency.release.remote(lease_id)
 
-    @staticmethod
-    def _actor(model: str, node_id: str):
-        """Looked up per request, not cached: an evicted model placed again on the same node is a
-        new actor under the same name, and a cached handle would point at the dead one."""
-        return ray.get_actor(actor_name(model, node_id), namespace=NAMESPACE)
+    def _actor(self, lease: dict):
+        """The lease's model-server actor. Handles are cached per instance incarnation (the lease's
+        loaded_at): ray.get_actor is a blocking GCS call, once per request was a measurable share
+        of the ingress's event loop at GPU token rates; a model placed again on the same node is a
+        new actor under the same name and a new loaded_at, so a stale handle is never reused."""
+        key = (lease["model"], lease["node_id"])
+        cached = self._handles.get(key)
+        if cached is not None and cached[0] == lease["loaded_at"]:
+            return cached[1]
+        handle = ray.get_actor(actor_name(lease["model"], lease["node_id"]), namespace=NAMESPACE)
+        self._handles[key] = (lease["loaded_at"], handle)
+        return handle
 
     async def _lease(self, model: str, protocol: Protocol = "openai") -> tuple[dict | None, JSONResponse | None]:
         lease = await self.residency.acquire.remote(model)
@@ -131,7 +139,7 @@ class Ingress:
         label = f"model {lease['model']} on {lease['node_id']}"
         try:
             try:
-                actor = self._actor(lease["model"], lease["node_id"])
+                actor = self._actor(lease)
             except ValueError as e:  # no such actor: evicted or died since the lease was granted
                 raise Unavailable(f"{label} is unavailable: {e}") from e
             stream = self.mux.open(actor, label, request)
@@ -229,7 +237,7 @@ class Ingress:
             return failure
         try:
             generation, _ = self._prepare(lease, chat)
-            count = await self._actor(lease["model"], lease["node_id"]).count_tokens.remote(generation)
+            count = await self._actor(lease).count_tokens.remote(generation)
         except oai.ProtocolError as e:
             return protocol_error_response("anthropic", e)
         except Exception as e:
@@ -345,7 +353,7 @@ class Ingress:
             self._release(lease["lease_id"])
             return error(400, "model_not_supported", f"model {body.model} is a {lease['kind']} model, not an embedding model", "model")
         try:
-            result = await self._actor(lease["model"], lease["node_id"]).embed.remote(body.texts(), body.dimensions)
+            result = await self._actor(lease).embed.remote(body.texts(), body.dimensions)
         except Exception as e:
             failure = unwrap(e)
             return error(failure.status, failure.code, failure.message, failure.param)
@@ -363,7 +371,7 @@ class Ingress:
         try:
             if lease["kind"] != kind:
                 return None, error(400, "model_not_supported", f"model {request_model} is a {lease['kind']} model, not {what}", "model")
-            return await call(self._actor(lease["model"], lease["node_id"])), None
+            return await call(self._actor(lease)), None
         except ValueError as e:  # the actor vanished since the lease was granted
             return None, error(503, "model_unavailable", f"model {request_model} is unavailable: {e}", retry_after_s=1)
         except Exception as e:

@@ -61,6 +61,9 @@ class Lease(Frozen):
     model: str
     node_id: str
     acquired_at: float
+    # When this instance was placed (or adopted): a model placed again on the same node is a new
+    # actor under the same name, so callers key cached actor handles by (model, node, loaded_at).
+    loaded_at: float
 
 
 class LoadResult(Frozen):
@@ -192,7 +195,10 @@ class ResidencyController:
             decision = ensure(model, self.state, now, self.config, waited_s=now - started)
             if isinstance(decision, Use):
                 self.state = start_request(self.state, decision.instance, now)
-                lease = Lease(lease_id=f"L{next(self._lease_ids)}", model=model, node_id=decision.instance.node_id, acquired_at=now)
+                loaded_at = self.state.node(decision.instance.node_id).instance(model).loaded_at
+                lease = Lease(
+                    lease_id=f"L{next(self._lease_ids)}", model=model, node_id=decision.instance.node_id, acquired_at=now, loaded_at=loaded_at
+                )
                 self._leases[lease.lease_id] = lease
                 return lease
             if isinstance(decision, Place):

@@ -76,6 +76,29 @@ def test_first_request_places_loads_and_leases():
     assert [e.kind for e in c.events()] == ["node_up", "node_up", "placed", "loaded"]
 
 
+def test_a_lease_names_the_incarnation_of_its_instance():
+    """Leases of one placed instance share its loaded_at; placed again after an unload, the model
+    is a new actor under the same name, and its leases say so (the ingress keys cached handles on it)."""
+    async def scenario():
+        c, fx = make([spec("a", gb=3)])
+        first = await c.acquire("a")
+        second = await c.acquire("a")
+        c.release(first.lease_id)
+        c.release(second.lease_id)
+        fx.t += 5
+        c.unload("a")
+        for _ in range(100):  # the stop runs as a task
+            if c.state.node(first.node_id).instance("a") is None:
+                break
+            await asyncio.sleep(0.01)
+        third = await c.acquire("a")
+        return first, second, third
+
+    first, second, third = run(scenario())
+    assert first.loaded_at == second.loaded_at
+    assert (third.model, third.node_id) == (first.model, first.node_id) and third.loaded_at > first.loaded_at
+
+
 def test_concurrent_requests_share_one_load():
     async def scenario():
         c, fx = make([spec("a", gb=3)])
