@@ -244,7 +244,21 @@ class _Delivery:
         elif self.task is None or self.task.done():
             self._end()
 
+    def watch(self, task: asyncio.Task) -> None:
+        """`task` starts or feeds this generation. A cancelled task ends it (also one cancelled before
+        it ever ran, whose body never gets to say so), unless the engine took it by then: the
+        engine's final delta ends it."""
+        self.task = task
+
+        def done(t: asyncio.Task) -> None:
+            if (t.cancelled() or t.exception() is not None) and self.engine_id is None:
+                self._end()
+
+        task.add_done_callback(done)
+
     def _end(self) -> None:
+        if self.ended:
+            return
         self.ended = True
         self.server._in_flight -= 1
         self.ch.open.pop(self.request_id, None)
@@ -444,9 +458,9 @@ class ModelServer:
         delivery = _Delivery(self, ch, request_id, most)
         loop = asyncio.get_running_loop()
         if self.entry.kind != "llm":
-            delivery.task = loop.create_task(self._feed(delivery, parsed))
+            delivery.watch(loop.create_task(self._feed(delivery, parsed)))
         elif parsed.constraint is not None:  # its grammar compiles first, off the loop
-            delivery.task = loop.create_task(self._start_constrained(delivery, parsed))
+            delivery.watch(loop.create_task(self._start_constrained(delivery, parsed)))
         else:
             self._start(delivery, parsed, None)
 
@@ -459,9 +473,6 @@ class ModelServer:
     async def _start_constrained(self, delivery: _Delivery, request: Any) -> None:
         try:
             grammar = await self.engine.compile(request)
-        except asyncio.CancelledError:
-            delivery._end()
-            raise
         except Exception as e:
             delivery.fail(unwrap(e))
             return
@@ -488,10 +499,6 @@ class ModelServer:
                 if delivery.ended:
                     return
             delivery.fail(ModelServerError("internal", "the engine stream ended early"))
-        except asyncio.CancelledError:
-            if not delivery.ended:
-                delivery._end()
-            raise
         except Exception as e:
             delivery.fail(unwrap(e))
         finally:

@@ -210,6 +210,35 @@ def test_channel_cancel_stops_the_generation(llama):
     ray.cancel(stream)
 
 
+def test_constrained_requests_end_once_whether_finished_failed_or_cancelled(llama):
+    """A constrained request starts after its grammar compiles (a task of its own); it finishes,
+    fails on a bad schema, or is cancelled while compiling or running, and in each case ends exactly
+    once: nothing stays counted in flight."""
+    handle, _ = llama
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    good = {"prompt": "JSON:", "max_tokens": 24, "temperature": 0, "constraint": {"type": "json_schema", "schema": schema}}
+    bad = dict(good, constraint={"type": "json_schema", "schema": {"type": "no-such-type"}})
+    stream = open_channel(handle, "constrained")
+    handle.submit.remote("constrained", "good", good)
+    handle.submit.remote("constrained", "bad", bad)
+    handle.submit.remote("constrained", "gone-early", dict(good, max_tokens=2000))
+    handle.cancel.remote("gone-early")  # right after submit: likely still compiling
+    seen: dict[str, list[dict]] = {}
+    deadline = time.monotonic() + 30
+    while not ({"good", "bad"} <= {rid for rid, items in seen.items() if items[-1].get("finish_reason") or "failure" in items[-1]}):
+        assert time.monotonic() < deadline, seen
+        for rid, item in ray.get(next(stream), timeout=30):
+            seen.setdefault(rid, []).append(item)
+    assert "failure" in seen["bad"][0] and seen["bad"][0]["failure"]["param"] == "response_format"
+    text = "".join(d.get("text") or "" for d in seen["good"])
+    assert seen["good"][-1]["finish_reason"] in ("stop", "length") and text.startswith("{")
+    deadline = time.monotonic() + 10
+    while _running(handle) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(handle) == 0
+    ray.cancel(stream)
+
+
 def test_closing_a_channel_cancels_its_requests(llama, local_engine):
     """The caller went away (its channel generator is cancelled): every request it had open on the
     channel is cancelled in the engine and its KV freed."""

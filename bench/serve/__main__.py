@@ -347,20 +347,28 @@ HEAD = """# Serving path benchmark
 
 Produced by `make bench-serve` (`python -m bench.serve --markdown docs/serve-benchmark.md`); JSON in
 `bench/results/serve.json`. One Ray node on this 2-core Linux VM (CPU MLX, OpenBLAS), the Serve app
-of ray-config.yaml's shape in Serve's throughput mode (cluster.local.SERVE_ENV), the official openai
-client (async, streaming, greedy, max_tokens 128 for the 10M llama and 48 for SmolLM2).
+of ray-config.yaml's shape in Serve's throughput mode (cluster.local.SERVE_ENV), streaming chat
+requests (greedy, max_tokens 128 for the 10M llama and 48 for SmolLM2) from a light aiohttp client
+(`--client openai` uses the official SDK instead; see "The load generator" below).
 
 - "engine in-process" is the same LLMEngine driven in the benchmark process with the same requests
   and settings (prefix reuse on, as served): the ceiling for the path.
 - Throughput is steady state: c clients, each sending its next request as soon as the last ends,
   for 10 s; in-process and HTTP alternate for 3 rounds and the table gives the medians (and the
   spread of the per-round ratio): the VM's speed drifts by ~10% over minutes.
+- "rows / step" and "ms / step" come from the engine's own counters (mlx-lm's BatchGenerator) on
+  each side: how full the batch was, and how long one step took in wall time. A path that starves
+  the batch shows in the first, one that slows the engine down in the second.
 - The path: one multiplexed channel per ingress replica and model-server actor carries every stream
   (one Ray item per flush); a stream's first delta goes out at once, then every 8 tokens or 50 ms,
-  stretched to 100 ms at 16+ streams per instance.
+  stretched to 100 ms at 16+ streams per instance. The engine hands each step's deltas straight to
+  the channel; the model-server actor runs with a 0.1 ms GIL switch interval (`gil_switch_ms`).
 - The client, the Serve proxy, the ingress and the model actor all share the same 2 cores with the
   engine, which on this machine computes on the CPU: every cycle the path spends is taken from the
   engine. On a Mac the engine computes on the GPU.
+
+Why the figures are what they are, the diagnostics behind each change and the same benchmark on an
+H200: [serve-path.md](serve-path.md).
 
 """
 

@@ -9,9 +9,9 @@ requests through mlx-lm's LRUPromptCache."""
 import asyncio
 import gc
 import itertools
+import logging
 import math
 import queue
-import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
@@ -32,6 +32,8 @@ from deployments.engines.text_stream import StopStringFilter
 from deployments.estimate import kv_bytes_per_token
 from deployments.manifest import safetensors_bytes
 from deployments.worker import MLXWorker
+
+logger = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -130,9 +132,6 @@ def seeded_sampler(temp: float, top_p: float, min_p: float, top_k: int, seed: in
         return mx.random.categorical(logprobs * (1 / temp), key=step)
 
     return sampler
-
-
-logger = logging.getLogger(__name__)
 
 
 class DeltaSink(Protocol):
