@@ -233,7 +233,8 @@ class _Delivery:
         self._end()
 
     def cancel(self) -> None:
-        """The caller stopped reading: stop the generation; it ends when the engine confirms."""
+        """The caller stopped reading: stop the generation; it ends when the engine confirms, or when
+        the task that starts or feeds it stops (`watch`)."""
         if self.ended or self.cancelled:
             return
         self.cancelled = True
@@ -241,8 +242,6 @@ class _Delivery:
             self.task.cancel()
         if self.engine_id is not None:
             self.server.engine.cancel(self.engine_id)
-        elif self.task is None or self.task.done():
-            self._end()
 
     def watch(self, task: asyncio.Task) -> None:
         """`task` starts or feeds this generation. A cancelled task ends it (also one cancelled before
@@ -512,15 +511,7 @@ class ModelServer:
             self._engine_for("generate")
             if self.entry.kind != "llm":
                 raise ModelServerError("unsupported", f"model {self.entry.name} ({self.entry.kind}) does not count tokens", "model")
-            from deployments.engines.llm import GenerationRequest
-
-            try:
-                parsed = GenerationRequest.model_validate(request)
-            except ValidationError as e:
-                first = e.errors()[0]
-                param = ".".join(str(p) for p in first["loc"]) or None
-                raise ModelServerError("invalid_request", f"{param + ': ' if param else ''}{first['msg']}", param) from None
-            return len(await asyncio.to_thread(self.engine.tokenize, parsed))
+            return len(await asyncio.to_thread(self.engine.tokenize, self._parse_generation(request)))
 
     async def embed(self, texts: list[str] | str, dimensions: int | None = None) -> dict:
         """EmbeddingResult as a dict: vectors, prompt_tokens, dimensions."""
