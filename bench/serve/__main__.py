@@ -46,7 +46,7 @@ class SSEClient:
     """A light streaming chat client: aiohttp and one json.loads per SSE event, as load generators
     such as vLLM's benchmark_serving are written. It shares the 2 cores with the path it measures:
     the openai SDK's per-chunk models cost ~5% of a core at 16 streams, which the engine loses
-    (measured: 0.94 with this client against 0.87-0.90 with the SDK, same server, docs/serve-benchmark.md)."""
+    (measured: 0.94 with this client against 0.87-0.90 with the SDK, same server; docs/serve-path.md)."""
 
     def __init__(self, base_url: str):
         self.url = base_url.rstrip("/") + "/chat/completions"
