@@ -3,6 +3,7 @@
     python -m cluster.local start --nodes "head:6,mac-1:3,mac-2:2"   # name:budget_gib[:device], head first
     python -m cluster.local status
     python -m cluster.local stop
+    python -m cluster.local tmpdir    # this checkout's RAY_TMPDIR (drivers need it, with `address`)
 
 Each node is one `ray start --block` process (in a session of its own, so a Ctrl-C at the shell does not
 reach it), recorded with its pid in <dir>/orchard-local.json; `stop` lists those processes, their descendants
@@ -14,11 +15,14 @@ Why each setting (see docs/cluster.md): all nodes of one machine report the whol
 declares a budget label; RAY_AUTH_MODE=disabled on every node and driver (mixed modes fail with
 InvalidAuthToken); node IP 127.0.0.2 on Linux because 127.0.0.1 is rewritten to the machine's address
 (macOS has no 127.0.0.2 and needs RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 instead); a small object store (Ray
-would reserve 30% of RAM per node); a project-local RAY_TMPDIR so nothing lands in /tmp/ray; every port
-chosen free, because other Ray instances may run on the same machine.
+would reserve 30% of RAM per node); a RAY_TMPDIR of its own per checkout, short whatever the checkout's
+path (default_temp_root), so nothing lands in /tmp/ray and Ray's socket paths fit; every port chosen free,
+because other Ray instances may run on the same machine; and no start while something listens on Serve's
+HTTP port (a second proxy would share it silently).
 """
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -36,9 +40,32 @@ from policy._frozen import Frozen
 from policy.specs import DEVICE_KINDS
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DIR = ROOT / ".ray"
+RAY_CONFIG = ROOT / "ray-config.yaml"
 STATE_FILE = "orchard-local.json"
 MIB = 1 << 20
+# The longest socket path Ray puts under its temp dir (the dashboard's TaskEventsHead module, a 7-digit pid)
+# and the AF_UNIX limit Ray checks it against (validate_socket_filepath).
+_SOCKET_TAIL = "/ray/session_2000-01-01_00-00-00_000000_1234567/sockets/dash_TaskEventsHead"
+_SOCKET_MAX = 103 if sys.platform == "darwin" else 107
+
+
+def default_temp_root(checkout: Path = ROOT) -> Path:
+    """This checkout's RAY_TMPDIR: /tmp/orchard-<first 8 hex of the sha256 of its resolved path>, one per
+    checkout and 21 characters whatever the checkout's path. Ray puts AF_UNIX sockets under
+    <temp dir>/ray/session_<date>_<pid>/sockets/, and those may not pass 107 bytes (103 on macOS): a temp dir
+    inside a checkout deeper than ~30 characters killed the head's dashboard at start. /tmp on macOS too, not
+    $TMPDIR (/var/folders/..., ~50 characters there)."""
+    digest = hashlib.sha256(str(Path(checkout).resolve()).encode()).hexdigest()[:8]
+    return Path("/tmp") / f"orchard-{digest}"
+
+
+DEFAULT_DIR = default_temp_root()
+
+
+def _absolute(temp_root: Path) -> Path:
+    """temp_root made absolute without resolving symlinks (macOS's /tmp would become /private/tmp, 8 bytes
+    of the socket-path budget), the one spelling used for RAY_TMPDIR, the state file and `stop`'s marker."""
+    return Path(os.path.abspath(temp_root))
 
 
 class LocalNode(Frozen):
@@ -123,6 +150,56 @@ def _port_open(ip: str, port: int) -> bool:
         return False
 
 
+def serve_http_address(config: Path = RAY_CONFIG) -> tuple[str, int]:
+    """(host, port) of the Serve proxy as the config's http_options give them; Serve's defaults
+    (127.0.0.1, 8000) for what it leaves out or when there is no such file."""
+    import yaml
+
+    options = ((yaml.safe_load(config.read_text()) or {}).get("http_options") or {}) if config.exists() else {}
+    return str(options.get("host", "127.0.0.1")), int(options.get("port", 8000))
+
+
+def port_holder(host: str, port: int) -> str | None:
+    """None if nothing accepts connections on host:port; else who listens there, as far as psutil can tell:
+    "pid 123 (python3: python3 -m http.server)" for each listener, or just "another process" when it cannot
+    see (psutil.net_connections needs root on macOS; other users' pids are hidden on Linux)."""
+    import psutil
+
+    probe = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    if not _port_open(probe, port):
+        return None
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.AccessDenied, OSError):
+        conns = []
+    pids = sorted({c.pid for c in conns if c.pid and c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port})
+    holders = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            name = p.name()
+            try:
+                cmd = " ".join(p.cmdline())
+            except (psutil.AccessDenied, psutil.ZombieProcess):
+                cmd = ""
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            holders.append(f"pid {pid}")
+            continue
+        holders.append(f"pid {pid} ({name}: {cmd[:200]})" if cmd else f"pid {pid} ({name})")
+    return ", ".join(holders) or "another process"
+
+
+def check_http_port(host: str, port: int) -> None:
+    """Refuse (RuntimeError) when something already listens on Serve's HTTP port: a second Serve proxy binds
+    it too (with port reuse), and the two unrelated clusters then share its connections silently."""
+    holder = port_holder(host, port)
+    if holder is not None:
+        raise RuntimeError(
+            f"Serve's HTTP port {host}:{port} is taken by {holder}: a second Serve proxy would share it silently; "
+            "stop that process, or serve on another port and pass it as --http-port"
+        )
+
+
 def _ray_cli() -> list[str]:
     exe = Path(sys.executable).parent / "ray"
     if exe.exists():
@@ -153,7 +230,7 @@ def _is_node_process(pid: int) -> bool:
 
 
 def read_state(temp_root: Path = DEFAULT_DIR) -> dict | None:
-    path = Path(temp_root) / STATE_FILE
+    path = _absolute(temp_root) / STATE_FILE
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -175,6 +252,7 @@ def start(
     port: int = 6379,
     dashboard: bool = True,
     dashboard_port: int = 8265,
+    http_port: int | None = None,
     head_cpus: int = 2,
     worker_cpus: int = 1,
     object_store_mib: int = 80,
@@ -182,8 +260,16 @@ def start(
     log=print,
 ) -> dict:
     """Start the head and one worker per further node, wait until all are alive, and return the state
-    (also written to <temp_root>/orchard-local.json). On failure, stops whatever it started."""
-    temp_root = Path(temp_root).resolve()
+    (also written to <temp_root>/orchard-local.json). On failure, stops whatever it started. Refuses before
+    starting anything when this temp root's cluster runs, a port is taken (the GCS's, the dashboard's, or
+    Serve's HTTP port: ray-config.yaml's http_options, http_port overriding its port), or temp_root is too
+    long for Ray's socket paths."""
+    temp_root = _absolute(temp_root)
+    if len(str(temp_root).encode()) + len(_SOCKET_TAIL) > _SOCKET_MAX:
+        raise RuntimeError(
+            f"temp dir {temp_root} is too long: Ray's socket paths under it would pass the AF_UNIX limit of "
+            f"{_SOCKET_MAX} bytes; pass a --dir of at most {_SOCKET_MAX - len(_SOCKET_TAIL)} characters (default: {DEFAULT_DIR})"
+        )
     old = read_state(temp_root)
     if old and any(_is_node_process(n["pid"]) for n in old["nodes"]):
         raise RuntimeError(f"a local cluster from {temp_root} is running ({old['address']}); stop it first")
@@ -192,6 +278,8 @@ def start(
         raise RuntimeError(f"port {ip}:{port} is taken (another Ray?); pass --port")
     if dashboard and _port_open("127.0.0.1", dashboard_port):
         raise RuntimeError(f"dashboard port 127.0.0.1:{dashboard_port} is taken; pass --dashboard-port or --no-dashboard")
+    http_host, config_port = serve_http_address()
+    check_http_port(http_host, config_port if http_port is None else http_port)
     (temp_root / "logs").mkdir(parents=True, exist_ok=True)
     env = ray_env(temp_root)
     address = f"{ip}:{port}"
@@ -321,7 +409,7 @@ def stop(temp_root: Path = DEFAULT_DIR, *, grace_s: float = 10.0, log=print) -> 
     processes (listed before signalling) is left. Returns how many processes there were."""
     import psutil
 
-    temp_root = Path(temp_root).resolve()
+    temp_root = _absolute(temp_root)
     state = read_state(temp_root)
     leaders = [n["pid"] for n in reversed(state["nodes"])] if state else []
     procs = _cluster_processes(temp_root, leaders)
@@ -364,7 +452,7 @@ def _name(p) -> str:
 
 def status(temp_root: Path = DEFAULT_DIR) -> list[dict]:
     """Nodes as Ray sees them: Orchard name, Ray node id, alive, labels, CPUs."""
-    state = read_state(Path(temp_root).resolve())
+    state = read_state(temp_root)
     if not state:
         raise RuntimeError(f"no local cluster in {temp_root}")
     if not _is_node_process(state["nodes"][0]["pid"]):
@@ -388,7 +476,7 @@ def status(temp_root: Path = DEFAULT_DIR) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster.local", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="RAY_TMPDIR of this cluster (default: .ray/)")
+    ap.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"RAY_TMPDIR of this cluster (default for this checkout: {DEFAULT_DIR})")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start")
     s.add_argument("--nodes", default="head:6,mac-1:3,mac-2:2", help="name:budget_gib[:device],... (head first)")
@@ -396,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=6379)
     s.add_argument("--dashboard-port", type=int, default=8265)
     s.add_argument("--no-dashboard", action="store_true")
+    s.add_argument("--http-port", type=int, default=None, help="Serve's HTTP port to check is free (default: ray-config.yaml's)")
     s.add_argument("--head-cpus", type=int, default=2)
     s.add_argument("--worker-cpus", type=int, default=1)
     s.add_argument("--object-store-mib", type=int, default=80)
@@ -403,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("stop")
     sub.add_parser("status")
     sub.add_parser("address", help="print the address drivers connect to (RAY_ADDRESS)")
+    sub.add_parser("tmpdir", help="print this cluster's temp dir (RAY_TMPDIR, where its state file and logs are)")
     a = ap.parse_args(argv)
     if a.cmd == "start":
         state = start(
@@ -412,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             port=a.port,
             dashboard=not a.no_dashboard,
             dashboard_port=a.dashboard_port,
+            http_port=a.http_port,
             head_cpus=a.head_cpus,
             worker_cpus=a.worker_cpus,
             object_store_mib=a.object_store_mib,
@@ -420,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         print(state["address"])
     elif a.cmd == "stop":
         stop(a.dir)
+    elif a.cmd == "tmpdir":
+        print(_absolute(a.dir))
     elif a.cmd == "address":
         state = read_state(a.dir)
         if state is None:

@@ -9,11 +9,14 @@ import os
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
+import json
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -137,44 +140,105 @@ def test_parse_local_nodes():
 # ---- the local launcher (ray start processes) -----------------------------------------------------------
 
 
-def _run_local(tmp: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "cluster.local", "--dir", str(tmp), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def _run_local(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m cluster.local ...` run from the checkout at cwd (its own code: `-m` puts cwd first on sys.path)."""
+    cmd = [sys.executable, "-m", "cluster.local", *args]
+    return subprocess.run(cmd, check=False, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
-def test_local_launcher_start_status_stop():
-    """Runs before the cluster_utils fixture so the two clusters never share the two cores."""
-    tmp = Path(tempfile.mkdtemp(prefix="orch-local-", dir="/tmp"))
-    port = local._free_port(local.default_ip())
+def _checkout_at_a_long_path(tmp_path: Path, length: int = 130) -> Path:
+    """What `python -m cluster.local` reads of a checkout (its packages and ray-config.yaml), copied from this
+    working tree, uncommitted changes included, to a folder whose path is at least `length` characters, as a
+    Mac's /Users/<name>/Developer/github/... clone would be."""
+    dest = tmp_path / ("orchard-" + "x" * max(8, length - len(str(tmp_path)) - 9))
+    dest.mkdir()
+    for name in ("cluster", "policy"):
+        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "ray-config.yaml", dest)
+    return dest
+
+
+def test_local_launcher_start_status_stop_from_a_long_path(tmp_path):
+    """issue 10 item 9: from a checkout at a 120+ character path, `start` with the dashboard (whose MetricsHead
+    socket was the first to pass the AF_UNIX limit), `status`, a refused second `start`, `stop`; all with the
+    default temp dir, which must be this checkout's own short one. Runs before the cluster_utils fixture so
+    the two clusters never share the two cores."""
+    checkout = _checkout_at_a_long_path(tmp_path)
+    assert len(str(checkout)) >= 120
+    ip = local.default_ip()
+    port, dashboard_port, http_port = local._free_port(ip), local._free_port("127.0.0.1"), local._free_port("127.0.0.1")
+    ports = ["--port", str(port), "--dashboard-port", str(dashboard_port), "--http-port", str(http_port)]
+    temp_root: Path | None = None
+    pids: list[int] = []
     t0 = time.monotonic()
     try:
-        up = _run_local(tmp, "start", "--nodes", "head:2,mac-1:1", "--port", str(port), "--no-dashboard", "--head-cpus", "1")
+        up = _run_local(checkout, "start", "--nodes", "head:2,mac-1:1", *ports, "--head-cpus", "1")
         assert up.returncode == 0, up.stdout + up.stderr
-        assert f"{local.default_ip()}:{port}" in up.stdout
-        state = local.read_state(tmp)
+        assert f"{ip}:{port}" in up.stdout
+        t_up = time.monotonic() - t0
+        # The clone's own code ran, with a temp dir of its own, short, and outside the checkout.
+        temp_root = local.default_temp_root(checkout)
+        assert _run_local(checkout, "tmpdir").stdout.strip() == str(temp_root) and len(str(temp_root)) <= 24
+        assert not (checkout / ".ray").exists()
+        state = local.read_state(temp_root)
         pids = [n["pid"] for n in state["nodes"]]
         assert all(local._alive(p) for p in pids)
-        st = _run_local(tmp, "status")
+        sockets = temp_root / "ray" / "session_latest" / "sockets"
+        assert (sockets / "dash_MetricsHead").exists(), sorted(p.name for p in sockets.iterdir())
+        with urllib.request.urlopen(f"http://127.0.0.1:{dashboard_port}/api/v0/nodes", timeout=30) as r:
+            assert json.load(r)["result"], "the dashboard's state API answers"
+        assert _run_local(checkout, "address").stdout.strip() == f"{ip}:{port}"
+        st = _run_local(checkout, "status")
         assert st.returncode == 0, st.stdout + st.stderr
         lines = {line.split()[0]: line for line in st.stdout.splitlines() if line.strip()}
         assert "alive" in lines["head"] and "orchard.budget_gib=2" in lines["head"]
         assert "alive" in lines["mac-1"] and "orchard.budget_gib=1" in lines["mac-1"]
-        again = _run_local(tmp, "start", "--nodes", "head:2", "--port", str(port))
+        again = _run_local(checkout, "start", "--nodes", "head:2", *ports)
         assert again.returncode != 0 and "running" in again.stderr
     finally:
-        down = _run_local(tmp, "stop")
+        down = _run_local(checkout, "stop")
+        if down.returncode == 0 and temp_root is not None:
+            shutil.rmtree(temp_root, ignore_errors=True)
     assert down.returncode == 0, down.stdout + down.stderr
     assert "stopped 2 node(s)" in down.stdout
     assert not any(local._alive(p) for p in pids)
-    assert local._cluster_processes(tmp, []) == {}
-    assert local.read_state(tmp) is None
-    shutil.rmtree(tmp, ignore_errors=True)
-    print(f"local launcher start/status/stop: {time.monotonic() - t0:.1f} s")
+    assert local._cluster_processes(temp_root, []) == {}
+    print(f"local launcher from a {len(str(checkout))}-character path: up in {t_up:.1f} s, all {time.monotonic() - t0:.1f} s")
+
+
+def test_start_refuses_a_taken_http_port(tmp_path, monkeypatch):
+    """issue 10 item 8: a second Orchard on Serve's HTTP port would share it silently, so `start` refuses,
+    naming the port and who listens there, before it starts anything. (And a --dir too long for Ray's
+    socket paths is refused up front too.)"""
+    short = Path(tempfile.mkdtemp(prefix="orch-http-", dir="/tmp"))
+    try:
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            http_port = listener.getsockname()[1]
+            kwargs = {"port": local._free_port(local.default_ip()), "dashboard": False, "http_port": http_port, "timeout_s": 5}
+            with pytest.raises(RuntimeError, match=rf"HTTP port 127\.0\.0\.1:{http_port} is taken by pid {os.getpid()} \("):
+                local.start(local.parse_nodes("head:1"), temp_root=short / "t", **kwargs)
+            assert not (short / "t").exists(), "nothing was started or written"
+            # Where psutil may not list sockets (macOS without root), the message still names the port.
+            import psutil
+
+            def denied(*_a, **_k):
+                raise psutil.AccessDenied()
+
+            monkeypatch.setattr(psutil, "net_connections", denied)
+            with pytest.raises(RuntimeError, match=rf"HTTP port 127\.0\.0\.1:{http_port} is taken by another process"):
+                local.start(local.parse_nodes("head:1"), temp_root=short / "t", **kwargs)
+        assert local.port_holder("127.0.0.1", http_port) is None
+        with pytest.raises(RuntimeError, match="is too long"):
+            local.start(local.parse_nodes("head:1"), temp_root=tmp_path / ("x" * 40), **kwargs)
+        assert not (short / "t").exists() and not (tmp_path / ("x" * 40)).exists()
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    # The port checked by default: the Serve config's http_options, Serve's defaults for what it leaves out.
+    (tmp_path / "config.yaml").write_text("http_options: {host: 0.0.0.0, port: 9123}\n")
+    assert local.serve_http_address(tmp_path / "config.yaml") == ("0.0.0.0", 9123)
+    assert local.serve_http_address(tmp_path / "missing.yaml") == ("127.0.0.1", 8000)
 
 
 # ---- agents on a real 3-node cluster ---------------------------------------------------------------------
