@@ -3,15 +3,17 @@
 No Ray, no MLX, no clock, no I/O: the caller passes `now` and applies the decision. The rules are
 written down in docs/residency.md, each pointing at its test."""
 
-from policy.cluster_state import ClusterState, InstanceRef, InstanceState, NodeState
+from policy.cluster_state import ClusterState, FailedLoad, InstanceRef, InstanceState, LoadFailureReason, NodeState
 from policy.config import CostWeights, PolicyConfig
 from policy.copies import plan_copies
 from policy.count_only import count_only_lru
 from policy.decisions import Blocker, Decision, LoadFailure, Place, Reject, Unload, Use, Wait
+from policy.failures import failed_load_backoff
 from policy.memory import free_bytes, required_bytes
 from policy.placement import ensure, retry_after_failure
 from policy.specs import DEVICE_KINDS, MODEL_KINDS, DeviceKind, ModelKind, ModelSpec, Role
 from policy.sweep import sweep
+from policy.transitions import clear_failed, mark_failed
 
 __all__ = [
     "Blocker",
@@ -20,9 +22,11 @@ __all__ = [
     "DEVICE_KINDS",
     "Decision",
     "DeviceKind",
+    "FailedLoad",
     "InstanceRef",
     "InstanceState",
     "LoadFailure",
+    "LoadFailureReason",
     "MODEL_KINDS",
     "ModelKind",
     "ModelSpec",
@@ -34,10 +38,13 @@ __all__ = [
     "Unload",
     "Use",
     "Wait",
+    "clear_failed",
     "count_only_lru",
     "ensure",
+    "failed_load_backoff",
     "plan_copies",
     "free_bytes",
+    "mark_failed",
     "required_bytes",
     "retry_after_failure",
     "sweep",

@@ -8,6 +8,14 @@ from policy._frozen import Frozen
 from policy.specs import DeviceKind, ModelSpec
 
 InstanceStatus = Literal["loading", "ready", "draining"]
+# Why a load did not end in a loaded instance (rule P9). Only out_of_memory may be cured by more
+# memory; the others are not retried by evicting.
+#   not_found:     the model's files (or folder) are missing
+#   bad_files:     the files are there but unusable: truncated or corrupt weights, a bad config, an
+#                  unsupported format or architecture
+#   out_of_memory: the load ran out of memory (the only reason that earns evict-and-retry)
+#   error:         any other load error (not an out-of-memory)
+LoadFailureReason = Literal["not_found", "bad_files", "out_of_memory", "error"]
 
 
 class InstanceRef(Frozen):
@@ -70,11 +78,28 @@ class NodeState(Frozen):
         return next((i for i in self.instances if i.model == model), None)
 
 
+class FailedLoad(Frozen):
+    """A model whose last load(s) failed and were not retried (rules P9, P10): requests for it are
+    refused at once until `at + failed_load_backoff(failures)`; the controller clears the mark when
+    a load succeeds, its files change or an operator loads it."""
+
+    model: str
+    node_id: str
+    reason: LoadFailureReason
+    message: str = ""
+    # When the last failure was recorded (the caller's clock, like every `now`).
+    at: float
+    # Consecutive failures: each doubles the back-off, up to failed_load_backoff_max_s.
+    failures: int = Field(default=1, ge=1)
+
+
 class ClusterState(Frozen):
     """Every node plus the registry (catalog) of every model the cluster may serve or still holds."""
 
     nodes: tuple[NodeState, ...] = ()
     catalog: dict[str, ModelSpec] = Field(default_factory=dict)
+    # Models marked failed (P10), by name.
+    failed: dict[str, FailedLoad] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _consistent(self) -> "ClusterState":
@@ -88,6 +113,9 @@ class ClusterState(Frozen):
             for inst in node.instances:
                 if inst.model not in self.catalog:
                     raise ValueError(f"node {node.node_id} holds {inst.model!r}, which the catalog lacks")
+        for name, mark in self.failed.items():
+            if name != mark.model:
+                raise ValueError(f"failed key {name!r} names model {mark.model!r}")
         return self
 
     def node(self, node_id: str) -> NodeState | None:

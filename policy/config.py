@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import ByteSize, Field
+from pydantic import ByteSize, Field, model_validator
 
 from policy._frozen import Frozen
 from policy.specs import DeviceKind, ModelKind
@@ -65,3 +65,15 @@ class PolicyConfig(Frozen):
     # For reload-time estimates before a load was measured: seconds = base + bytes / bandwidth.
     load_bandwidth_bytes_per_s: ByteSize = ByteSize(2 * GIB)
     load_base_s: float = Field(default=1.0, ge=0)
+
+    # A model whose load failed and is not retried (P9) is refused at once for a back-off (P10):
+    # base x 2^(consecutive failures - 1), at most the max. 0 turns the back-off off (the next
+    # request tries again, still without evicting for the failure).
+    failed_load_backoff_s: float = Field(default=30.0, ge=0)
+    failed_load_backoff_max_s: float = Field(default=600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _backoff_cap_covers_base(self) -> "PolicyConfig":
+        if self.failed_load_backoff_max_s < self.failed_load_backoff_s:
+            raise ValueError("failed_load_backoff_max_s is below failed_load_backoff_s")
+        return self

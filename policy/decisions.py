@@ -5,7 +5,7 @@ from typing import Literal
 from pydantic import Field
 
 from policy._frozen import Frozen
-from policy.cluster_state import InstanceRef
+from policy.cluster_state import InstanceRef, LoadFailureReason
 from policy.specs import DeviceKind
 
 Protection = Literal["pinned", "min_copies", "busy", "loading", "draining", "young"]
@@ -77,11 +77,12 @@ class Unload(Frozen):
 
 
 class LoadFailure(Frozen):
-    """Reported by the controller when a Place did not end in a loaded instance."""
+    """Reported by the controller when a Place did not end in a loaded instance (rule P9).
+    `reason`: see LoadFailureReason; `attempt`: 1 for the first load, 2 for its retry."""
 
     model: str
     node_id: str
-    reason: Literal["not_found", "out_of_memory", "error"]
+    reason: LoadFailureReason
     message: str = ""
     attempt: int = Field(default=1, ge=1)
 

@@ -9,6 +9,7 @@ from policy.cluster_state import ClusterState, InstanceRef, NodeState
 from policy.config import PolicyConfig
 from policy.decisions import PASSING_PROTECTIONS, Blocker, Decision, LoadFailure, Place, Reject, Use, Wait
 from policy.eviction import Candidate, Need, candidates, eviction_order_key, select_victims, set_cost
+from policy.failures import NOT_RETRIED_BECAUSE, backoff_left, failed_load_backoff, failures_after, reject_marked
 from policy.memory import (
     estimated_load_seconds,
     ever_available_bytes,
@@ -216,7 +217,7 @@ def ensure(
     exclude_nodes: frozenset[str] = frozenset(),
     oracle_keep_values: Mapping[InstanceRef, float] | None = None,
 ) -> Decision:
-    """Decide what to do with a request for `model` (rules P1-P9 in docs/residency.md).
+    """Decide what to do with a request for `model` (rules P1-P8 and P10 in docs/residency.md).
 
     waited_s: how long this request has already waited (the caller keeps the clock).
     oracle_keep_values: replaces the strategy's ordering by known keep values (the simulator's
@@ -243,6 +244,12 @@ def ensure(
             message=f"model {model} is loading on {node.node_id}",
             retry_after_s=max(0.1, min(config.retry_poll_s, expected - (now - inst.loaded_at))),
         )
+
+    # P10: a model marked failed is refused at once while its back-off lasts: no placement, no
+    # eviction. Once it has passed, one new attempt is placed as usual.
+    mark = state.failed.get(model)
+    if mark is not None and backoff_left(mark, now, config) > 0:
+        return reject_marked(mark, now, config)
 
     plan, shortfalls, eligible = plan_placement(
         spec, state, now, config, exclude_nodes=exclude_nodes, oracle_keep_values=oracle_keep_values
@@ -328,19 +335,31 @@ def _refuse(
 def retry_after_failure(
     failure: LoadFailure, state: ClusterState, now: float, config: PolicyConfig
 ) -> Place | Reject:
-    """A load that failed for any reason but missing files is retried once, after evicting more:
-    every evictable instance on the node where it failed (rule P9). `state` no longer holds the
-    failed instance."""
+    """Rule P9: only a first out-of-memory failure is retried, after evicting every evictable
+    instance on the node where it failed (or, if that does not meet the need there, placed
+    elsewhere by P4-P7). Any other reason, and any second failure, is `Reject` `load_failed` with
+    no eviction and retry_after_s = the back-off the model is about to get (P10): the caller then
+    records it with `transitions.mark_failed`. `state` no longer holds the failed instance."""
     spec = state.catalog.get(failure.model)
     if spec is None:
         return Reject(model=failure.model, code="unknown_model", message=f"model {failure.model!r} is not in the registry")
-    if failure.reason == "not_found" or failure.attempt >= 2:
-        why = "its files were not found" if failure.reason == "not_found" else f"it failed {failure.attempt} times"
+    backoff = failed_load_backoff(failures_after(state, failure.model), config)
+
+    def refuse(why: str) -> Reject:
+        detail = f": {failure.message}" if failure.message else ""
         return Reject(
             model=failure.model,
             code="load_failed",
-            message=f"loading model {failure.model} on {failure.node_id} failed and is not retried ({why}): {failure.message}",
+            message=f"loading model {failure.model} on {failure.node_id} failed ({failure.reason}{detail}) "
+            f"and {why}; it is tried again {f'in {backoff:.0f} s' if backoff > 0 else 'on the next request'}, "
+            "or sooner when its files change or an operator loads it",
+            retry_after_s=backoff if backoff > 0 else None,
         )
+
+    if failure.reason != "out_of_memory":
+        return refuse(f"is not retried: {NOT_RETRIED_BECAUSE[failure.reason]}, and more memory cannot fix that")
+    if failure.attempt >= 2:
+        return refuse(f"is not retried again: {NOT_RETRIED_BECAUSE['out_of_memory']}")
     node = state.node(failure.node_id)
     if node is not None and node.alive and not node.draining and meets_constraints(spec, node):
         device = device_for(spec, node)
@@ -356,14 +375,9 @@ def retry_after_failure(
                 device=device,
                 bytes=required_bytes(spec, config),
                 evict=tuple(c.ref for c in more),
-                reason=f"retrying after a failed load ({failure.reason}), evicting every evictable instance",
+                reason="retrying after running out of memory, evicting every evictable instance",
             )
     decision = ensure(failure.model, state, now, config, exclude_nodes=frozenset({failure.node_id}))
     if isinstance(decision, Place):
         return decision
-    return Reject(
-        model=failure.model,
-        code="load_failed",
-        message=f"loading model {failure.model} on {failure.node_id} failed ({failure.reason}: {failure.message}) "
-        "and no other placement is possible now",
-    )
+    return refuse("no other placement is possible now")

@@ -1,8 +1,8 @@
 """Pure state updates: how a decision or a happening changes the snapshot. The controller and the
 simulator both apply them, so the policy is always judged against the state it would really see."""
 
-from policy.cluster_state import ClusterState, InstanceRef, InstanceState, NodeState
-from policy.decisions import Place
+from policy.cluster_state import ClusterState, FailedLoad, InstanceRef, InstanceState, NodeState
+from policy.decisions import LoadFailure, Place
 
 
 def _replace_node(state: ClusterState, node: NodeState) -> ClusterState:
@@ -54,10 +54,36 @@ def apply_place(state: ClusterState, place: Place, now: float) -> ClusterState:
 def mark_loaded(
     state: ClusterState, ref: InstanceRef, now: float, load_seconds: float, measured_bytes: int | None = None
 ) -> ClusterState:
+    """The instance is ready. A load that succeeded also clears the model's failed mark (P10)."""
     changes: dict[str, object] = {"status": "ready", "loaded_at": now, "load_seconds": load_seconds}
     if measured_bytes is not None:
         changes["bytes"] = measured_bytes
-    return _update_instance(state, ref, **changes)
+    return clear_failed(_update_instance(state, ref, **changes), ref.model)
+
+
+def mark_failed(state: ClusterState, failure: LoadFailure, now: float) -> ClusterState:
+    """Rule P10: record a failed load that is not retried (retry_after_failure answered Reject).
+    A model already marked counts one more consecutive failure, which doubles its back-off; the
+    mark names this failure's node, reason and message. `state` should no longer hold the failed
+    instance (remove_instance first)."""
+    previous = state.failed.get(failure.model)
+    mark = FailedLoad(
+        model=failure.model,
+        node_id=failure.node_id,
+        reason=failure.reason,
+        message=failure.message,
+        at=now,
+        failures=1 if previous is None else previous.failures + 1,
+    )
+    return state.model_copy(update={"failed": {**state.failed, failure.model: mark}})
+
+
+def clear_failed(state: ClusterState, model: str) -> ClusterState:
+    """Rule P10: forget a model's failed mark (a load succeeded, its files changed, or an operator
+    loads it). A model that is not marked leaves the state as it is."""
+    if model not in state.failed:
+        return state
+    return state.model_copy(update={"failed": {k: v for k, v in state.failed.items() if k != model}})
 
 
 def start_request(state: ClusterState, ref: InstanceRef, now: float) -> ClusterState:

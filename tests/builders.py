@@ -1,6 +1,6 @@
 """Small constructors for policy tests: sizes in GiB, sensible defaults."""
 
-from policy import ClusterState, InstanceState, ModelSpec, NodeState, PolicyConfig
+from policy import ClusterState, FailedLoad, InstanceState, ModelSpec, NodeState, PolicyConfig
 from policy.config import GIB
 
 
@@ -25,8 +25,13 @@ def node(node_id: str, usable_gb: float, *instances: InstanceState, devices=("me
     )
 
 
-def cluster(nodes, specs) -> ClusterState:
-    return ClusterState(nodes=tuple(nodes), catalog={s.name: s for s in specs})
+def cluster(nodes, specs, failed=()) -> ClusterState:
+    return ClusterState(nodes=tuple(nodes), catalog={s.name: s for s in specs}, failed={f.model: f for f in failed})
+
+
+def failed(model: str, at: float, *, node_id: str = "n1", reason: str = "bad_files", failures: int = 1, message: str = "") -> FailedLoad:
+    """A failed-load mark (rule P10)."""
+    return FailedLoad(model=model, node_id=node_id, reason=reason, message=message, at=at, failures=failures)
 
 
 # Margins off and no anti-thrash age unless a test asks: the numbers in tests stay readable.

@@ -86,3 +86,17 @@ def feasible_after(state: ClusterState, spec: ModelSpec, node_id: str, victims: 
         (config.max_per_kind_per_node.get(spec.kind), sum(1 for i in on_node if state.catalog[i.model].kind == spec.kind)),
     ]
     return all(cap is None or count + 1 <= cap for cap, count in checks)
+
+
+def backoff_s(failures: int, config: PolicyConfig) -> float:
+    """P10: base x 2^(failures - 1), capped."""
+    return min(config.failed_load_backoff_max_s, config.failed_load_backoff_s * 2 ** (failures - 1))
+
+
+def backoff_left(state: ClusterState, model: str, now: float, config: PolicyConfig) -> float | None:
+    """Seconds left of the model's failed-load back-off, or None when it is not marked or it passed."""
+    mark = state.failed.get(model)
+    if mark is None:
+        return None
+    left = mark.at + backoff_s(mark.failures, config) - now
+    return left if left > 0 else None

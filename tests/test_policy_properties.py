@@ -3,29 +3,34 @@ the brute-force oracle of the spec (tests/policy_oracle.py)."""
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from policy_oracle import eligible, evictable, feasible_after, need_bytes, protection
+from policy_oracle import backoff_left, backoff_s, eligible, evictable, feasible_after, need_bytes, protection
 
 from policy import (
     ClusterState,
+    FailedLoad,
     InstanceRef,
     InstanceState,
     ModelSpec,
     NodeState,
     Place,
+    LoadFailure,
     PolicyConfig,
     Reject,
     Use,
     Wait,
+    clear_failed,
     ensure,
     plan_copies,
+    retry_after_failure,
     sweep,
 )
-from policy.transitions import apply_place
+from policy.transitions import apply_place, remove_instance
 from policy.config import GIB
 
 NOW = 10_000.0
 SIZES_GIB = [0.25, 0.5, 1, 2, 4, 8, 12, 20, 40]
 KINDS = ["llm", "vlm", "embedding", "rerank", "stt", "tts"]
+REASONS = ["not_found", "bad_files", "out_of_memory", "error"]
 
 
 @st.composite
@@ -91,7 +96,19 @@ def clusters(draw, pressure=False):
                 draining=not pressure and draw(st.sampled_from([False] * 11 + [True])),
             )
         )
-    return ClusterState(nodes=tuple(nodes), catalog={s.name: s for s in catalog})
+    # Some models carry a failed-load mark (P10), within its back-off or past it.
+    failed = {}
+    for s in catalog:
+        if draw(st.sampled_from([False] * 5 + [True])):
+            failed[s.name] = FailedLoad(
+                model=s.name,
+                node_id=draw(st.sampled_from([n.node_id for n in nodes])),
+                reason=draw(st.sampled_from(REASONS)),
+                message=draw(st.sampled_from(["", "SafetensorError: incomplete metadata"])),
+                at=NOW - draw(st.sampled_from([0.0, 1.0, 29.0, 31.0, 100.0, 700.0, 5000.0])),
+                failures=draw(st.sampled_from([1, 1, 2, 3, 6, 40])),
+            )
+    return ClusterState(nodes=tuple(nodes), catalog={s.name: s for s in catalog}, failed=failed)
 
 
 def caps(pressure: bool):
@@ -121,7 +138,15 @@ def configs(draw, pressure=False):
         contention=draw(st.sampled_from(["fail", "wait"])),
         wait_timeout_s=30.0,
         default_idle_ttl_s=draw(st.sampled_from([None, 300.0])),
+        **draw(backoffs()),
     )
+
+
+@st.composite
+def backoffs(draw):
+    base = draw(st.sampled_from([0.0, 5.0, 30.0, 30.0]))
+    cap = draw(st.sampled_from([c for c in (0.0, 5.0, 60.0, 600.0) if c >= base]))
+    return {"failed_load_backoff_s": base, "failed_load_backoff_max_s": cap}
 
 
 @st.composite
@@ -162,6 +187,12 @@ def test_every_decision_obeys_the_spec(request):
         return
     if loading:  # P3
         assert isinstance(decision, Wait) and decision.code == "loading"
+        return
+    left = backoff_left(state, model, NOW, config)
+    if left is not None:  # P10: refused before any placement or eviction
+        assert isinstance(decision, Reject) and decision.code == "load_failed" and not decision.blockers
+        assert 0 < decision.retry_after_s <= backoff_s(state.failed[model].failures, config)
+        assert decision.retry_after_s == left and state.failed[model].node_id in decision.message
         return
 
     nodes = [n for n in state.nodes if eligible(state, spec, n)]
@@ -259,9 +290,91 @@ def test_plan_copies_starts_only_valid_copies(state, config):
         if len(live) >= spec.min_copies:  # C2: a scale-up, which must not evict
             assert live and all(i.status == "ready" and i.in_flight >= spec.reserve_concurrency for i in live)
             assert place.evict == ()
+        assert backoff_left(work, spec.name, NOW, config) is None  # P10: no copy within the back-off
         node = work.node(place.node_id)
         assert eligible(work, spec, node)
         for v in place.evict:
             assert protection(work, work.node(v.node_id), v.model, NOW, config) is None
         assert feasible_after(work, spec, node.node_id, set(place.evict), config)
         work = apply_place(work, place, NOW)
+
+
+@st.composite
+def load_failures(draw, pressure=False):
+    """A request's state and config, and a failed load of one catalog model on one of the nodes
+    (or on a node that has gone); the state no longer holds the failed instance."""
+    state, config, model, _ = draw(requests(pressure))  # mostly a model that is not loaded
+    if model not in state.catalog:
+        model = draw(st.sampled_from(sorted(state.catalog)))
+    for n in state.nodes:  # the failed instance is gone, and the model is loaded nowhere else
+        if n.instance(model) is not None and draw(st.booleans()):
+            state = remove_instance(state, InstanceRef(node_id=n.node_id, model=model))
+    spec = state.catalog[model]
+    # Often a node where evicting all it may evict makes room: where the evict-all retry can happen.
+    roomy = [
+        n.node_id for n in state.nodes
+        if eligible(state, spec, n) and feasible_after(state, spec, n.node_id, {r for r in evictable(state, NOW, config) if r.node_id == n.node_id}, config)
+    ]
+    node_id = draw(st.sampled_from(roomy if roomy and draw(st.booleans()) else [n.node_id for n in state.nodes] * 4 + ["gone"]))
+    node = state.node(node_id)
+    if node is not None and node.instance(model) is not None:
+        state = remove_instance(state, InstanceRef(node_id=node_id, model=model))
+    failure = LoadFailure(
+        model=model, node_id=node_id, reason=draw(st.sampled_from(REASONS + ["out_of_memory"] * 2)), message="boom",
+        attempt=draw(st.sampled_from([1, 1, 2])),
+    )
+    return state, config, failure
+
+
+@SETTINGS
+@given(st.one_of(load_failures(), load_failures(pressure=True), load_failures(pressure=True)))
+def test_retry_after_failure_evicts_only_for_a_first_out_of_memory(case):
+    """P9: any failure but a first out-of-memory is refused with no eviction and the back-off its
+    mark will get; a first out-of-memory is retried only by a placement the spec allows."""
+    state, config, failure = case
+    decision = retry_after_failure(failure, state, NOW, config)
+    assert decision == retry_after_failure(failure, state, NOW, config)  # D1
+    mark = state.failed.get(failure.model)
+    backoff = backoff_s(1 if mark is None else mark.failures + 1, config)
+    if failure.reason != "out_of_memory" or failure.attempt >= 2:
+        assert isinstance(decision, Reject) and decision.code == "load_failed"  # a Reject evicts nothing
+        assert decision.retry_after_s == (backoff if backoff > 0 else None)
+        assert "not retried" in decision.message and failure.node_id in decision.message
+        return
+    if isinstance(decision, Reject):
+        assert decision.code == "load_failed" and decision.retry_after_s == (backoff if backoff > 0 else None)
+        return
+    assert isinstance(decision, Place)
+    spec = state.catalog[failure.model]
+    node = state.node(decision.node_id)
+    assert eligible(state, spec, node)
+    for v in decision.evict:  # E1-E4 hold for the retry too
+        assert protection(state, state.node(v.node_id), v.model, NOW, config) is None
+    assert feasible_after(state, spec, node.node_id, set(decision.evict), config)  # P5, P6
+    if decision.node_id == failure.node_id:  # evict-all on the failing node, and nowhere else
+        here = {r for r in evictable(state, NOW, config) if r.node_id == failure.node_id}
+        assert decision.evict and set(decision.evict) == here
+
+
+@SETTINGS
+@given(st.one_of(requests(), requests(pressure=True)), st.sampled_from([1, 2, 3, 5, 12]), st.floats(0.0, 0.999), st.sampled_from(REASONS))
+def test_a_marked_model_within_its_backoff_is_never_placed(request, failures, elapsed_fraction, reason):
+    """P10: while the back-off lasts, ensure never places (nor evicts for) a marked model and its
+    Reject counts the back-off down; once it has passed, ensure answers as if it were not marked."""
+    state, config, model, waited = request
+    if model not in state.catalog:
+        return
+    config = config.model_copy(update={"failed_load_backoff_s": 30.0, "failed_load_backoff_max_s": 600.0})
+    backoff = backoff_s(failures, config)
+    at = NOW - elapsed_fraction * backoff
+    mark = FailedLoad(model=model, node_id=state.nodes[0].node_id, reason=reason, at=at, failures=failures)
+    marked = state.model_copy(update={"failed": {**state.failed, model: mark}})
+    decision = ensure(model, marked, NOW, config, waited_s=waited)
+    assert not isinstance(decision, Place)
+    if isinstance(decision, Reject):
+        assert decision.code == "load_failed" and 0 < decision.retry_after_s <= backoff
+        assert abs(decision.retry_after_s - (at + backoff - NOW)) < 1e-6
+    else:  # P2 and P3 come first: a ready copy is used, a load in progress waited for
+        assert copies(state, model, "ready") or copies(state, model, "loading")
+    after = at + backoff + 1e-3  # just past the back-off (clear of float rounding at the boundary)
+    assert ensure(model, marked, after, config, waited_s=waited) == ensure(model, clear_failed(marked, model), after, config, waited_s=waited)
