@@ -1,12 +1,15 @@
 """Creating, finding and removing model-server actors.
 
-Each loaded model instance is a detached, named Ray actor ("orchard:<model>@<node_id>", namespace
-"orchard") pinned to one node by a hard node affinity: Apple GPUs are not a Ray resource, so the
-node is Orchard's policy's choice, not Ray's. Detached, so a router redeploy does not kill loaded
-models, and named, so a new router finds them again (find_model_servers)."""
+Each loaded model instance is a detached, named Ray actor ("orchard:<model>@<node_id>#<incarnation>",
+namespace "orchard") pinned to one node by a hard node affinity: Apple GPUs are not a Ray resource, so
+the node is Orchard's policy's choice, not Ray's. Detached, so a router redeploy does not kill loaded
+models, and named, so a new router finds them again (find_model_servers). Every placement is a new
+incarnation with a name of its own: a model placed again on a node right after it left never
+reaches the actor that is still stopping under the old name."""
 
 import asyncio
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +23,23 @@ NAMESPACE = "orchard"
 PREFIX = "orchard:"
 
 
-def actor_name(model: str, node_id: str) -> str:
-    return f"{PREFIX}{model}@{node_id}"
+def actor_name(model: str, node_id: str, incarnation: str | None = None) -> str:
+    return f"{PREFIX}{model}@{node_id}" + (f"#{incarnation}" if incarnation else "")
+
+
+def new_incarnation() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def parse_actor_name(name: str) -> tuple[str, str, str | None] | None:
+    """(model, node_id, incarnation) of a model server's actor name; None for another name."""
+    if not name.startswith(PREFIX):
+        return None
+    rest, _, incarnation = name[len(PREFIX) :].partition("#")
+    model, at, node_id = rest.rpartition("@")
+    if not at or not model or not node_id:
+        return None
+    return model, node_id, incarnation or None
 
 
 def _entry(model: ManifestEntry | dict | tuple[str, str, str]) -> ManifestEntry:
@@ -44,6 +62,7 @@ def create_model_server(
     models_dir: str | Path | None = None,
     options: dict[str, Any] | None = None,
     ray_options: dict[str, Any] | None = None,
+    incarnation: str | None = None,
 ) -> ActorHandle:
     """Start the model server of `model` on the Ray node `ray_node_id` (hard affinity), named after
     Orchard's `node_id`. The engine is not loaded yet: call `load`. `models_dir` is where the
@@ -53,7 +72,7 @@ def create_model_server(
     entry = _entry(model)
     if not Path(entry.path).is_absolute() and models_dir is None:
         raise ValueError(f"{entry.name}: give models_dir for the relative path {entry.path!r}")
-    opts = model_server_options(ray_node_id=ray_node_id, name=actor_name(entry.name, node_id), namespace=NAMESPACE)
+    opts = model_server_options(ray_node_id=ray_node_id, name=actor_name(entry.name, node_id, incarnation), namespace=NAMESPACE)
     opts.update(ray_options or {})
     return remote_model_server().options(**opts).remote(entry, str(models_dir or "/"), node_id, **(options or {}))
 
@@ -71,6 +90,40 @@ def find_model_servers() -> list[tuple[str, ActorHandle]]:
     return sorted(found, key=lambda pair: pair[0])
 
 
+def find_model_server(model: str, node_id: str) -> ActorHandle:
+    """The live incarnation of `model` on `node_id` (ValueError if none): for tools and tests that
+    know the model and the node, not the incarnation."""
+    for name in live_model_server_names():
+        parsed = parse_actor_name(name)
+        if parsed is not None and parsed[:2] == (model, node_id):
+            return ray.get_actor(name, namespace=NAMESPACE)
+    raise ValueError(f"no live model server for {model} on {node_id}")
+
+
+def live_model_server_names() -> list[str]:
+    """Names of the model servers Ray lists as alive (one GCS call; a dead detached actor's name is
+    gone from the list)."""
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE and a["name"].startswith(PREFIX)]
+
+
+def death_cause(name: str, seen: str | None = None) -> str:
+    """Why the actor `name` ended, as Ray's state API records it (needs the dashboard; a short
+    timeout), else what the caller saw, else that Ray lists it no more."""
+    try:
+        from ray.util.state import list_actors
+
+        dead = list_actors(filters=[("name", "=", name), ("state", "=", "DEAD")], detail=True, timeout=3, raise_on_missing_output=False)
+    except Exception:
+        dead = []
+    for actor in dead:
+        cause = actor.get("death_cause") or {}
+        context = cause.get("actor_died_error_context") or cause.get("creation_task_failure_context") or {}
+        message = context.get("error_message") or ""
+        if message:
+            return f"its actor died: {message}"
+    return f"its actor died: {seen}" if seen else f"its actor {name} is gone (Ray lists it no more)"
+
+
 def _name_taken(name: str) -> bool:
     return any(a["namespace"] == NAMESPACE and a["name"] == name for a in ray.util.list_named_actors(all_namespaces=True))
 
@@ -80,13 +133,19 @@ async def _ask(ref: ray.ObjectRef, timeout_s: float) -> Any:
 
 
 async def kill_model_server(
-    server: ActorHandle | str, drain_timeout_s: float = 30.0, *, stop_timeout_s: float = 10.0, free_timeout_s: float = 10.0
+    server: ActorHandle | str,
+    drain_timeout_s: float = 30.0,
+    *,
+    reason: str = "stopped",
+    stop_timeout_s: float = 10.0,
+    free_timeout_s: float = 10.0,
 ) -> int | None:
     """Drain (wait up to drain_timeout_s for running requests), stop the engine (streams still
-    running end with engine_stopped instead of a dead actor), then ray.kill(no_restart=True) and
-    wait until the name is free, so the model can be placed there again at once. Returns how
-    many requests still ran at the kill; None if the server was already gone. Async: the router
-    calls it from its event loop and a drain takes seconds."""
+    running end with engine_stopped instead of a dead actor), then let the actor end itself with
+    `reason` in its log (ray.actor.exit_actor: the dashboard reads an intended exit, not a kill),
+    with ray.kill(no_restart=True) only when it does not, and wait until the name is free.
+    Returns how many requests still ran at the end; None if the server was already gone. Async:
+    the router calls it from its event loop and a drain takes seconds."""
     name = server if isinstance(server, str) else None
     if name is not None:
         try:
@@ -100,14 +159,24 @@ async def kill_model_server(
         if name is None:
             name = (await _ask(handle.health.remote(), stop_timeout_s)).get("actor_name")
         left = await _ask(handle.drain.remote(drain_timeout_s), drain_timeout_s + stop_timeout_s)
-        await _ask(handle.stop.remote(), stop_timeout_s)
+        await _ask(handle.stop.remote(reason), stop_timeout_s)
+        await _ask(handle.exit.remote(reason), stop_timeout_s)
     except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
         if left is None:
             return None  # died on its own; a detached actor's name frees itself
     except (asyncio.TimeoutError, ray.exceptions.RayTaskError):
         pass  # hung or failing: kill it anyway
-    ray.kill(handle, no_restart=True)
-    deadline = time.monotonic() + free_timeout_s
-    while name and _name_taken(name) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    if not name or not await _name_freed(name, free_timeout_s / 2):  # it did not end itself
+        ray.kill(handle, no_restart=True)
+        if name:
+            await _name_freed(name, free_timeout_s / 2)
     return left
+
+
+async def _name_freed(name: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _name_taken(name):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True

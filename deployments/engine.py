@@ -36,25 +36,11 @@ class Health(Frozen):
 
 RequestErrorCode = Literal["invalid_request", "context_length_exceeded", "unsupported", "engine_stopped", "internal"]
 
-# The HTTP status the router answers for each engine / model-server error code (OpenAI's error body
-# carries the code, message and param). Kept here, beside the codes, so the model server and the
-# router's protocol module share one table; this module imports no MLX or Ray.
-HTTP_STATUS: dict[str, int] = {
-    "invalid_request": 400,
-    "context_length_exceeded": 400,
-    "unsupported": 400,
-    "not_found": 404,
-    "cancelled": 499,
-    "internal": 500,
-    "engine_stopped": 503,
-    "load_failed": 503,
-    "unavailable": 503,
-}
 
 
 class RequestError(Exception):
     """One request failed; the engine and every other request go on. The router maps `code` to an
-    HTTP status (invalid_request / context_length_exceeded / unsupported: 400; engine_stopped: 503)."""
+    HTTP status (router/errors.py: the engines carry none)."""
 
     def __init__(self, code: RequestErrorCode, message: str, param: str | None = None):
         super().__init__(message)

@@ -22,7 +22,7 @@ class ManifestEntry(Frozen):
     weights: Literal["real", "random"]
     architecture: str
     source: str  # where the weights came from
-    # How the router parses this model's output (router.output_parsing.OutputConfig): the tool-call
+    # How the router parses this model's output (router.serving.output.parsing.OutputConfig): the tool-call
     # syntax family (hermes, llama3, mistral, mistral_v11; None: no tool calling) and the reasoning
     # markers (None: the model does not reason; true: <think>...</think>; or {start, end, starts_inside}).
     tool_parser: str | None = None

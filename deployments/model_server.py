@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from deployments.engine import HTTP_STATUS, RequestError
+from deployments.engine import RequestError
 from deployments.manifest import ManifestEntry, model_location
 
 # Which method serves which kind, and the words an error message uses for it.
@@ -37,7 +37,7 @@ _STT_FORMATS = ("json", "text", "verbose_json")
 class ModelServerError(Exception):
     """A structured failure of one call, seen by the caller after Ray wraps it (see `unwrap`).
     `code` is an engine RequestError code or one of not_found / load_failed / unavailable /
-    cancelled; `HTTP_STATUS[code]` is the status the router answers with."""
+    cancelled; the router maps the code to an HTTP status (router/errors.py)."""
 
     def __init__(self, code: str, message: str, param: str | None = None):
         super().__init__(code, message, param)
@@ -50,10 +50,6 @@ class ModelServerError(Exception):
 
     def __str__(self) -> str:
         return f"[{self.code}] {self.message}" + (f" (param: {self.param})" if self.param else "")
-
-    @property
-    def status(self) -> int:
-        return HTTP_STATUS.get(self.code, 500)
 
     def to_dict(self) -> dict[str, Any]:
         return {"code": self.code, "message": self.message, "param": self.param}
@@ -89,6 +85,16 @@ def unwrap(exc: BaseException) -> ModelServerError:
     if isinstance(seen, (rex.RayActorError, rex.ActorUnavailableError)):
         return ModelServerError("unavailable", f"the model server is unavailable: {seen}")
     return ModelServerError("internal", f"{type(seen).__name__}: {seen}")
+
+
+def _load_failure(e: BaseException) -> ModelServerError:
+    """A load that failed, as the caller sees it: not_found (no folder), else load_failed with the
+    engine's exception named (the controller tells an out-of-memory from bad files by it)."""
+    if isinstance(e, ModelServerError):
+        return e
+    if isinstance(e, FileNotFoundError):
+        return ModelServerError("not_found", str(e), "model")
+    return ModelServerError("load_failed", f"{type(e).__name__}: {e}")
 
 
 def model_server_options(
@@ -286,6 +292,7 @@ class ModelServer:
         coalesce_ms: float = 25.0,
         coalesce_max_ms: float | None = None,
         gil_switch_ms: float | None = None,
+        load_now: bool = False,
     ):
         from deployments.models import open_engine
 
@@ -307,30 +314,69 @@ class ModelServer:
         self.engine = open_engine(self.entry, Path(models_dir), **(engine_options or {}))
         self._in_flight = 0
         self._load_lock = asyncio.Lock()
+        self._load_error: BaseException | None = None
         self._channels: dict[str, _Channel] = {}
         self._closed_channels: set[str] = set()  # a late submit to one of these is dropped
+        self._exiting = False
+        if load_now:
+            self._load_in_creation()
 
-    def __repr__(self) -> str:  # the Ray dashboard shows it
-        return f"ModelServer({self.entry.name}@{self.node_id}, {self.engine.health().status})"
+    def __repr__(self) -> str:
+        """What the Ray dashboard shows for this actor. Ray reads it once, when the creation task
+        (this __init__) ends: loading in __init__ is what makes it tell the loaded state and size."""
+        health = self.engine.health()
+        where = f"{self.entry.name}@{self.node_id}"
+        if health.status == "ready":
+            report = self.engine.memory()
+            held = (report.weight_bytes + report.kv_bytes_reserved) / 2**20
+            return f"ModelServer({where}, ready, {held:.1f} MiB, loaded in {report.load_seconds:.1f} s)"
+        if self._load_error is not None:
+            return f"ModelServer({where}, failed to load: {_load_failure(self._load_error).message})"
+        return f"ModelServer({where}, {health.status})"
 
     # ---- lifecycle ---------------------------------------------------------------------------
+    def _load_in_creation(self) -> None:
+        """Load during actor creation, on a thread with an event loop of its own (__init__ may run
+        where the actor's loop already runs; engines keep no loop-bound state from loading). A
+        failure is kept for `load` to report: the actor stays up, its repr says why."""
+        import threading
+
+        def run() -> None:
+            try:
+                asyncio.run(self._load_engine())
+            except BaseException as e:  # reported by load()
+                self._load_error = e
+
+        thread = threading.Thread(target=run, name="orchard-load")
+        thread.start()
+        thread.join()
+        if self._load_error is not None:
+            print(f"orchard: {self.entry.name}@{self.node_id} failed to load: {_load_failure(self._load_error).message}", file=sys.stderr, flush=True)
+        else:
+            print(f"orchard: {self!r}", file=sys.stderr, flush=True)
+
+    async def _load_engine(self) -> None:
+        if not self.entry.hub and not self.path.is_dir():
+            raise FileNotFoundError(errno.ENOENT, f"model folder of {self.entry.name} not found on node {self.node_id}", str(self.path))
+        await self.engine.load()
+
     async def load(self) -> dict:
-        """Load the engine; the MemoryReport (bytes, load_seconds) as a dict. FileNotFoundError when
-        the model folder is missing on this node (the caller's not_found), ModelServerError
-        ("load_failed") when the engine fails; loading twice returns the report of the first."""
+        """Load the engine (done already when created with load_now); the MemoryReport (bytes,
+        load_seconds) as a dict. FileNotFoundError when the model folder is missing on this node
+        (the caller's not_found), ModelServerError("load_failed") when the engine fails; loading
+        twice returns the report of the first."""
         async with self._load_lock:
+            if self._load_error is not None:
+                error = self._load_error
+                raise error if isinstance(error, FileNotFoundError) else _load_failure(error)
             if self.engine.health().status == "ready":
                 return self.memory()
-            if not self.entry.hub and not self.path.is_dir():
-                raise FileNotFoundError(
-                    errno.ENOENT, f"model folder of {self.entry.name} not found on node {self.node_id}", str(self.path)
-                )
             try:
-                await self.engine.load()
+                await self._load_engine()
+            except FileNotFoundError:
+                raise
             except Exception as e:
-                raise ModelServerError(
-                    "load_failed", f"{self.entry.name} failed to load on node {self.node_id}: {type(e).__name__}: {e}"
-                ) from e
+                raise _load_failure(e) from e
             return self.memory()
 
     def health(self) -> dict:
@@ -364,9 +410,22 @@ class ModelServer:
             await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
         return self.running()
 
-    async def stop(self) -> None:
+    async def stop(self, reason: str = "stopped") -> None:
         """Stop the engine: running streams end (engine_stopped), later calls fail the same way."""
+        print(f"orchard: {self.entry.name}@{self.node_id} stopping: {reason}", file=sys.stderr, flush=True)
         await self.engine.stop()
+
+    async def exit(self, reason: str = "stopped") -> None:
+        """End this actor (after `stop`): its channels close, its log says why, and Ray records an
+        intended exit (ray.actor.exit_actor) instead of a kill. The caller sees the actor die."""
+        import ray
+
+        self._exiting = True
+        for ch in self._channels.values():
+            ch.wake.set()
+        await asyncio.sleep(0)  # let the channels' generators see it and return
+        print(f"orchard: {self.entry.name}@{self.node_id} exits: {reason}", file=sys.stderr, flush=True)
+        ray.actor.exit_actor()
 
     # ---- requests ----------------------------------------------------------------------------
     def _engine_for(self, method: str) -> Any:
@@ -422,6 +481,8 @@ class ModelServer:
         try:
             while True:
                 await ch.wake.wait()
+                if self._exiting and not ch.ready:
+                    return
                 wait_s = self.flush_interval_s(len(ch.open))
                 left = ch.oldest + wait_s - time.monotonic() if ch.oldest is not None else 0.0
                 if left > 0 and not ch.urgent.is_set():

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from openai.types.chat import completion_create_params
 from pydantic import TypeAdapter, ValidationError
 
-from router import anthropic_protocol as ap
-from router.openai_protocol import MAX_STOP, ProtocolError, parse_chat_request
-from router.output_events import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from router.protocols import anthropic as ap
+from router.protocols.openai import MAX_STOP, ProtocolError, parse_chat_request
+from router.protocols.events import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 
 STREAM_EVENT = TypeAdapter(RawMessageStreamEvent)
 CHAT_PARAMS = TypeAdapter(completion_create_params.CompletionCreateParamsNonStreaming)

@@ -13,7 +13,8 @@ from openai import OpenAI  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from router.app import build_app  # noqa: E402
+from cluster.placement import find_model_server  # noqa: E402
+from router.api.builder import build_app  # noqa: E402
 
 MIB = 1024**2
 HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
@@ -59,7 +60,7 @@ def orchard(models_dir):
         "llama-10m": {"reserve_context_tokens": 2048},
         "smollm2-135m-instruct": {"reserve_context_tokens": 1024},
     }
-    models = __import__("router.registry", fromlist=["from_manifest"]).from_manifest(models_dir, overrides)
+    models = __import__("router.residency.registry", fromlist=["from_manifest"]).from_manifest(models_dir, overrides)
     models.append({"name": "huge", "kind": "llm", "path": "llama-10m", "weight_bytes": "64GiB"})
     models.append({"name": "llama-big", "kind": "llm", "path": "llama-10m", "weight_bytes": "400MiB"})
     serve.run(build_app({"models_dir": str(models_dir), "models": models, "policy": policy, "watch_period_s": 0.5}), name="orchard", route_prefix="/")
@@ -173,7 +174,7 @@ def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard):
         for _ in range(3):
             next(lines)
     node = where(orchard, "llama-10m")[0]
-    server = ray.get_actor(f"orchard:llama-10m@{node}", namespace="orchard")
+    server = find_model_server("llama-10m", node)
     # 4000 tokens take 40 s or more at this model's ~100 tok/s for one stream: an end well before
     # that is the cancellation's doing (under load the disconnect can take seconds to propagate)
     deadline = time.time() + 25

@@ -16,7 +16,8 @@ import openai  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from router.app import build_app  # noqa: E402
+from cluster.placement import find_model_server  # noqa: E402
+from router.api.builder import build_app  # noqa: E402
 from tests.test_cluster_e2e import HEALTH, free_port, node_args  # noqa: E402
 
 MIB = 1024**2
@@ -73,7 +74,7 @@ def events(orchard, model: str) -> list[dict]:
 
 
 def actor(model: str, node_id: str):
-    return ray.get_actor(f"orchard:{model}@{node_id}", namespace="orchard")
+    return find_model_server(model, node_id)
 
 
 def wait_for(condition, timeout_s: float, what: str):

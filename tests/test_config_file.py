@@ -9,8 +9,8 @@ from pydantic import ValidationError
 
 from policy import ModelSpec, PolicyConfig
 from policy.config import MIB
-from router.app import AppArgs
-from router.registry import from_config, from_manifest
+from router.api.builder import AppArgs
+from router.residency.registry import from_config, from_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def app_args() -> dict:
     config = yaml.safe_load((ROOT / "ray-config.yaml").read_text())
     (app,) = config["applications"]
-    assert app["import_path"] == "router.app:build_app"
+    assert app["import_path"] == "router.api.builder:build_app"
     return app["args"]
 
 

@@ -9,7 +9,8 @@ from builders import spec
 
 from policy import InstanceRef, Place, PolicyConfig
 from policy.config import GIB
-from router.controller import ControllerError, LoadError, LoadResult, ResidencyController
+from router.errors import OrchardError
+from router.residency.controller import LoadError, LoadResult, ResidencyController
 
 PLAIN = PolicyConfig(safety_margin_bytes=0, safety_margin_fraction=0.0, instance_overhead_bytes=0, min_residency_s=0.0, retry_poll_s=0.01, wait_timeout_s=0.2)
 
@@ -26,6 +27,7 @@ class FakeEffects:
         self.published = []
         self.fail: dict[str, list[str]] = {}  # model -> reasons for its next loads
         self.gate: asyncio.Event | None = None
+        self.versions: dict[str, str] = {}  # model -> its files' version (files_version)
 
     def now(self) -> float:
         return self.t + time.monotonic() - self._t0
@@ -45,6 +47,9 @@ class FakeEffects:
 
     def publish(self, event):
         self.published.append(event)
+
+    def files_version(self, model):
+        return self.versions.get(model)
 
 
 def make(specs, nodes=(("n1", 8), ("n2", 4)), config=PLAIN):
@@ -134,7 +139,7 @@ def test_wait_times_out_into_a_503_with_retry_after():
     async def scenario():
         c, _ = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
         await c.acquire("a")
-        with pytest.raises(ControllerError) as info:
+        with pytest.raises(OrchardError) as info:
             await c.acquire("b")
         return info.value
 
@@ -148,7 +153,7 @@ def test_pinned_blocker_is_rejected_at_once_and_unknown_models_are_404():
         c.release((await c.acquire("a")).lease_id)
         errors = []
         for model in ("b", "ghost"):
-            with pytest.raises(ControllerError) as info:
+            with pytest.raises(OrchardError) as info:
                 await c.acquire(model)
             errors.append(info.value)
         return c, errors
@@ -160,23 +165,114 @@ def test_pinned_blocker_is_rejected_at_once_and_unknown_models_are_404():
     assert c.events()[-1].kind == "rejected"
 
 
-def test_failed_load_is_retried_once_then_reported():
+def test_only_an_out_of_memory_load_is_retried_and_twice_is_reported():
     async def scenario():
         c, fx = make([spec("a", gb=3), spec("b", gb=3)])
         fx.fail["a"] = ["out_of_memory"]
         lease = await c.acquire("a")  # second attempt succeeds
-        fx.fail["b"] = ["error", "error"]
-        with pytest.raises(ControllerError) as info:
+        fx.fail["b"] = ["out_of_memory", "out_of_memory"]
+        with pytest.raises(OrchardError) as info:
             await c.acquire("b")
-        fx.fail["b"] = ["not_found"]
-        with pytest.raises(ControllerError) as missing:
-            await c.acquire("b")
-        return fx, lease, info.value, missing.value
+        return fx, lease, info.value
 
-    fx, lease, twice, missing = run(scenario())
+    fx, lease, twice = run(scenario())
     assert lease.model == "a" and [p.model for p in fx.started].count("a") == 2
-    assert twice.code == "model_load_failed" and "failed 2 times" in twice.message
-    assert missing.code == "model_load_failed" and "not found" in missing.message
+    assert [p.model for p in fx.started].count("b") == 2
+    assert twice.code == "model_load_failed" and "out_of_memory" in twice.message and "tried again in" in twice.message and twice.retry_after_s
+
+
+def test_bad_files_evict_nothing_are_refused_at_once_and_tried_again_when_they_change():
+    """Issue 10 item 3: a truncated safetensors file must not churn the healthy neighbour."""
+
+    async def scenario():
+        c, fx = make([spec("healthy", gb=5), spec("broken", gb=3)], nodes=(("n1", 8),))
+        c.release((await c.acquire("healthy")).lease_id)
+        fx.versions["broken"] = "v1"
+        fx.fail["broken"] = ["bad_files", "bad_files"]
+        errors = []
+        for _ in range(3):  # the openai SDK's three tries
+            with pytest.raises(OrchardError) as info:
+                await c.acquire("broken")
+            errors.append(info.value)
+        starts_while_marked = [p.model for p in fx.started].count("broken")
+        fx.versions["broken"] = "v2"  # the operator copied good files over
+        fx.fail["broken"] = []
+        lease = await c.acquire("broken")
+        return c, fx, errors, starts_while_marked, lease
+
+    c, fx, errors, starts_while_marked, lease = run(scenario())
+    assert starts_while_marked == 1  # one load; the retries were refused from the mark
+    assert all(e.code == "model_load_failed" and e.status == 503 and e.retry_after_s for e in errors)
+    assert "tried again in" in errors[-1].message and "bad_files" in errors[-1].message
+    assert not any(r.model == "healthy" for r, _ in fx.stopped)  # never evicted
+    assert not any(e.kind == "evicted" for e in c.events())
+    assert lease.model == "broken" and "retrying" in [e.kind for e in c.events()]
+
+
+def test_an_operator_load_tries_a_failed_model_again_at_once():
+    async def scenario():
+        c, fx = make([spec("broken", gb=3)])
+        fx.fail["broken"] = ["error"]
+        with pytest.raises(OrchardError):
+            await c.acquire("broken")
+        ref = await c.load("broken")
+        return c, fx, ref
+
+    c, fx, ref = run(scenario())
+    assert ref.model == "broken" and len(fx.started) == 2 and "broken" not in c.state.failed
+
+
+def test_a_wait_is_announced_and_giving_up_is_recorded():
+    async def scenario():
+        c, _ = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
+        await c.acquire("a")
+        with pytest.raises(OrchardError):
+            await c.acquire("b")
+        return c
+
+    events = run(scenario()).events()
+    waiting = [e for e in events if e.kind == "waiting"]
+    assert len(waiting) == 1 and waiting[0].model == "b" and waiting[0].node_id == "n1" and "busy" in waiting[0].reason
+    gave_up = [e for e in events if e.kind == "gave_up"]
+    assert len(gave_up) == 1 and gave_up[0].model == "b" and gave_up[0].seconds >= 0.2
+
+
+def test_waiters_are_served_in_arrival_order():
+    async def scenario():
+        c, fx = make([spec("a", gb=6), spec("b", gb=6), spec("c", gb=6)], nodes=(("n1", 8),), config=PLAIN.model_copy(update={"wait_timeout_s": 5}))
+        lease_a = await c.acquire("a")
+        order = []
+
+        async def want(model):
+            lease = await c.acquire(model)
+            order.append(model)
+            await asyncio.sleep(0.02)
+            c.release(lease.lease_id)
+
+        tasks = [asyncio.create_task(want("b"))]
+        await asyncio.sleep(0.01)
+        tasks.append(asyncio.create_task(want("c")))
+        await asyncio.sleep(0.01)
+        c.release(lease_a.lease_id)
+        await asyncio.wait_for(asyncio.gather(*tasks), 3)
+        return order
+
+    assert run(scenario()) == ["b", "c"]
+
+
+def test_a_dead_instance_is_dropped_with_its_cause_and_placed_again():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)])
+        lease = await c.acquire("a")
+        c.instance_died(InstanceRef(node_id=lease.node_id, model="a"), "its actor died: killed by ray.kill")
+        again = await c.acquire("a")
+        return c, fx, lease, again
+
+    c, fx, lease, again = run(scenario())
+    died = [e for e in c.events() if e.kind == "died"]
+    assert len(died) == 1 and "ray.kill" in died[0].reason and died[0].model == "a"
+    assert lease.lease_id not in {x.lease_id for x in c.leases()} and again.lease_id != lease.lease_id
+    assert len(fx.started) == 2
 
 
 def test_dead_node_drops_its_instances_and_the_next_request_replaces_elsewhere():
@@ -203,7 +299,7 @@ def test_idle_timeout_and_operator_actions():
         idle_unloaded = c.state.node("n2").instance("a") is None
         where = await c.load("p", node_id="n1")
         c.pin("p")
-        with pytest.raises(ControllerError) as pinned:
+        with pytest.raises(OrchardError) as pinned:
             c.unload("p")
         c.pin("p", False)
         unloaded = c.unload("p")

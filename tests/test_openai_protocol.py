@@ -13,8 +13,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from router import openai_protocol as op
-from router.openai_protocol import (
+from router.protocols import openai as op
+from router.protocols.openai import (
     SSE_DONE,
     ChatCompletionRequest,
     ProtocolError,
@@ -465,9 +465,18 @@ def test_error_results_raise_their_status():
     assert op.error_from_delta({"text": "x", "finish_reason": "stop"}) is None
 
 
-def test_engine_status_matches_the_model_server():
-    model_server = pytest.importorskip("deployments.model_server")
-    assert op.ENGINE_STATUS == model_server.HTTP_STATUS
+def test_every_engine_error_code_has_its_status_in_the_one_table():
+    from typing import get_args
+
+    from deployments.engine import RequestErrorCode
+    from router.errors import STATUS
+
+    codes = set(get_args(RequestErrorCode)) | {"not_found", "load_failed", "unavailable", "cancelled"}  # + ModelServerError's own
+    assert codes <= set(STATUS) and op.ENGINE_STATUS is STATUS
+    from policy.decisions import RejectCode
+
+    assert {f"model_{c}" for c in get_args(RejectCode) if c != "unknown_model"} <= set(STATUS)  # the controller's codes
+    assert STATUS["context_length_exceeded"] == 400 and STATUS["engine_stopped"] == 503 and STATUS["cancelled"] == 499
 
 
 def test_embedding_response_float_and_base64():
@@ -620,7 +629,7 @@ def test_validation_error_body_from_pydantic_and_fastapi_errors():
 
 
 def test_module_stays_framework_free():
-    code = "import sys, router.openai_protocol; print(sorted(m for m in ('mlx', 'ray', 'fastapi', 'starlette', 'numpy') if m in sys.modules))"
+    code = "import sys, router.protocols.openai; print(sorted(m for m in ('mlx', 'ray', 'fastapi', 'starlette', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from router.output_events import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
-from router.output_parsing import OutputConfig, OutputParser, tools_enabled
-from router.reasoning import ReasoningConfig
+from router.protocols.events import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from router.serving.output.parsing import OutputConfig, OutputParser, tools_enabled
+from router.serving.output.reasoning import ReasoningConfig
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from router.output_events import ReasoningDelta, TextDelta
-from router.reasoning import ReasoningConfig, ReasoningSplitter
+from router.protocols.events import ReasoningDelta, TextDelta
+from router.serving.output.reasoning import ReasoningConfig, ReasoningSplitter
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

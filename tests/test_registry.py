@@ -1,9 +1,8 @@
 """Registry entries become ModelSpecs with sizes from the config or measured from the folder."""
 
 import pytest
-from pydantic import ValidationError
 
-from router.registry import from_config, from_manifest
+from router.residency.registry import from_config, from_manifest
 
 
 def test_sizes_come_from_the_folder_when_not_given(models_dir):
@@ -28,8 +27,10 @@ def test_bad_entries_are_refused(models_dir, tmp_path):
         from_config([{"name": "a", "kind": "llm", "weight_bytes": "1GiB"}] * 2, models_dir)
     with pytest.raises(ValueError, match="no weight_bytes"):
         from_config([{"name": "nowhere", "kind": "llm"}], tmp_path)
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValueError, match=r"models\[0\] \(a\)\.pinnned"):
         from_config([{"name": "a", "kind": "llm", "weight_bytes": "1GiB", "pinnned": True}], models_dir)
+    with pytest.raises(ValueError, match=r"models\[0\] \(é\)\.name"):  # names are ASCII: actor names and URL paths
+        from_config([{"name": "é", "kind": "llm", "weight_bytes": "1GiB"}], models_dir)
 
 
 def test_hub_models_are_loaded_by_id(models_dir):

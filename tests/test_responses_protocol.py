@@ -16,9 +16,9 @@ from openai.types.chat import completion_create_params
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
-from router import responses_protocol as rp
-from router.openai_protocol import ProtocolError, error_body, parse_chat_request
-from router.output_events import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from router.protocols import responses as rp
+from router.protocols.openai import ProtocolError, error_body, parse_chat_request
+from router.protocols.events import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
 CHAT_PARAMS = TypeAdapter(completion_create_params.CompletionCreateParamsNonStreaming)

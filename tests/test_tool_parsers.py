@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.output_events import TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
-from router.tool_parsers import PARSERS, UnknownToolParser, get_parser, new_call_id, render_call, render_calls
+from router.protocols.events import TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from router.serving.output.tool_parsers import PARSERS, UnknownToolParser, get_parser, new_call_id, render_call, render_calls
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -337,9 +337,9 @@ def test_answers_without_calls_come_out_byte_for_byte(family, answer, data):
 
 llguidance = pytest.importorskip("llguidance")
 
-from router.output_parsing import OutputConfig, OutputParser  # noqa: E402
-from router.reasoning import ReasoningConfig  # noqa: E402
-from router.tool_grammar import forced_call_grammar, grammar_error, tool_function  # noqa: E402
+from router.serving.output.parsing import OutputConfig, OutputParser  # noqa: E402
+from router.serving.output.reasoning import ReasoningConfig  # noqa: E402
+from router.serving.output.tool_grammar import forced_call_grammar, grammar_error, tool_function  # noqa: E402
 
 
 class _ByteTokenizer:

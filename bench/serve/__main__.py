@@ -29,11 +29,11 @@ import requests  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from cluster.placement import NAMESPACE, actor_name  # noqa: E402
+from cluster.placement import find_model_server  # noqa: E402
 from deployments.engines.llm import GenerationRequest, LLMEngine  # noqa: E402
 from deployments.models import prepare  # noqa: E402
-from router.app import AppArgs, build_app  # noqa: E402
-from router.registry import from_manifest  # noqa: E402
+from router.api.builder import AppArgs, build_app  # noqa: E402
+from router.residency.registry import from_manifest  # noqa: E402
 
 TOPICS = ["the sea", "a city at night", "bread", "mountains", "a small robot", "rain", "music", "the moon"]
 
@@ -265,7 +265,7 @@ def main() -> None:
 
         async def measure() -> None:
             client = (SSEClient if args.client == "aiohttp" else SDKClient)(f"{base}/v1")
-            actor = ray.get_actor(actor_name(model, "head"), namespace=NAMESPACE)
+            actor = find_model_server(model, "head")
 
             async def engine_counters() -> dict:
                 return engine.counters()

@@ -21,7 +21,7 @@ from cluster.placement import create_model_server  # noqa: E402
 from deployments.engines.llm import LLMEngine  # noqa: E402
 from deployments.manifest import read_manifest  # noqa: E402
 from deployments.models import prepare  # noqa: E402
-from router.stream_mux import StreamMux  # noqa: E402
+from router.serving.stream_mux import StreamMux  # noqa: E402
 
 
 def main() -> None:

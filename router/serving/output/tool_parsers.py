@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.output_events import OutputEvent, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from router.protocols.events import OutputEvent, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 
 IdFactory = Callable[[], str]
 

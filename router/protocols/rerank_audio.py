@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from router import openai_protocol as oai
+from router.protocols import openai as oai
 
 
 class RerankRequest(BaseModel):

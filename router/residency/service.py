@@ -15,18 +15,20 @@ from ray import serve
 from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 
 from cluster.node_agent import alive_nodes, collect_reports, ensure_agents
-from cluster.placement import PREFIX, find_model_servers
-from policy import PolicyConfig
-from router import metrics
-from router.controller import ControllerError, ResidencyController
-from router.ray_effects import RayEffects
-from router.registry import from_config
+from cluster.placement import death_cause, find_model_servers, live_model_server_names, parse_actor_name
+from policy import InstanceRef, PolicyConfig
+from router.residency import metrics as metrics
+from router.errors import OrchardError
+from router.residency.controller import ResidencyController
+from router.residency.effects import RayEffects
+from router.residency.registry import from_config
 
 log = logging.getLogger("orchard.residency")
 
 
-def error_dict(e: ControllerError) -> dict[str, Any]:
-    return {"error": {"status": e.status, "code": e.code, "message": e.message, "retry_after_s": e.retry_after_s}}
+def error_dict(e: OrchardError) -> dict[str, Any]:
+    """An error as it crosses Ray to the ingress, which raises it again (router.serving.lease)."""
+    return {"error": e.to_dict()}
 
 
 # On the head node: a worker node that dies must not take the cluster view with it.
@@ -53,6 +55,7 @@ class ResidencyService:
             await asyncio.sleep(self.watch_period_s)
             try:
                 await self._observe_nodes()
+                await self._observe_instances()
                 self.controller.tick()
                 metrics.on_nodes(self.controller.state.nodes)
             except Exception:  # a failed round must not end the watcher
@@ -73,11 +76,39 @@ class ResidencyService:
             if node.alive and node.node_id not in alive:
                 self.controller.node_dead(node.node_id, "Ray lists the node as dead")
 
+    async def _observe_instances(self) -> None:
+        """Ready instances whose actor Ray no longer lists (a detached actor's name is freed at its
+        death: killed, out of memory, crashed) are dropped, with the cause Ray gives."""
+        live = set(await asyncio.to_thread(live_model_server_names))
+        for node in self.controller.state.nodes:
+            for inst in node.instances if node.alive else ():
+                ref = InstanceRef(node_id=node.node_id, model=inst.model)
+                name = self.effects.actor_of(ref)
+                if inst.status == "ready" and name is not None and name not in live:
+                    cause = await asyncio.to_thread(death_cause, name)
+                    self.controller.instance_died(ref, cause)
+
+    async def report_unavailable(self, actor: str, message: str) -> None:
+        """The ingress saw `actor` fail a call as dead or unreachable: drop its instance at once if
+        Ray confirms the actor is gone (an unreachable one, e.g. a frozen node, is left to the node
+        watcher and the ingress's inactivity timeout)."""
+        parsed = parse_actor_name(actor)
+        if parsed is None:
+            return
+        model, node_id, _ = parsed
+        ref = InstanceRef(node_id=node_id, model=model)
+        if self.effects.actor_of(ref) != actor or actor in await asyncio.to_thread(live_model_server_names):
+            return
+        self.controller.instance_died(ref, await asyncio.to_thread(death_cause, actor, message))
+
     async def _adopt_running_servers(self) -> None:
         for name, handle in await asyncio.to_thread(find_model_servers):
-            model, _, node_id = name[len(PREFIX) :].rpartition("@")
+            parsed = parse_actor_name(name)
+            if parsed is None:
+                continue
+            model, node_id, _ = parsed
             node = self.controller.state.node(node_id)
-            if node is None or not node.alive:
+            if node is None or not node.alive or node.instance(model) is not None:
                 continue
             try:
                 health = await handle.health.remote()
@@ -85,6 +116,7 @@ class ResidencyService:
             except Exception:
                 continue
             if health.get("status") == "ready":
+                self.effects.actors[(model, node_id)] = name
                 self.controller.adopt_instance(
                     node_id, model, node.devices[0], memory["weight_bytes"] + memory["kv_bytes_reserved"], memory["load_seconds"]
                 )
@@ -93,10 +125,11 @@ class ResidencyService:
     async def acquire(self, model: str) -> dict[str, Any]:
         try:
             lease = await self.controller.acquire(model)
-        except ControllerError as e:
+        except OrchardError as e:
             return error_dict(e)
         entry = self.effects.entries[model]
-        return lease.model_dump() | {"kind": entry.kind, "tool_parser": entry.tool_parser, "reasoning": entry.reasoning}
+        actor = self.effects.actor_of(InstanceRef(node_id=lease.node_id, model=model))
+        return lease.model_dump() | {"kind": entry.kind, "tool_parser": entry.tool_parser, "reasoning": entry.reasoning, "actor_name": actor}
 
     async def release(self, lease_id: str) -> None:
         self.controller.release(lease_id)
@@ -104,21 +137,21 @@ class ResidencyService:
     async def load(self, model: str, node_id: str | None = None) -> dict[str, Any]:
         try:
             ref = await self.controller.load(model, node_id)
-        except ControllerError as e:
+        except OrchardError as e:
             return error_dict(e)
         return {"model": ref.model, "node_id": ref.node_id, "status": "loaded"}
 
     async def unload(self, model: str) -> dict[str, Any]:
         try:
             refs = self.controller.unload(model)
-        except ControllerError as e:
+        except OrchardError as e:
             return error_dict(e)
         return {"model": model, "unloaded_from": [r.node_id for r in refs]}
 
     async def pin(self, model: str, pinned: bool) -> dict[str, Any]:
         try:
             spec = self.controller.pin(model, pinned)
-        except ControllerError as e:
+        except OrchardError as e:
             return error_dict(e)
         return {"model": model, "pinned": spec.pinned}
 
@@ -147,7 +180,10 @@ class ResidencyService:
                         "headroom_bytes": n.reported_headroom_bytes, "ours_bytes": sum(i.bytes for i in n.instances),
                     },
                     "instances": [
-                        i.model_dump() | {"leases": sum(1 for l in leases if l.node_id == n.node_id and l.model == i.model)}
+                        i.model_dump() | {
+                            "leases": sum(1 for lease in leases if lease.node_id == n.node_id and lease.model == i.model),
+                            "actor": self.effects.actor_of(InstanceRef(node_id=n.node_id, model=i.model)),
+                        }
                         for i in n.instances
                     ],
                 }

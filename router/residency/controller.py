@@ -11,6 +11,7 @@ ingress streams straight from it, and `release` ends the lease."""
 
 import asyncio
 import itertools
+from dataclasses import dataclass
 from collections import deque
 from typing import Literal, Protocol
 
@@ -33,13 +34,17 @@ from policy import (
     sweep,
 )
 from policy._frozen import Frozen
+from policy.cluster_state import LoadFailureReason
+from router.errors import OrchardError
 from policy.memory import gib
 from policy.placement import place_from_plan, plan_placement
 from policy.specs import DeviceKind
-from policy.transitions import apply_place, finish_request, mark_loaded, remove_instance, start_request
+from policy.failures import reject_marked
+from policy.transitions import apply_place, clear_failed, finish_request, mark_failed, mark_loaded, remove_instance, start_request
 
 EventKind = Literal[
-    "placed", "loaded", "load_failed", "evicted", "unloaded", "rejected", "node_up", "node_dead", "pinned", "unpinned", "lease_expired"
+    "placed", "loaded", "load_failed", "retrying", "evicted", "unloaded", "died", "rejected", "waiting", "gave_up",
+    "node_up", "node_dead", "pinned", "unpinned", "lease_expired",
 ]
 
 
@@ -54,6 +59,16 @@ class ClusterEvent(Frozen):
     reason: str = ""
     bytes: int | None = None
     seconds: float | None = None
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A request waiting in its model's queue."""
+
+    model: str
+    started: float
+    future: "asyncio.Future[Lease]"
+    announced: bool = False  # its `waiting` event is recorded
 
 
 class Lease(Frozen):
@@ -74,21 +89,10 @@ class LoadResult(Frozen):
 class LoadError(Exception):
     """A start_instance that did not end in a loaded instance."""
 
-    def __init__(self, reason: Literal["not_found", "out_of_memory", "error"], message: str):
+    def __init__(self, reason: LoadFailureReason, message: str):
         super().__init__(message)
         self.reason = reason
         self.message = message
-
-
-class ControllerError(Exception):
-    """What the HTTP layer returns verbatim: status, OpenAI error code, message, Retry-After."""
-
-    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.retry_after_s = retry_after_s
 
 
 class Effects(Protocol):
@@ -99,6 +103,10 @@ class Effects(Protocol):
     async def stop_instance(self, instance: InstanceRef, reason: str) -> None: ...
 
     def publish(self, event: ClusterEvent) -> None: ...
+
+    def files_version(self, model: str) -> str | None:
+        """Something that changes when the model's files do (sizes and times), None if unknown."""
+        ...
 
 
 class ResidencyController:
@@ -119,9 +127,12 @@ class ResidencyController:
         self._seq = itertools.count(1)
         self._lease_ids = itertools.count(1)
         self._leases: dict[str, Lease] = {}
-        self._failures: dict[str, tuple[float, ControllerError]] = {}
+        self._failed_files: dict[str, str | None] = {}  # model marked failed -> its files' version then
         self._tasks: set[asyncio.Task] = set()
         self._changed = asyncio.Event()
+        self._waiters: dict[str, deque[_Waiter]] = {}
+        self._drain_scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
 
     # ---- events in --------------------------------------------------------------------------
     def report_node(
@@ -172,6 +183,21 @@ class ResidencyController:
         self._record("node_dead", node_id=node_id, reason=reason)
         self._wake()
 
+    def instance_died(self, ref: InstanceRef, cause: str) -> None:
+        """An instance's actor is gone (killed, out of memory, crashed): drop it and its leases with
+        a `died` event naming the cause; the next request for the model places it again."""
+        node = self.state.node(ref.node_id)
+        inst = node.instance(ref.model) if node is not None else None
+        if inst is None:
+            return
+        self.state = remove_instance(self.state, ref)
+        for lease_id, lease in list(self._leases.items()):
+            if lease.node_id == ref.node_id and lease.model == ref.model:
+                del self._leases[lease_id]
+        self._record("died", model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=cause)
+        self._spawn(self.effects.stop_instance(ref, f"died: {cause}"))
+        self._wake()
+
     def adopt_instance(self, node_id: str, model: str, device: DeviceKind, nbytes: int, load_seconds: float | None = None) -> None:
         """A running instance found after a restart (its actor outlived the old controller)."""
         node = self.state.node(node_id)
@@ -185,31 +211,88 @@ class ResidencyController:
     # ---- requests -----------------------------------------------------------------------------
     async def acquire(self, model: str) -> Lease:
         """A lease on a ready instance of `model`, placing (and evicting) as the policy decides and
-        waiting while it says so. Raises ControllerError with the policy's reason otherwise."""
-        started = self.effects.now()
-        while True:
-            now = self.effects.now()
-            failure = self._failures.get(model)
-            if failure is not None and failure[0] >= started:
-                raise failure[1]
-            decision = ensure(model, self.state, now, self.config, waited_s=now - started)
-            if isinstance(decision, Use):
-                self.state = start_request(self.state, decision.instance, now)
-                loaded_at = self.state.node(decision.instance.node_id).instance(model).loaded_at
-                lease = Lease(
-                    lease_id=f"L{next(self._lease_ids)}", model=model, node_id=decision.instance.node_id, acquired_at=now, loaded_at=loaded_at
-                )
-                self._leases[lease.lease_id] = lease
-                return lease
-            if isinstance(decision, Place):
-                self._begin_place(decision)
-                continue
-            if isinstance(decision, Wait):
-                await self._wait_for_change(decision.retry_after_s)
-                continue
-            assert isinstance(decision, Reject)
+        waiting while it says so. Raises OrchardError with the policy's reason otherwise.
+
+        The request joins its model's queue of waiters; every state change (a load finished or
+        failed, a lease ended, a node reported, an instance died) drains the queues, each waiter
+        decided once per change in arrival order, so the oldest request is served first and no
+        waiter polls the policy in a loop of its own."""
+        waiter = _Waiter(model=model, started=self.effects.now(), future=asyncio.get_running_loop().create_future())
+        self._waiters.setdefault(model, deque()).append(waiter)
+        self._drain()
+        try:
+            return await waiter.future
+        finally:
+            queue = self._waiters.get(model)
+            if queue is not None and waiter in queue:  # cancelled (client gone) while waiting
+                queue.remove(waiter)
+                if not queue:
+                    del self._waiters[model]
+
+    def _drain(self) -> None:
+        """Decide every waiting request once against the current state (see `acquire`)."""
+        self._drain_scheduled = False
+        now = self.effects.now()
+        for model in list(self._waiters):
+            queue = self._waiters[model]
+            for waiter in list(queue):
+                if waiter.future.done():
+                    queue.remove(waiter)
+                    continue
+                if self._decide(waiter, now):
+                    queue.remove(waiter)
+            if not queue:
+                del self._waiters[model]
+
+    def _decide(self, waiter: "_Waiter", now: float) -> bool:
+        """One policy decision for one waiter; True when it is answered (a lease or an error)."""
+        model = waiter.model
+        self._retry_if_files_changed(model)
+        for _ in range(3):  # a Place is applied to the state at once: decide again on the new state
+            decision = ensure(model, self.state, now, self.config, waited_s=now - waiter.started)
+            if not isinstance(decision, Place):
+                break
+            self._begin_place(decision)
+        if isinstance(decision, Use):
+            self.state = start_request(self.state, decision.instance, now)
+            inst = self.state.node(decision.instance.node_id).instance(model)
+            lease = Lease(
+                lease_id=f"L{next(self._lease_ids)}", model=model, node_id=decision.instance.node_id, acquired_at=now, loaded_at=inst.loaded_at
+            )
+            self._leases[lease.lease_id] = lease
+            waiter.future.set_result(lease)
+            return True
+        if isinstance(decision, Wait):
+            if decision.code == "busy" and not waiter.announced:
+                waiter.announced = True
+                blocker = decision.blockers[0].instance.node_id if decision.blockers else None
+                self._record("waiting", model=model, node_id=blocker, reason=decision.message)
+            self._schedule_drain(decision.retry_after_s)
+            return False
+        if isinstance(decision, Place):  # still placing after three rounds: wait for the loads
+            return False
+        assert isinstance(decision, Reject)
+        if waiter.announced:
+            self._record("gave_up", model=model, reason=f"after waiting {now - waiter.started:.1f} s: {decision.message}", seconds=now - waiter.started)
+        else:
             self._record("rejected", model=model, reason=decision.message)
-            raise _error_for(decision)
+        waiter.future.set_exception(_error_for(decision))
+        return True
+
+    def _schedule_drain(self, delay_s: float) -> None:
+        """Drain again after `delay_s` (a timer for what passes with time: a young blocker coming of
+        age, a wait timing out); one timer, at the earliest time asked for."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + max(0.0, delay_s)
+        if self._timer is not None and self._timer.when() <= when:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._drain()
 
     def release(self, lease_id: str) -> None:
         """End a lease (stream finished, failed, or the client went away). Idempotent."""
@@ -239,9 +322,14 @@ class ResidencyController:
 
     async def load(self, model: str, node_id: str | None = None) -> InstanceRef:
         """Operator load: where the policy says, or on `node_id` (an extra copy there when the model
-        is elsewhere, within max_copies). Returns once the instance is ready."""
+        is elsewhere, within max_copies). Returns once the instance is ready. A model marked failed
+        is tried again at once (the operator asked)."""
         spec = self._spec(model)
         started = self.effects.now()
+        if model in self.state.failed:
+            self.state = clear_failed(self.state, model)
+            self._failed_files.pop(model, None)
+            self._record("retrying", model=model, reason="an operator loads it")
         if node_id is not None:
             self._place_on(spec, node_id)
         while True:
@@ -249,12 +337,12 @@ class ResidencyController:
                 inst = n.instance(model) if n.alive and node_id in (None, n.node_id) else None
                 if inst is not None and inst.status == "ready":
                     return InstanceRef(node_id=n.node_id, model=model)
-            failure = self._failures.get(model)
-            if failure is not None and failure[0] >= started:
-                raise failure[1]
+            mark = self.state.failed.get(model)
+            if mark is not None and mark.at >= started:
+                raise _error_for(reject_marked(mark, self.effects.now(), self.config))
             if node_id is not None:
                 if self.state.node(node_id).instance(model) is None:
-                    raise ControllerError(503, "model_unloaded", f"model {model} left {node_id} before it was ready")
+                    raise OrchardError("model_unloaded", f"model {model} left {node_id} before it was ready")
                 await self._wait_for_change(self.config.retry_poll_s)
                 continue
             now = self.effects.now()
@@ -270,11 +358,11 @@ class ResidencyController:
     def _place_on(self, spec: ModelSpec, node_id: str) -> None:
         node = self.state.node(node_id)
         if node is None or not node.alive:
-            raise ControllerError(404, "node_not_found", f"no alive node {node_id!r}")
+            raise OrchardError("node_not_found", f"no alive node {node_id!r}")
         if node.instance(spec.name) is not None:
             return
         if self._copies(spec.name) >= spec.max_copies:
-            raise ControllerError(
+            raise OrchardError(
                 409, "model_already_loaded",
                 f"model {spec.name} already has {self._copies(spec.name)} copies (max_copies={spec.max_copies}): unload it first",
             )
@@ -283,7 +371,7 @@ class ResidencyController:
         if plan is None:
             why = "its constraints exclude it" if not eligible else "it does not fit even after every allowed eviction, or a cap forbids it"
             self._record("rejected", model=spec.name, node_id=node_id, reason=why)
-            raise ControllerError(503, "model_blocked", f"cannot place model {spec.name} on {node_id}: {why}")
+            raise OrchardError("model_blocked", f"cannot place model {spec.name} on {node_id}: {why}")
         self._begin_place(place_from_plan(spec, plan, self.config))
 
     def unload(self, model: str) -> list[InstanceRef]:
@@ -291,7 +379,7 @@ class ResidencyController:
         drain before they stop); pinned models must be unpinned first."""
         spec = self._spec(model)
         if spec.pinned:
-            raise ControllerError(409, "model_pinned", f"model {model} is pinned: unpin it first")
+            raise OrchardError("model_pinned", f"model {model} is pinned: unpin it first")
         refs = [InstanceRef(node_id=n.node_id, model=model) for n in self.state.nodes if n.alive and n.instance(model) is not None]
         for ref in refs:
             self._unload(ref, "unloaded by the operator")
@@ -315,7 +403,6 @@ class ResidencyController:
     def _begin_place(self, place: Place) -> None:
         """Apply the decision to the state now (so the next decision sees it), then carry it out."""
         now = self.effects.now()
-        self._failures.pop(place.model, None)
         for victim in place.evict:
             inst = self.state.node(victim.node_id).instance(victim.model)
             self._record("evicted", model=victim.model, node_id=victim.node_id, bytes=inst.bytes if inst else None, reason=f"to place {place.model}: {place.reason}")
@@ -350,7 +437,8 @@ class ResidencyController:
             self.state = remove_instance(self.state, ref)
         self._spawn(self.effects.stop_instance(ref, "failed to load"))
         failure = LoadFailure(model=place.model, node_id=place.node_id, reason=reason, message=message, attempt=attempt)
-        retry = retry_after_failure(failure, self.state, self.effects.now(), self.config)
+        now = self.effects.now()
+        retry = retry_after_failure(failure, self.state, now, self.config)
         if isinstance(retry, Place):
             for victim in retry.evict:
                 self._record("evicted", model=victim.model, node_id=victim.node_id, reason=f"retrying {place.model}: {retry.reason}")
@@ -358,9 +446,19 @@ class ResidencyController:
             self.state = apply_place(self.state, retry, self.effects.now())
             self._record("placed", model=retry.model, node_id=retry.node_id, bytes=retry.bytes, reason=retry.reason)
             self._spawn(self._load(retry, attempt=attempt + 1))
-        else:
-            self._failures[place.model] = (self.effects.now(), _error_for(retry))
+        else:  # P9/P10: not retried, nothing evicted; requests are refused until the back-off ends
+            self.state = mark_failed(self.state, failure, now)
+            self._failed_files[place.model] = self.effects.files_version(place.model)
         self._wake()
+
+    def _retry_if_files_changed(self, model: str) -> None:
+        """A model marked failed whose files changed since (fixed, copied again) is tried again now."""
+        if model not in self.state.failed or model not in self._failed_files:
+            return
+        if self.effects.files_version(model) != self._failed_files[model]:
+            del self._failed_files[model]
+            self.state = clear_failed(self.state, model)
+            self._record("retrying", model=model, reason="its files changed since it failed to load")
 
     def _unload(self, ref: InstanceRef, reason: str) -> None:
         node = self.state.node(ref.node_id)
@@ -379,7 +477,7 @@ class ResidencyController:
     def _spec(self, model: str) -> ModelSpec:
         spec = self.state.catalog.get(model)
         if spec is None:
-            raise ControllerError(404, "model_not_found", f"model {model!r} is not in the registry")
+            raise OrchardError("model_not_found", f"model {model!r} is not in the registry", "model")
         return spec
 
     def _copies(self, model: str) -> int:
@@ -396,8 +494,16 @@ class ResidencyController:
         task.add_done_callback(self._tasks.discard)
 
     def _wake(self) -> None:
+        """The state changed: operator loads waiting on `_changed` look again, and the waiters'
+        queues are drained (soon, on the loop: callers may be in the middle of a change)."""
         self._changed.set()
         self._changed = asyncio.Event()
+        if self._waiters and not self._drain_scheduled:
+            try:
+                asyncio.get_running_loop().call_soon(self._drain)
+            except RuntimeError:  # no loop (a synchronous test driving the state): nothing waits
+                return
+            self._drain_scheduled = True
 
     async def _wait_for_change(self, timeout_s: float) -> None:
         try:
@@ -411,7 +517,7 @@ class ResidencyController:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
-def _error_for(reject: Reject) -> ControllerError:
+def _error_for(reject: Reject) -> OrchardError:
     if reject.code == "unknown_model":
-        return ControllerError(404, "model_not_found", reject.message)
-    return ControllerError(503, f"model_{reject.code}", reject.message, reject.retry_after_s)
+        return OrchardError("model_not_found", reject.message, "model")
+    return OrchardError(f"model_{reject.code}", reject.message, retry_after_s=reject.retry_after_s)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.output_events import ReasoningDelta, TextDelta
+from router.protocols.events import ReasoningDelta, TextDelta
 
 
 class ReasoningConfig(BaseModel):

@@ -8,7 +8,7 @@ from functools import cache
 
 from ray.util import metrics
 
-from router.controller import ClusterEvent
+from router.residency.controller import ClusterEvent
 
 MODEL_NODE = ("model", "node")
 

@@ -2,7 +2,7 @@
 
 A request is translated into an OpenAI chat-completions body (`to_chat_request`), so Anthropic
 clients reach every chat model through the same validation, template and generation path as OpenAI
-clients; the output events of that generation (router.output_events) are encoded back into
+clients; the output events of that generation (router.protocols.events) are encoded back into
 Anthropic's message object (`message_response`) or its SSE stream (`MessageStreamEncoder`). Pure
 (pydantic + stdlib): no Ray, no MLX, no web framework.
 
@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from router.openai_protocol import ENGINE_STATUS, MAX_STOP, ProtocolError, parse_body, reject as _reject
-from router.output_events import (
+from router.protocols.openai import ENGINE_STATUS, MAX_STOP, ProtocolError, parse_body, reject as _reject
+from router.protocols.events import (
     Finish,
     OutputEvent,
     ReasoningDelta,

@@ -4,7 +4,7 @@ its folder (deployments.estimate), so admission works before anything is loaded.
 
 from pathlib import Path
 
-from pydantic import ByteSize, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ByteSize, Field, ValidationError, ValidationInfo, field_validator
 
 from deployments.estimate import estimate
 from deployments.manifest import ManifestEntry, read_manifest
@@ -20,7 +20,8 @@ class RegistryModel(Frozen):
     a Hugging Face repo id also works with the same loaders), optional sizes, and any ModelSpec
     field (role, pinned, keep_warm, idle_ttl_s, constraints, copies, KV reservation)."""
 
-    name: str
+    # ASCII, no spaces or '@' (actor names are "<model>@<node>"): a name is a URL path segment too.
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/+-]*$", max_length=200)
     kind: ModelKind
     path: str | None = None  # default: the name, under models_dir
     hub_id: str | None = None  # e.g. mlx-community/Qwen2.5-7B-Instruct-4bit: loaded by id (give weight_bytes)
@@ -37,28 +38,41 @@ class RegistryModel(Frozen):
     def _text_models_only(cls, v: str | None, info: ValidationInfo) -> str | None:
         return v if info.data.get("kind") == "llm" else None  # only text models call tools
 
-    @model_validator(mode="after")
-    def _known_output_config(self) -> "RegistryModel":
-        from router.output_parsing import OutputConfig
-
-        OutputConfig(tool_parser=self.tool_parser, reasoning=self.reasoning)  # raises on an unknown parser
-        return self
+def parse_entries(models: list[dict]) -> list[RegistryModel]:
+    """Every `models:` entry validated, ModelSpec fields included (they may sit at the top level of
+    an entry or under `policy:`); a ValueError names the entry and the field. Reads no files: the
+    app builder runs it before anything is deployed."""
+    parsed: list[RegistryModel] = []
+    for i, raw in enumerate(models):
+        where = f"models[{i}]" + (f" ({raw.get('name')})" if isinstance(raw, dict) and raw.get("name") else "")
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: expected a mapping, got {type(raw).__name__}")
+        raw = dict(raw)
+        policy = {k: raw.pop(k) for k in list(raw) if k in SPEC_FIELDS} | raw.pop("policy", {})
+        try:
+            model = RegistryModel(**raw, policy=policy)
+            ModelSpec(name=model.name, kind=model.kind, weight_bytes=model.weight_bytes or 0, **model.policy)
+        except ValidationError as e:
+            first = e.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or "entry"
+            raise ValueError(f"{where}.{field}: {first['msg']}") from None
+        except TypeError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if any(m.name == model.name for m in parsed):
+            raise ValueError(f"{where}: model {model.name!r} is listed twice")
+        if model.hub_id and model.path:
+            raise ValueError(f"{where}: give path or hub_id, not both")
+        parsed.append(model)
+    return parsed
 
 
 def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, ModelSpec], dict[str, ManifestEntry]]:
-    """(catalog for policy/, manifest entries for the model servers). Fields that are ModelSpec's
-    may sit at the top level of an entry or under `policy:`."""
+    """(catalog for policy/, manifest entries for the model servers). Sizes not given are measured
+    from the model's folder."""
     models_dir = Path(models_dir)
     catalog: dict[str, ModelSpec] = {}
     entries: dict[str, ManifestEntry] = {}
-    for raw in models:
-        raw = dict(raw)
-        policy = {k: raw.pop(k) for k in list(raw) if k in SPEC_FIELDS} | raw.pop("policy", {})
-        model = RegistryModel(**raw, policy=policy)
-        if model.name in catalog:
-            raise ValueError(f"model {model.name!r} is listed twice")
-        if model.hub_id and model.path:
-            raise ValueError(f"model {model.name}: give path or hub_id, not both")
+    for model in parse_entries(models):
         folder = Path(model.path) if model.path and Path(model.path).is_absolute() else models_dir / (model.path or model.name)
         weight, kv = model.weight_bytes, model.kv_bytes_per_token
         if (weight is None or kv is None) and not model.hub_id and folder.is_dir():

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from deployments.engine import HTTP_STATUS
+from router.errors import STATUS, OrchardError
 
 if TYPE_CHECKING:  # the engine module imports MLX; the router must not need it to parse requests
     from deployments.engines.llm import GenerationRequest
@@ -41,9 +41,8 @@ MIN_LOGPROB = -9999.0  # what OpenAI reports for a token of (near) zero probabil
 
 SSE_DONE = b"data: [DONE]\n\n"
 
-# The status of each engine / model-server error code: the one table, from deployments/engine.py
-# (pydantic only: no MLX, no Ray).
-ENGINE_STATUS = HTTP_STATUS
+# The status of each error code: the one table (router/errors.py).
+ENGINE_STATUS = STATUS
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -73,23 +72,19 @@ def error_body(status: int, code: str | None, message: str, param: str | None = 
     return {"error": {"message": message, "type": type or error_type(status, code), "param": param, "code": code}}
 
 
-class ProtocolError(Exception):
-    """A request or response that cannot be served, with the HTTP status and OpenAI error body the
-    ingress answers with (parse errors, unsupported fields, an engine error in a joined result)."""
+class ProtocolError(OrchardError):
+    """A wire error of a protocol's own: an OrchardError whose status the protocol decides (a bad
+    body is a 400 whatever field it names), with OpenAI's error `type` when it is not the status's."""
 
     def __init__(self, status: int, code: str | None, message: str, param: str | None = None, type: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
+        super().__init__(code or "invalid_request", message, param, status=status)
         self.type = type
+
+    def __reduce__(self):
+        return (type(self), (self.status, self.code, self.message, self.param, self.type))
 
     def body(self) -> dict:
         return error_body(self.status, self.code, self.message, self.param, self.type)
-
-    def __str__(self) -> str:  # the message alone, so str(e) can go to a client as is
-        return self.message
 
 
 class UnsupportedParameter(ProtocolError):
@@ -810,7 +805,7 @@ def join_deltas(deltas: Iterable[Any]) -> dict[str, Any]:
 
 
 def with_events(delta: Any, events: Iterable[Any]) -> dict[str, Any]:
-    """An engine delta rewritten by what the output parser made of it (router.output_parsing):
+    """An engine delta rewritten by what the output parser made of it (router.serving.output.parsing):
     `text` is the visible answer only, `reasoning` the text between reasoning markers,
     `tool_calls` OpenAI's streamed tool-call pieces, and finish_reason "tool_calls" when the answer
     was calls. Logprobs and usage stay as the engine sent them."""

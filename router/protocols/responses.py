@@ -2,7 +2,7 @@
 
 A request is translated into an OpenAI chat-completions body (`to_chat_request`), so it reaches
 every chat model through the chat path's validation, template and generation; the generation's
-output events (router.output_events) are encoded back as a Response object (`response_object`) or
+output events (router.protocols.events) are encoded back as a Response object (`response_object`) or
 the Responses SSE stream (`ResponseStreamEncoder`). Pure (pydantic + stdlib).
 
 Stateless: Orchard keeps no responses. `store` (true by default in the SDK) is accepted and
@@ -11,11 +11,11 @@ ignored, and the Response says `"store": false`; what needs a stored response or
 templates) is a 400 naming the field, since ignoring it would silently drop the earlier context.
 Clients send the whole conversation in `input`, as they do with store=false.
 
-Field policy follows router.openai_protocol (the chat endpoint): documented fields that do not
+Field policy follows router.protocols.openai (the chat endpoint): documented fields that do not
 change the output (user, metadata, include, truncation, service_tier, prompt_cache_key, ...) are
 accepted and ignored, as are keys OpenAI does not document (`ignored_fields`); `top_k` is the one
 local-server extra honoured. Built-in tools (web search, file search, computer use, MCP, ...) and
-input files / audio are a 400. Errors use OpenAI's body (router.openai_protocol.error_body) with
+input files / audio are a 400. Errors use OpenAI's body (router.protocols.openai.error_body) with
 OpenAI's param spelling (`input[2].content[0].image_url`)."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from router.openai_protocol import ENGINE_STATUS, ProtocolError, error_type, parse_body, reject as _reject
-from router.output_events import (
+from router.protocols.openai import ENGINE_STATUS, ProtocolError, error_type, parse_body, reject as _reject
+from router.protocols.events import (
     Finish,
     OutputEvent,
     ReasoningDelta,

@@ -1,6 +1,6 @@
 """Protocol-neutral output of one generation, after reasoning and tool-call parsing.
 
-The engine streams text deltas; `router.output_parsing` turns them into these events; each
+The engine streams text deltas; `router.serving.output.parsing` turns them into these events; each
 protocol (OpenAI chat, OpenAI Responses, Anthropic Messages) encodes the same events its own way.
 That is what keeps protocol translation separate from model execution: every protocol reaches every
 engine through one lease-and-stream path and one parser chain."""

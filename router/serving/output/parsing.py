@@ -18,14 +18,14 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from router.output_events import Finish, FinishReason, OutputEvent, ReasoningDelta, TextDelta
-from router.reasoning import ReasoningConfig, ReasoningSplitter
-from router.tool_parsers import PARSERS, IdFactory, ToolParser, UnknownToolParser, get_parser
+from router.protocols.events import Finish, FinishReason, OutputEvent, ReasoningDelta, TextDelta
+from router.serving.output.reasoning import ReasoningConfig, ReasoningSplitter
+from router.serving.output.tool_parsers import PARSERS, IdFactory, ToolParser, UnknownToolParser, get_parser
 
 
 class OutputConfig(BaseModel):
     """How one model's output is parsed: the registry's `tool_parser` (a family in
-    router.tool_parsers.PARSERS, or None) and `reasoning` (markers, or None for a model that does
+    router.serving.output.tool_parsers.PARSERS, or None) and `reasoning` (markers, or None for a model that does
     not reason; `true` means the default `<think>` markers)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

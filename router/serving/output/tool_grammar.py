@@ -3,7 +3,7 @@
 With tool_choice "auto" the model decides and the parser finds its calls afterwards; "required" or
 a named function must hold whatever the model prefers, so the engine constrains decoding with the
 grammar built here. It admits exactly the text `render_calls` writes for that family (same pieces,
-router.tool_parsers.SYNTAX), so every output parses back into calls: the name one of the allowed
+router.serving.output.tool_parsers.SYNTAX), so every output parses back into calls: the name one of the allowed
 tools, the arguments valid against that tool's JSON schema (`%json`, llguidance's JSON-schema
 compiler).
 
@@ -24,8 +24,8 @@ import json
 import re
 from collections.abc import Callable, Mapping
 
-from router.reasoning import ReasoningConfig
-from router.tool_parsers import SYNTAX, MistralParser, UnknownToolParser
+from router.serving.output.reasoning import ReasoningConfig
+from router.serving.output.tool_parsers import SYNTAX, MistralParser, UnknownToolParser
 
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 

@@ -2,32 +2,19 @@
 
 The ingress runs every text generation the same way (lease, stream from the instance's actor,
 release); only the rendering differs. Each renderer takes the engine's delta dicts, runs them through
-the model's output parser (reasoning split, tool calls: router.output_parsing) where the protocol
+the model's output parser (reasoning split, tool calls: router.serving.output.parsing) where the protocol
 is a chat protocol, and returns SSE bytes (streaming) or the response body (not streaming). Errors
-leave in the same protocol's error format."""
+leave in the same protocol's error format (mid-stream; before the stream, router/api's handlers)."""
 
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse
-
-from deployments.engine import HTTP_STATUS
-from router import anthropic_protocol as anth
-from router import openai_protocol as oai
-from router import responses_protocol as resp
-from router.output_parsing import OutputParser
+from router.errors import STATUS as HTTP_STATUS
+from router.protocols import anthropic as anth
+from router.protocols import openai as oai
+from router.protocols import responses as resp
+from router.serving.output.parsing import OutputParser
 
 Protocol = Literal["openai", "anthropic"]
-
-
-def error_response(protocol: Protocol, status: int, code: str | None, message: str, param: str | None = None, retry_after_s: float | None = None) -> JSONResponse:
-    """An error in the protocol's own format, with Retry-After when waiting could help."""
-    headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s else None
-    body = anth.error_body(status, message, code) if protocol == "anthropic" else oai.error_body(status, code, message, param)
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def protocol_error_response(protocol: Protocol, e: oai.ProtocolError) -> JSONResponse:
-    return error_response(protocol, e.status, e.code, e.message, e.param)
 
 
 class OpenAIRenderer:

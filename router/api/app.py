@@ -1,0 +1,29 @@
+"""The OpenAI- and Anthropic-compatible app: FastAPI routes (router/api/routes), the key check as
+one dependency, errors from one set of handlers, all served by the `IngressDeployment`.
+
+The ingress is stateless (several replicas may run): per request it asks the residency service for
+a lease on an instance, streams straight from that instance's model-server actor (one channel per
+actor carries all of this replica's streams, one Ray item per flush), and releases the lease at
+the end, on error and on client disconnect (the generation is cancelled in the engine). A per-item
+inactivity timeout keeps a frozen node from hanging a stream."""
+
+from fastapi import Depends, FastAPI
+from ray import serve
+
+from router.api import errors
+from router.api.auth import require_key
+from router.api.ingress import Ingress
+from router.api.routes import audio, chat, cluster, embeddings, messages, models, responses
+from router.residency.service import ON_HEAD
+
+app = FastAPI(title="Orchard", description="Many MLX models, one OpenAI- and Anthropic-compatible URL", version="0.1.0")
+errors.install(app)
+for family in (chat, messages, responses, embeddings, audio, models, cluster):
+    app.include_router(family.router, dependencies=[Depends(require_key)])
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=500, ray_actor_options=ON_HEAD)
+@serve.ingress(app)
+class IngressDeployment(Ingress):
+    def __del__(self):  # Serve calls it when the replica shuts down
+        self.close()

@@ -1,0 +1,83 @@
+"""Every error the app answers, in the protocol the client speaks, from one set of handlers.
+
+Below the routes everything raises `OrchardError` (router/errors.py); FastAPI's own failures (a
+body that does not validate, an unknown route, a wrong method) and anything unexpected arrive
+here too. The protocol is the route's: Anthropic's `{"type": "error", ...}` under /v1/messages,
+OpenAI's `{"error": {...}}` everywhere else, unknown routes included. A status with a retry
+carries Retry-After."""
+
+import logging
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.errors import OrchardError
+from router.protocols import anthropic as anth
+from router.protocols import openai as oai
+
+Protocol = Literal["openai", "anthropic"]
+log = logging.getLogger("orchard.ingress")
+
+
+def protocol_of(path: str) -> Protocol:
+    return "anthropic" if path == "/v1/messages" or path.startswith("/v1/messages/") else "openai"
+
+
+def error_response(protocol: Protocol, e: OrchardError) -> JSONResponse:
+    """`e` in the protocol's own body, with its status and, when waiting could help, Retry-After."""
+    status = e.status
+    headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s else None
+    if protocol == "anthropic":
+        body = anth.error_body(status, e.message, e.code)
+    else:
+        body = oai.error_body(status, e.code, e.message, e.param, getattr(e, "type", None))
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def validation_error(protocol: Protocol, errors: list) -> OrchardError:
+    """FastAPI's RequestValidationError.errors() -> the protocol's 400 naming the first bad field."""
+    if any(err.get("type") == "json_invalid" for err in errors):
+        return oai.ProtocolError(400, "invalid_json", "We could not parse the JSON body of your request.")
+    if any(err.get("type") == "missing" and tuple(err.get("loc") or ()) == ("body",) for err in errors):
+        return oai.ProtocolError(400, "invalid_type", "The request body must be a JSON object.")
+    # a query or path parameter is named by itself (a body field's "body" prefix the parsers drop)
+    errors = [err | {"loc": tuple(err["loc"])[1:]} if tuple(err.get("loc") or ())[:1] in (("query",), ("path",)) else err for err in errors]
+    return anth.validation_error(errors) if protocol == "anthropic" else oai.validation_error(errors)
+
+
+_HTTP_CODES = {404: "route_not_found", 405: "method_not_allowed"}
+
+
+def install(app: FastAPI) -> None:
+    """The app's exception handlers: one per kind of failure, each rendering by the route's protocol."""
+
+    @app.exception_handler(OrchardError)
+    async def orchard_error(request: Request, e: OrchardError) -> JSONResponse:
+        return error_response(protocol_of(request.url.path), e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
+        protocol = protocol_of(request.url.path)
+        return error_response(protocol, validation_error(protocol, list(e.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(e.status_code, "invalid_request" if e.status_code < 500 else "internal")
+        if e.status_code == 404:
+            message = f"no route {request.method} {request.url.path}: see /openapi.json for the API"
+        elif e.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(e.detail)
+        response = error_response(protocol_of(request.url.path), OrchardError(code, message, status=e.status_code))
+        if e.headers:
+            response.headers.update(e.headers)
+        return response
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(protocol_of(request.url.path), OrchardError("internal", f"internal error: {type(e).__name__}"))

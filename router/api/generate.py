@@ -1,0 +1,35 @@
+"""Text generation for every protocol, as each route reads it: lease, prepare, stream, render.
+
+The route has parsed the body (FastAPI, typed) and picked the renderer of its protocol; this runs
+the rest. A request that fails before any output raises (the protocol's error handler answers);
+one that fails after some output ends its stream with the protocol's error event."""
+
+from collections.abc import Callable
+
+from router.api.ingress import Ingress
+from router.api.sse import event_stream
+from router.errors import OrchardError
+from router.residency import metrics
+from router.serving.generation import ChatOrCompletion, DeltaStream, prepare
+from router.serving.output.parsing import OutputParser
+from router.serving.renderers import Renderer
+from router.serving.stream_mux import Unavailable
+
+
+async def generate(ingress: Ingress, body: ChatOrCompletion, make_renderer: Callable[[OutputParser | None], Renderer], *, stream: bool):
+    async with ingress.leases.hold(body.model) as lease:
+        request, parser = prepare(lease, body, allow_remote_images=ingress.allow_remote_images)
+        renderer = make_renderer(parser)
+        deltas = DeltaStream(ingress.mux, lease, request, ingress.chunk_timeout_s)
+        first = await deltas.first()
+        if stream:
+            lease.hand_off()  # the event stream ends it: closing `deltas` releases the lease
+            return event_stream(first, deltas, renderer, body.model)
+        collected = [first]
+        try:
+            async for delta in deltas:
+                collected.append(delta)
+        except Unavailable as e:
+            raise OrchardError("model_unavailable", str(e), retry_after_s=1) from None
+        metrics.on_request(body.model, deltas.ttft_s, deltas.tokens)
+        return renderer.respond(collected)

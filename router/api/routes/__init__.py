@@ -1,0 +1,1 @@
+"""One module per endpoint family; each binds typed bodies and calls the serving layer."""

@@ -1,0 +1,47 @@
+"""OpenAI speech-to-text (multipart) and text-to-speech."""
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
+from fastapi.responses import PlainTextResponse, Response
+
+from router.api.ingress import Ingress, current
+from router.errors import OrchardError
+from router.protocols.rerank_audio import SpeechRequest, TranscriptionForm
+from router.serving.generation import call, require_kind
+
+router = APIRouter(tags=["openai"])
+
+
+@router.post("/v1/audio/transcriptions")
+async def transcriptions(
+    request: Request,
+    fields: Annotated[TranscriptionForm, Form()],
+    file: Annotated[UploadFile, File(description="the audio (wav, mp3, flac, ...)")],
+    ingress: Ingress = Depends(current),
+):
+    """OpenAI's multipart transcription: file, model, language, prompt, temperature,
+    response_format json / text / verbose_json."""
+    limit = ingress.max_audio_bytes
+    too_big = OrchardError("file_too_large", f"audio files are limited to {limit} bytes", "file")
+    if int(request.headers.get("content-length") or 0) > limit + 64 * 1024:
+        raise too_big
+    audio = await file.read(limit + 1)
+    if len(audio) > limit:
+        raise too_big
+    async with ingress.leases.hold(fields.model) as lease:
+        require_kind(lease, ("stt",), "a speech-to-text model")
+        result = await call(
+            lease, lambda actor: actor.transcribe.remote(audio, fields.language, fields.temperature, fields.prompt, fields.response_format)
+        )
+    body = result["body"]
+    return PlainTextResponse(body) if isinstance(body, str) else body
+
+
+@router.post("/v1/audio/speech", response_class=Response)
+async def speech(body: SpeechRequest, ingress: Ingress = Depends(current)):
+    """OpenAI's text-to-speech: model, input, voice, response_format (wav, pcm), speed."""
+    async with ingress.leases.hold(body.model) as lease:
+        require_kind(lease, ("tts",), "a text-to-speech model")
+        audio = await call(lease, lambda actor: actor.speak.remote(body.input, body.engine_voice(), body.speed, body.response_format))
+    return Response(audio, media_type="audio/wav" if body.response_format == "wav" else "audio/pcm")

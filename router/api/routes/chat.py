@@ -1,0 +1,20 @@
+"""OpenAI chat and legacy completions."""
+
+from fastapi import APIRouter, Depends
+
+from router.api.generate import generate
+from router.api.ingress import Ingress, current
+from router.protocols import openai as oai
+from router.serving.renderers import OpenAIRenderer
+
+router = APIRouter(tags=["openai"])
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: oai.ChatCompletionRequest, ingress: Ingress = Depends(current)):
+    return await generate(ingress, body, lambda parser: OpenAIRenderer(body, parser), stream=bool(body.stream))
+
+
+@router.post("/v1/completions")
+async def completions(body: oai.CompletionRequest, ingress: Ingress = Depends(current)):
+    return await generate(ingress, body, lambda _: OpenAIRenderer(body, None), stream=bool(body.stream))

@@ -1,0 +1,29 @@
+"""OpenAI embeddings and Cohere / Jina rerank."""
+
+from fastapi import APIRouter, Depends
+
+from router.api.ingress import Ingress, current
+from router.protocols import openai as oai
+from router.protocols.rerank_audio import RerankRequest, rerank_response
+from router.serving.generation import call, require_kind
+
+router = APIRouter(tags=["openai"])
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: oai.EmbeddingRequest, ingress: Ingress = Depends(current)):
+    async with ingress.leases.hold(body.model) as lease:
+        require_kind(lease, ("embedding",), "an embedding model")
+        result = await call(lease, lambda actor: actor.embed.remote(body.texts(), body.dimensions))
+    return oai.embedding_response(body.model, result["vectors"], result["prompt_tokens"], body.encoding_format)
+
+
+@router.post("/v1/rerank")
+@router.post("/rerank")
+@router.post("/v2/rerank")
+async def rerank(body: RerankRequest, ingress: Ingress = Depends(current)):
+    """Cohere / Jina shape: query, documents (strings or {"text": ...}), top_n, return_documents."""
+    async with ingress.leases.hold(body.model) as lease:
+        require_kind(lease, ("rerank",), "a rerank model")
+        result = await call(lease, lambda actor: actor.rerank.remote(body.query, body.texts(), body.top_n))
+    return rerank_response(body, result)

@@ -1,0 +1,28 @@
+"""Anthropic Messages and count_tokens, translated to a chat request (router/protocols/anthropic.py).
+Errors under these paths are Anthropic's (router/api/errors.py)."""
+
+from fastapi import APIRouter, Depends
+
+from router.api.generate import generate
+from router.api.ingress import Ingress, current
+from router.protocols import anthropic as anth
+from router.protocols import openai as oai
+from router.serving.generation import call, prepare
+from router.serving.renderers import AnthropicRenderer
+
+router = APIRouter(tags=["anthropic"])
+
+
+@router.post("/v1/messages")
+async def messages(body: anth.MessagesRequest, ingress: Ingress = Depends(current)):
+    chat = oai.parse_chat_request(anth.to_chat_request(body))
+    return await generate(ingress, chat, lambda parser: AnthropicRenderer(body, parser), stream=bool(body.stream))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: anth.CountTokensRequest, ingress: Ingress = Depends(current)):
+    chat = oai.parse_chat_request(anth.to_chat_request(body) | {"model": body.model})
+    async with ingress.leases.hold(chat.model) as lease:
+        request, _ = prepare(lease, chat, allow_remote_images=ingress.allow_remote_images)
+        count = await call(lease, lambda actor: actor.count_tokens.remote(request))
+    return anth.count_tokens_response(count)

@@ -1,0 +1,65 @@
+"""The model list (OpenAI's /v1/models and /v1/models/{id}, with Orchard's residency) and the
+operator's model actions: load, unload, pin, unpin."""
+
+from typing import Any
+
+from fastapi import APIRouter, Body, Depends
+from pydantic import BaseModel, ConfigDict
+
+from router.api.ingress import Ingress, current
+from router.errors import OrchardError
+
+router = APIRouter(tags=["models"])
+
+
+class LoadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    node: str | None = None  # load there (an extra copy when the model is elsewhere); default: where the policy says
+
+
+def _model_object(m: dict[str, Any]) -> dict[str, Any]:
+    return {"id": m["id"], "object": "model", "created": 0, "owned_by": "orchard", "orchard": m}
+
+
+async def _ask(ingress: Ingress, call) -> dict[str, Any]:
+    """A residency-service call whose failure comes back as {"error": {...}} (it crosses Ray)."""
+    result = await call
+    if isinstance(result, dict) and "error" in result:
+        raise OrchardError(**result["error"])
+    return result
+
+
+@router.get("/v1/models")
+async def list_models(ingress: Ingress = Depends(current)):
+    models = await ingress.residency.models.remote()
+    return {"object": "list", "data": [_model_object(m) for m in models]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, ingress: Ingress = Depends(current)):
+    """OpenAI's model object (client.models.retrieve), with the residency under `orchard`."""
+    for m in await ingress.residency.models.remote():
+        if m["id"] == model:
+            return _model_object(m)
+    raise OrchardError("model_not_found", f"The model '{model}' does not exist", "model")
+
+
+@router.post("/v1/models/{model}/load")
+async def load(model: str, body: LoadRequest | None = Body(default=None), ingress: Ingress = Depends(current)):
+    return await _ask(ingress, ingress.residency.load.remote(model, body.node if body else None))
+
+
+@router.post("/v1/models/{model}/unload")
+async def unload(model: str, ingress: Ingress = Depends(current)):
+    return await _ask(ingress, ingress.residency.unload.remote(model))
+
+
+@router.post("/v1/models/{model}/pin")
+async def pin(model: str, ingress: Ingress = Depends(current)):
+    return await _ask(ingress, ingress.residency.pin.remote(model, True))
+
+
+@router.post("/v1/models/{model}/unpin")
+async def unpin(model: str, ingress: Ingress = Depends(current)):
+    return await _ask(ingress, ingress.residency.pin.remote(model, False))

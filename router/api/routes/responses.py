@@ -1,0 +1,17 @@
+"""OpenAI Responses, stateless (router/protocols/responses.py)."""
+
+from fastapi import APIRouter, Depends
+
+from router.api.generate import generate
+from router.api.ingress import Ingress, current
+from router.protocols import openai as oai
+from router.protocols import responses as resp
+from router.serving.renderers import ResponsesRenderer
+
+router = APIRouter(tags=["openai"])
+
+
+@router.post("/v1/responses")
+async def responses(body: resp.ResponsesRequest, ingress: Ingress = Depends(current)):
+    chat = oai.parse_chat_request(resp.to_chat_request(body))
+    return await generate(ingress, chat, lambda parser: ResponsesRenderer(body, parser), stream=bool(body.stream))

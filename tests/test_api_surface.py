@@ -1,0 +1,135 @@
+"""The HTTP surface without a cluster: FastAPI's TestClient against the real app, with an ingress
+whose residency handle is None (any request that got past the check under test would fail it).
+Keys, errors in each protocol's own format for every route (unknown ones and wrong methods
+included), typed bodies in openapi.json, and ray-config args that fail at build time by name."""
+
+import pytest
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+
+from router.api.app import app
+from router.api.builder import validate_args
+from router.api.ingress import Ingress
+
+KEY = "sk-orchard"
+BODY = {"model": "llama-10m", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "input": "hi", "max_tokens": 4}
+
+
+@pytest.fixture
+def client():
+    Ingress(None, api_keys=[KEY])  # installs itself as the routes' ingress
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def routes() -> list[tuple[str, str]]:
+    """(method, path) of every API route (FastAPI keeps included routers as groups)."""
+    found: list[tuple[str, str]] = []
+
+    def walk(items):
+        for r in items:
+            if hasattr(r, "original_router"):
+                walk(r.original_router.routes)
+            elif isinstance(r, APIRoute):
+                found.extend((method, r.path) for method in sorted(r.methods))
+
+    walk(app.routes)
+    return found
+
+
+def concrete(path: str) -> str:
+    return path.replace("{model:path}", "llama-10m").replace("{model}", "llama-10m")
+
+
+def assert_protocol_error(response, status: int, path: str, *, openai_code: str | None = None, anthropic_type: str | None = None):
+    assert response.status_code == status, (path, response.text)
+    assert response.headers["content-type"].startswith("application/json"), path
+    body = response.json()
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, (path, body)
+        if anthropic_type:
+            assert body["error"]["type"] == anthropic_type, (path, body)
+    else:
+        assert set(body["error"]) == {"message", "type", "param", "code"}, (path, body)
+        if openai_code:
+            assert body["error"]["code"] == openai_code, (path, body)
+
+
+@pytest.mark.parametrize("key", [None, "wrong"])
+def test_every_route_wants_a_valid_key(client, key):
+    found = routes()
+    assert {p for _, p in found} >= {
+        "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/embeddings",
+        "/v1/rerank", "/v1/audio/transcriptions", "/v1/audio/speech", "/v1/models", "/v1/models/{model:path}", "/v1/cluster",
+        "/v1/cluster/events", "/v1/models/{model}/load", "/v1/models/{model}/pin",
+    }
+    headers = {} if key is None else {"authorization": f"Bearer {key}"}
+    for method, path in found:
+        r = client.request(method, concrete(path), headers=headers, json=BODY if method == "POST" else None)
+        assert_protocol_error(r, 401, path, openai_code="invalid_api_key", anthropic_type="authentication_error")
+
+
+def test_anthropic_clients_send_x_api_key_and_no_keys_means_open(client):
+    r = client.post("/v1/messages", headers={"x-api-key": KEY}, json={"model": "m"})
+    assert_protocol_error(r, 400, "/v1/messages", anthropic_type="invalid_request_error")  # past the key check: the body is bad
+    Ingress(None, api_keys=[])
+    r = client.post("/v1/chat/completions", json={"model": "m"})
+    assert_protocol_error(r, 400, "/v1/chat/completions", openai_code="missing_required_parameter")
+    assert r.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("path", ["/v1/nope", "/nope", "/v1/chat/completions/extra", "/v1/messages/nope", "/v1/modelz/m/load"])
+def test_unknown_routes_are_404_in_the_protocols_format(client, path):
+    assert_protocol_error(client.post(path, json={}), 404, path, openai_code="route_not_found", anthropic_type="not_found_error")
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/v1/chat/completions"), ("DELETE", "/v1/models"), ("GET", "/v1/messages"), ("PUT", "/v1/cluster")])
+def test_wrong_methods_are_405_in_the_protocols_format(client, method, path):
+    assert_protocol_error(client.request(method, path), 405, path, openai_code="method_not_allowed")
+
+
+def test_bad_json_and_bad_fields_are_400s_naming_the_problem(client):
+    auth = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    r = client.post("/v1/chat/completions", headers=auth, content=b'{"model": ')
+    assert_protocol_error(r, 400, "/v1/chat/completions", openai_code="invalid_json")
+    r = client.post("/v1/chat/completions", headers=auth, json={"model": "m", "messages": [], "temperature": "hot"})
+    assert_protocol_error(r, 400, "/v1/chat/completions")
+    assert r.json()["error"]["param"] in ("messages", "temperature")
+    r = client.post("/v1/messages", headers=auth, content=b"[1, 2]")
+    assert_protocol_error(r, 400, "/v1/messages", anthropic_type="invalid_request_error")
+    r = client.get("/v1/cluster/events?since=-3", headers=auth)
+    assert_protocol_error(r, 400, "/v1/cluster/events")
+    assert r.json()["error"]["param"] == "since"
+
+
+def test_openapi_declares_a_typed_body_for_every_post():
+    spec = TestClient(app).get("/openapi.json").json()
+    bodiless = {"/v1/models/{model}/unload", "/v1/models/{model}/pin", "/v1/models/{model}/unpin"}  # actions without a body
+    for path, operations in spec["paths"].items():
+        post = operations.get("post")
+        if post is None or path in bodiless:
+            continue
+        content = post.get("requestBody", {}).get("content", {})
+        assert content, f"POST {path} declares no request body"
+        schema = next(iter(content.values()))["schema"]
+        assert "$ref" in schema or "anyOf" in schema or "properties" in schema, (path, schema)
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"model", "messages", "stream", "tools", "response_format", "max_tokens"} <= set(chat)
+
+
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        ({"models": [{"name": "a", "kind": "diffusion", "weight_bytes": "1GiB"}]}, "models[0] (a).kind"),
+        ({"models": [{"name": "é", "kind": "llm", "weight_bytes": "1GiB"}]}, "models[0] (é).name"),
+        ({"models": [{"name": "a", "kind": "llm", "weight_bytes": "1GiB", "pinned": "sometimes"}]}, "models[0] (a).pinned"),
+        ({"models": [{"name": "a", "kind": "llm", "weight_bytes": "1GiB", "tool_parser": "nope"}]}, "models[0] (a).tool_parser"),
+        ({"models": [], "policy": {"max_loaded_models": 2}}, "args.policy.max_loaded_models"),
+        ({"models": [], "chunk_timeout_s": -1}, "args.chunk_timeout_s"),
+        ({"models": [], "coalesce_token": 4}, "args.coalesce_token"),
+        ({"models": [], "overrides": {"ghost": {"pinned": True}}}, "overrides: no model ghost"),
+    ],
+)
+def test_config_errors_fail_the_build_naming_the_field(args, field):
+    with pytest.raises(ValueError) as info:
+        validate_args(args)
+    assert field in str(info.value)
