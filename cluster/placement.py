@@ -107,20 +107,21 @@ def live_model_server_names() -> list[str]:
 
 
 def death_cause(name: str, seen: str | None = None) -> str:
-    """Why the actor `name` ended, as Ray's state API records it (needs the dashboard; a short
-    timeout), else what the caller saw, else that Ray lists it no more."""
+    """Why the actor `name` ended, as Ray records it (the GCS's actor table: no dashboard needed),
+    else what the caller saw, else that Ray lists it no more."""
     try:
-        from ray.util.state import list_actors
+        from google.protobuf.json_format import MessageToDict
+        from ray._private.state import actors
 
-        dead = list_actors(filters=[("name", "=", name), ("state", "=", "DEAD")], detail=True, timeout=3, raise_on_missing_output=False)
+        ended = [a for a in actors().values() if a.get("Name") == name and a.get("State") == "DEAD"]
     except Exception:
-        dead = []
-    for actor in dead:
-        cause = actor.get("death_cause") or {}
-        context = cause.get("actor_died_error_context") or cause.get("creation_task_failure_context") or {}
-        message = context.get("error_message") or ""
-        if message:
-            return f"its actor died: {message}"
+        ended = []
+    for actor in sorted(ended, key=lambda a: a.get("EndTime") or 0, reverse=True):
+        cause = MessageToDict(actor["DeathCause"]) if actor.get("DeathCause") is not None else {}
+        for context in cause.values():
+            message = context.get("errorMessage") if isinstance(context, dict) else None
+            if message:
+                return f"its actor died: {message.strip()[:500]}"
     return f"its actor died: {seen}" if seen else f"its actor {name} is gone (Ray lists it no more)"
 
 

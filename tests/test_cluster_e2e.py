@@ -3,6 +3,7 @@ real MLX models, through HTTP with the official openai client: placement by head
 with the policy's reason, eviction, pinning, cluster operations, node death and re-placement."""
 
 import socket
+import urllib.parse
 import time
 
 import pytest
@@ -113,6 +114,42 @@ def test_a_model_larger_than_any_node_is_rejected_with_the_reason(orchard):
     assert err["code"] == "model_too_large" and "64.0 GiB" in err["message"]
     r = orchard["http"].post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("name", ["é", "模型", "llama-10m\u200b", "a b", "../../etc"])
+def test_an_unknown_model_name_of_any_spelling_is_a_404_in_the_protocols_format(orchard, name):
+    """Issue 10 item 4: a non-ASCII model name was a bare text/plain 500 on every leasing route."""
+    http = orchard["http"]
+    msgs = [{"role": "user", "content": "x"}]
+    bodies = {
+        "/v1/chat/completions": {"model": name, "messages": msgs},
+        "/v1/completions": {"model": name, "prompt": "x"},
+        "/v1/responses": {"model": name, "input": "x"},
+        "/v1/embeddings": {"model": name, "input": "x"},
+        "/v1/rerank": {"model": name, "query": "q", "documents": ["d"]},
+        "/v1/audio/speech": {"model": name, "input": "x"},
+        "/v1/messages": {"model": name, "max_tokens": 4, "messages": msgs},
+        "/v1/messages/count_tokens": {"model": name, "messages": msgs},
+    }
+    for path, body in bodies.items():
+        r = http.post(path, json=body)
+        assert r.status_code == 404 and r.headers["content-type"].startswith("application/json"), (path, r.status_code, r.text)
+        if path.startswith("/v1/messages"):
+            assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error", (path, r.text)
+        else:
+            assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model", (path, r.text)
+    r = http.post("/v1/audio/transcriptions", data={"model": name}, files={"file": ("a.wav", b"RIFF0000WAVE", "audio/wav")})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    r = http.get("/v1/models/" + urllib.parse.quote(name, safe=""))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+
+
+def test_models_retrieve_with_the_openai_sdk(orchard):
+    """Issue 10 item 5: GET /v1/models/{id} as OpenAI defines it."""
+    model = orchard["client"].models.retrieve("llama-10m")
+    assert model.id == "llama-10m" and model.object == "model" and model.owned_by == "orchard"
+    with pytest.raises(__import__("openai").NotFoundError):
+        orchard["client"].models.retrieve("no-such-model")
 
 
 def test_bad_body_is_a_400_in_openai_format(orchard):

@@ -1,9 +1,13 @@
-"""Residency over time, end to end on a real 2-node Ray cluster through HTTP, with API keys on:
-idle timeout, a load that waits behind an open stream, a frozen instance cut off by the ingress's
-per-item timeout, and a restarted controller adopting the model servers that outlived it."""
+"""Residency over time and its faults, end to end on a real 2-node Ray cluster through HTTP, with API
+keys on: idle timeout, a load that waits behind an open stream (and says so in the events), a
+frozen instance cut off by the ingress's per-item timeout, a model-server actor that dies (killed,
+or SIGKILLed like an out-of-memory kill), a reload right after an unload, corrupt weights that must
+not evict their neighbours, what the dashboard's Actors view says, and a restarted controller
+adopting the model servers that outlived it."""
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -23,14 +27,27 @@ from tests.test_cluster_e2e import HEALTH, free_port, node_args  # noqa: E402
 MIB = 1024**2
 KEY = "sk-orchard-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-CHUNK_TIMEOUT_S = 3.0
+CHUNK_TIMEOUT_S = 6.0
 NEVER_END = {str(t): -100 for t in range(4)}  # llama-10m's special tokens (EOS among them): streams run to max_tokens
 
 
 @pytest.fixture(scope="module")
-def orchard(models_dir):
-    """Head (0.7 GiB: one 400 MiB model at a time) + mac-1 (0.3 GiB: small models only)."""
-    cluster = Cluster(initialize_head=True, head_node_args=node_args("head", 0.7, 2) | {"include_dashboard": False, "_system_config": HEALTH})
+def broken_dir(models_dir, tmp_path_factory):
+    """A copy of llama-10m whose safetensors file is truncated (what a failed download leaves)."""
+    folder = tmp_path_factory.mktemp("broken") / "broken-llama"
+    shutil.copytree(models_dir / "llama-10m", folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def orchard(models_dir, broken_dir):
+    """Head (0.7 GiB: one 400 MiB model at a time) + mac-1 (0.3 GiB: small models only). The
+    dashboard runs: the Actors view (Ray's state API) is under test here."""
+    dashboard_port = free_port()
+    head = node_args("head", 0.7, 2) | {"include_dashboard": True, "dashboard_port": dashboard_port, "_system_config": HEALTH}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     cluster.add_node(**node_args("mac-1", 0.3, 1))
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
@@ -44,6 +61,8 @@ def orchard(models_dir):
         {"name": "frozen-llama"} | small,
         {"name": "big-a"} | big,
         {"name": "big-b"} | big,
+        {"name": "doomed-llama"} | small,
+        {"name": "broken-llama", "kind": "llm", "path": str(broken_dir), "weight_bytes": "40MiB", "kv_bytes_per_token": "8KiB"},
     ]
     policy = {
         "safety_margin_bytes": 16 * MIB, "safety_margin_fraction": 0, "instance_overhead_bytes": 64 * MIB,
@@ -53,7 +72,7 @@ def orchard(models_dir):
     serve.run(build_app(args), name="orchard", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
-    yield {"base": base, "client": client}
+    yield {"base": base, "client": client, "broken_dir": broken_dir, "models_dir": models_dir}
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
@@ -128,6 +147,7 @@ def test_a_load_waits_for_the_open_stream_that_blocks_it(orchard):
     for _ in range(3):
         next(lines)
     assert instances(orchard)["big-a"]["node_id"] == "head"
+    since = get(orchard, "/v1/cluster/events")["data"][-1]["seq"]
     result: dict = {}
 
     def ask_b():
@@ -140,6 +160,9 @@ def test_a_load_waits_for_the_open_stream_that_blocks_it(orchard):
     time.sleep(4)
     assert not result, "big-b answered while big-a was streaming on the only node that fits it"
     assert "big-a" in instances(orchard)  # never evicted while busy
+    waiting = [e for e in get(orchard, f"/v1/cluster/events?since={since}")["data"] if e["kind"] == "waiting"]  # issue 10 item 7
+    assert len(waiting) == 1 and waiting[0]["model"] == "big-b" and waiting[0]["node_id"] == "head", waiting
+    assert "big-a" in waiting[0]["reason"] and "busy" in waiting[0]["reason"], waiting[0]["reason"]
     for _ in range(5):  # big-a still streams
         assert json.loads(next(lines).removeprefix(b"data: "))["choices"][0]["finish_reason"] is None
     response.close()  # the stream ends: big-a is idle, big-b may evict it
@@ -168,6 +191,100 @@ def test_a_frozen_instance_ends_the_stream_after_the_inactivity_timeout(orchard)
     finally:
         os.kill(pid, signal.SIGCONT)
         response.close()
+
+
+def _ready(orchard, model: str) -> dict:
+    orchard["client"].completions.create(model=model, prompt="Hello", max_tokens=2)
+    return instances(orchard)[model]
+
+
+@pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
+def test_a_dead_model_server_is_noticed_and_the_model_placed_again(orchard, how):
+    """Issue 10 item 1: the controller learns of the death, drops the instance with an event naming
+    the cause, and the next request places the model again; a stream in flight ends with an error."""
+    before = _ready(orchard, "doomed-llama")
+    server = ray.get_actor(before["actor"], namespace="orchard")
+    response, lines = _stream_lines(orchard, {"model": "doomed-llama", "prompt": "Go on", "max_tokens": 4000, "logit_bias": NEVER_END})
+    next(lines)
+    killed_at = time.monotonic()
+    if how == "ray.kill":
+        ray.kill(server, no_restart=True)
+    else:  # what an out-of-memory kill looks like
+        os.kill(ray.get(server.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
+    last = None
+    for line in lines:
+        if line == b"data: [DONE]":
+            break
+        last = json.loads(line.removeprefix(b"data: "))
+        if "error" in last:
+            break
+    response.close()
+    assert last is not None and "error" in last and last["error"]["code"] == "model_unavailable", last
+    died = wait_for(lambda: [e for e in events(orchard, "doomed-llama") if e["kind"] == "died" and e["at"] > 0], 15, "a died event")
+    noticed_s = time.monotonic() - killed_at
+    assert "doomed-llama" not in instances(orchard) or instances(orchard)["doomed-llama"]["actor"] != before["actor"]
+    assert "died" in died[-1]["reason"] and noticed_s < 10, (died[-1], noticed_s)
+    reply = orchard["client"].completions.create(model="doomed-llama", prompt="Hello", max_tokens=3)
+    assert reply.usage.completion_tokens == 3
+    assert instances(orchard)["doomed-llama"]["actor"] != before["actor"]  # a new incarnation
+
+
+def test_a_reload_right_after_an_unload_never_reaches_the_dying_actor(orchard):
+    """Issue 10 item 2: unload, then at once request the model again, three times over."""
+    for _ in range(3):
+        _ready(orchard, "doomed-llama")
+        r = requests.post(orchard["base"] + "/v1/models/doomed-llama/unload", headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        reply = orchard["client"].completions.create(model="doomed-llama", prompt="Hello", max_tokens=3)
+        assert reply.usage.completion_tokens == 3
+
+
+def test_corrupt_weights_fail_once_evict_nothing_and_are_tried_again_when_fixed(orchard):
+    """Issue 10 item 3: a truncated safetensors file. The model fits without eviction; its failure
+    is not retried, evicts nothing, and later requests get the same 503 at once with Retry-After."""
+    healthy = _ready(orchard, "llama-10m")
+    since = get(orchard, "/v1/cluster/events")["data"][-1]["seq"]
+    statuses, retry_after, messages = [], [], []
+    for _ in range(3):  # what one openai SDK call with its two retries sends
+        r = requests.post(orchard["base"] + "/v1/completions", json={"model": "broken-llama", "prompt": "Hi", "max_tokens": 2}, headers=AUTH, timeout=120)
+        statuses.append(r.status_code)
+        retry_after.append(r.headers.get("retry-after"))
+        messages.append(r.json()["error"]["message"])
+    assert statuses == [503, 503, 503] and all(retry_after), (statuses, retry_after)
+    later = get(orchard, f"/v1/cluster/events?since={since}")["data"]
+    assert [e["kind"] for e in later if e["model"] == "broken-llama"].count("load_failed") == 1, later
+    assert not [e for e in later if e["kind"] == "evicted"], later
+    assert "bad_files" in messages[-1] and "tried again in" in messages[-1]
+    assert instances(orchard)["llama-10m"]["actor"] == healthy["actor"]  # the neighbour never moved
+    models = {m["id"]: m["orchard"] for m in get(orchard, "/v1/models")["data"]}
+    assert models["broken-llama"]["status"] == "failed" and "bad_files" in models["broken-llama"]["failure"]["reason"]
+    shutil.copy(orchard["models_dir"] / "llama-10m" / "model.safetensors", orchard["broken_dir"] / "model.safetensors")  # fixed
+    reply = orchard["client"].completions.create(model="broken-llama", prompt="Hello", max_tokens=2)
+    assert reply.usage.completion_tokens == 2
+
+
+def test_the_dashboard_shows_each_instances_state_size_and_why_it_ended(orchard):
+    """Issue 10 item 10, through Ray's state API (what the dashboard's Actors view reads): a loaded
+    instance's repr says ready and its size; an unloaded one ended by exit_actor, not ray.kill;
+    one that failed to load says why."""
+    from ray.util.state import list_actors
+
+    live = _ready(orchard, "llama-10m")
+    requests.post(orchard["base"] + "/v1/models/doomed-llama/load", headers=AUTH, timeout=120)
+    gone = instances(orchard)["doomed-llama"]["actor"]
+    requests.post(orchard["base"] + "/v1/models/doomed-llama/unload", headers=AUTH, timeout=60)
+    wait_for(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == gone], 20, "the unloaded actor to end")
+
+    def actor_row(name):
+        rows = list_actors(filters=[("name", "=", name)], detail=True, raise_on_missing_output=False)
+        return rows[-1] if rows else None
+
+    row = wait_for(lambda: actor_row(live["actor"]), 20, "the live actor in the state API")
+    assert row["state"] == "ALIVE" and "ready" in row["repr_name"] and "MiB" in row["repr_name"], row["repr_name"]
+    dead = wait_for(lambda: (r := actor_row(gone)) and r["state"] == "DEAD" and r, 20, "the unloaded actor DEAD")
+    cause = json.dumps(dead.get("death_cause"))
+    assert "exit_actor" in cause and "ray.kill" not in cause, cause
+    assert "ready" in dead["repr_name"], dead["repr_name"]
 
 
 def test_a_restarted_controller_adopts_the_running_servers(orchard):

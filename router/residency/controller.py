@@ -272,7 +272,9 @@ class ResidencyController:
         if isinstance(decision, Place):  # still placing after three rounds: wait for the loads
             return False
         assert isinstance(decision, Reject)
-        if waiter.announced:
+        if decision.code == "unknown_model":
+            pass  # a 404, not a placement decision: names a client made up stay out of the log and the metrics
+        elif waiter.announced:
             self._record("gave_up", model=model, reason=f"after waiting {now - waiter.started:.1f} s: {decision.message}", seconds=now - waiter.started)
         else:
             self._record("rejected", model=model, reason=decision.message)

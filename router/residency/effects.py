@@ -105,7 +105,10 @@ class RayEffects:
     def publish(self, event: ClusterEvent) -> None:
         log.info("%s %s %s %s", event.kind, event.model or "", event.node_id or "", event.reason)
         for listener in self.listeners:
-            listener(event)
+            try:
+                listener(event)
+            except Exception:  # a metric must never fail a placement or a request
+                log.exception("event listener failed on %s", event.kind)
 
 
 # What an out-of-memory load failure says (MLX's allocators on Metal and CUDA, Python, Ray's memory

@@ -13,6 +13,11 @@ from router.residency.controller import ClusterEvent
 MODEL_NODE = ("model", "node")
 
 
+def _tag(value: str | None) -> str:
+    """Ray's metric tags are ASCII (a non-ASCII value raises UnicodeEncodeError in the recorder)."""
+    return (value or "").encode("ascii", "backslashreplace").decode("ascii")
+
+
 @cache
 def _m():
     return {
@@ -37,7 +42,7 @@ def _m():
 def on_event(event: ClusterEvent) -> None:
     """Count placement events (RayEffects publishes every controller event here)."""
     m = _m()
-    tags = {"model": event.model or "", "node": event.node_id or ""}
+    tags = {"model": _tag(event.model), "node": _tag(event.node_id)}
     if event.kind == "loaded":
         m["loads"].inc(tags=tags)
         if event.seconds is not None:
@@ -56,7 +61,7 @@ def on_nodes(nodes) -> None:
     """Gauges from the controller's node view (policy NodeStates)."""
     m = _m()
     for n in nodes:
-        tags = {"node": n.node_id}
+        tags = {"node": _tag(n.node_id)}
         m["instances"].set(len(n.instances) if n.alive else 0, tags=tags)
         m["usable"].set(n.usable_bytes if n.alive else 0, tags=tags)
         if n.reported_headroom_bytes is not None:
@@ -66,6 +71,6 @@ def on_nodes(nodes) -> None:
 def on_request(model: str, ttft_s: float | None, tokens: int) -> None:
     m = _m()
     if ttft_s is not None:
-        m["ttft"].observe(ttft_s, tags={"model": model})
+        m["ttft"].observe(ttft_s, tags={"model": _tag(model)})
     if tokens:
-        m["tokens"].inc(tokens, tags={"model": model})
+        m["tokens"].inc(tokens, tags={"model": _tag(model)})

@@ -17,6 +17,7 @@ from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 from cluster.node_agent import alive_nodes, collect_reports, ensure_agents
 from cluster.placement import death_cause, find_model_servers, live_model_server_names, parse_actor_name
 from policy import InstanceRef, PolicyConfig
+from policy.failures import backoff_left
 from router.residency import metrics as metrics
 from router.errors import OrchardError
 from router.residency.controller import ResidencyController
@@ -156,16 +157,25 @@ class ResidencyService:
         return {"model": model, "pinned": spec.pinned}
 
     async def models(self) -> list[dict[str, Any]]:
-        """Every registry model with its residency: loaded / loading / available, where, bytes."""
+        """Every registry model with its residency: loaded / loading / failed / available, where,
+        bytes; a model marked failed (P10) says why and when it is tried again."""
         state = self.controller.state
+        now = self.effects.now()
         out = []
         for name, spec in sorted(state.catalog.items()):
             copies = [(n.node_id, i) for n in state.nodes if n.alive for i in n.instances if i.model == name]
-            status = "loaded" if any(i.status == "ready" for _, i in copies) else "loading" if copies else "available"
-            out.append({
+            mark = state.failed.get(name)
+            status = "loaded" if any(i.status == "ready" for _, i in copies) else "loading" if copies else "failed" if mark else "available"
+            model = {
                 "id": name, "kind": spec.kind, "status": status, "pinned": spec.pinned, "keep_warm": spec.keep_warm,
                 "nodes": [node_id for node_id, _ in copies], "bytes": sum(i.bytes for _, i in copies) or None,
-            })
+            }
+            if mark is not None:
+                model["failure"] = {
+                    "node_id": mark.node_id, "reason": mark.reason, "message": mark.message, "failures": mark.failures,
+                    "retry_in_s": max(0.0, round(backoff_left(mark, now, self.controller.config), 1)),
+                }
+            out.append(model)
         return out
 
     async def cluster(self) -> dict[str, Any]:
