@@ -224,7 +224,7 @@ def test_a_dead_model_server_is_noticed_and_the_model_placed_again(orchard, how)
     noticed_s = time.monotonic() - killed_at
     assert "doomed-llama" not in instances(orchard) or instances(orchard)["doomed-llama"]["actor"] != before["actor"]
     assert "died" in died[-1]["reason"] and noticed_s < 10, (died[-1], noticed_s)
-    reply = orchard["client"].completions.create(model="doomed-llama", prompt="Hello", max_tokens=3)
+    reply = orchard["client"].completions.create(model="doomed-llama", prompt="Hello", max_tokens=3, logit_bias=NEVER_END)
     assert reply.usage.completion_tokens == 3
     assert instances(orchard)["doomed-llama"]["actor"] != before["actor"]  # a new incarnation
 
@@ -235,7 +235,7 @@ def test_a_reload_right_after_an_unload_never_reaches_the_dying_actor(orchard):
         _ready(orchard, "doomed-llama")
         r = requests.post(orchard["base"] + "/v1/models/doomed-llama/unload", headers=AUTH, timeout=60)
         assert r.status_code == 200, r.text
-        reply = orchard["client"].completions.create(model="doomed-llama", prompt="Hello", max_tokens=3)
+        reply = orchard["client"].completions.create(model="doomed-llama", prompt="Hello", max_tokens=3, logit_bias=NEVER_END)
         assert reply.usage.completion_tokens == 3
 
 
@@ -259,7 +259,7 @@ def test_corrupt_weights_fail_once_evict_nothing_and_are_tried_again_when_fixed(
     models = {m["id"]: m["orchard"] for m in get(orchard, "/v1/models")["data"]}
     assert models["broken-llama"]["status"] == "failed" and "bad_files" in models["broken-llama"]["failure"]["reason"]
     shutil.copy(orchard["models_dir"] / "llama-10m" / "model.safetensors", orchard["broken_dir"] / "model.safetensors")  # fixed
-    reply = orchard["client"].completions.create(model="broken-llama", prompt="Hello", max_tokens=2)
+    reply = orchard["client"].completions.create(model="broken-llama", prompt="Hello", max_tokens=2, logit_bias=NEVER_END)
     assert reply.usage.completion_tokens == 2
 
 
