@@ -49,9 +49,7 @@ def _entry(model: ManifestEntry | dict | tuple[str, str, str]) -> ManifestEntry:
     if isinstance(model, dict):
         return ManifestEntry.model_validate(model)
     kind, name, path = model
-    return ManifestEntry(
-        name=name, kind=kind, path=str(path), weight_bytes=0, weights="real", architecture="unknown", source=str(path)
-    )
+    return ManifestEntry(name=name, kind=kind, path=str(path), weight_bytes=0, weights="real", architecture="unknown", source=str(path))
 
 
 def create_model_server(

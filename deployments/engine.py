@@ -37,7 +37,6 @@ class Health(Frozen):
 RequestErrorCode = Literal["invalid_request", "context_length_exceeded", "unsupported", "engine_stopped", "internal"]
 
 
-
 class RequestError(Exception):
     """One request failed; the engine and every other request go on. The router maps `code` to an
     HTTP status (router/errors.py: the engines carry none)."""

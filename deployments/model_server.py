@@ -234,7 +234,11 @@ class _Delivery:
         if self.ended:
             return
         if not self.cancelled:
-            item = {"failure": error.to_dict()} if self.first else {"text": "", "finish_reason": "error", "error": error.message, "error_code": error.code}
+            item = (
+                {"failure": error.to_dict()}
+                if self.first
+                else {"text": "", "finish_reason": "error", "error": error.message, "error_code": error.code}
+            )
             self.ch.put(self.request_id, item, True, self.most)
         self._end()
 
@@ -431,9 +435,7 @@ class ModelServer:
     def _engine_for(self, method: str) -> Any:
         kinds, what = _SERVES[method]
         if self.entry.kind not in kinds:
-            raise ModelServerError(
-                "unsupported", f"model {self.entry.name} ({self.entry.kind}) does not serve {what}", "model"
-            )
+            raise ModelServerError("unsupported", f"model {self.entry.name} ({self.entry.kind}) does not serve {what}", "model")
         return self.engine
 
     @contextlib.asynccontextmanager
@@ -552,7 +554,9 @@ class ModelServer:
 
     async def _feed(self, delivery: _Delivery, request: dict) -> None:
         """A VLM generation: its engine's delta stream -> the delivery."""
-        stream = self.engine.generate(request["messages"], images=request.get("images") or [], **{k: v for k, v in request.items() if k not in ("messages", "images")})
+        stream = self.engine.generate(
+            request["messages"], images=request.get("images") or [], **{k: v for k, v in request.items() if k not in ("messages", "images")}
+        )
         try:
             async for delta in stream:
                 delivery.put_nowait(delta)
@@ -600,7 +604,8 @@ class ModelServer:
             engine = self._engine_for("transcribe")
             if response_format not in _STT_FORMATS:
                 raise ModelServerError(
-                    "unsupported", f"response_format {response_format!r} is not supported; use one of {', '.join(_STT_FORMATS)}",
+                    "unsupported",
+                    f"response_format {response_format!r} is not supported; use one of {', '.join(_STT_FORMATS)}",
                     "response_format",
                 )
             result = await engine.transcribe(audio, language=language, temperature=temperature, prompt=prompt)
@@ -617,7 +622,8 @@ class ModelServer:
 
             if response_format not in FORMATS:
                 raise ModelServerError(
-                    "unsupported", f"response_format {response_format!r} is not supported; use one of {', '.join(FORMATS)}",
+                    "unsupported",
+                    f"response_format {response_format!r} is not supported; use one of {', '.join(FORMATS)}",
                     "response_format",
                 )
             speech = await engine.speak(text, voice=voice, speed=speed)

@@ -49,9 +49,7 @@ def node_cap(node_id: str, config: PolicyConfig) -> int | None:
     return config.node_max_instances.get(node_id, config.max_instances_per_node)
 
 
-def node_cap_excesses(
-    spec: ModelSpec, node: NodeState, device: DeviceKind, state: ClusterState, config: PolicyConfig
-) -> list[CapExcess]:
+def node_cap_excesses(spec: ModelSpec, node: NodeState, device: DeviceKind, state: ClusterState, config: PolicyConfig) -> list[CapExcess]:
     """Caps of one node: only evictions on that node relieve them."""
     refs = [InstanceRef(node_id=node.node_id, model=i.model) for i in node.instances]
     kinds = [state.catalog[i.model].kind for i in node.instances]

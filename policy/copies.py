@@ -21,9 +21,7 @@ def plan_copies(state: ClusterState, now: float, config: PolicyConfig) -> tuple[
         if len(copies) >= spec.max_copies or within_backoff(work, name, now, config):
             continue
         below_minimum = len(copies) < spec.min_copies
-        saturated = bool(copies) and all(
-            i.status == "ready" and i.in_flight >= spec.reserve_concurrency for i in copies
-        )
+        saturated = bool(copies) and all(i.status == "ready" and i.in_flight >= spec.reserve_concurrency for i in copies)
         if not below_minimum and not saturated:
             continue
         plan, _, _ = plan_placement(spec, work, now, config)

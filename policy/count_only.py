@@ -12,9 +12,7 @@ from policy.memory import required_bytes
 from policy.placement import device_for, meets_constraints
 
 
-def count_only_lru(
-    model: str, state: ClusterState, now: float, max_loaded_models: int, *, per_kind: bool = True
-) -> Use | Place | Wait | Reject:
+def count_only_lru(model: str, state: ClusterState, now: float, max_loaded_models: int, *, per_kind: bool = True) -> Use | Place | Wait | Reject:
     """max_loaded_models slots per node (per kind when per_kind, else shared by all kinds); -1: unlimited."""
     spec = state.catalog.get(model)
     if spec is None:

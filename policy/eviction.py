@@ -38,9 +38,7 @@ def ready_copies(state: ClusterState) -> dict[str, int]:
     return counts
 
 
-def protection_of(
-    inst: InstanceState, spec: ModelSpec, copies: int, now: float, config: PolicyConfig
-) -> Protection | None:
+def protection_of(inst: InstanceState, spec: ModelSpec, copies: int, now: float, config: PolicyConfig) -> Protection | None:
     """Why this instance may not be evicted now, or None. Lasting reasons are named before passing ones."""
     if spec.pinned:
         return "pinned"
@@ -85,15 +83,11 @@ def candidates(
                 value = oracle_keep_values.get(ref, 0.0)
             else:
                 value = keep_value(inst, spec, now, config)
-            found.append(
-                Candidate(ref, inst, spec, protection_of(inst, spec, copies.get(inst.model, 0), now, config), value)
-            )
+            found.append(Candidate(ref, inst, spec, protection_of(inst, spec, copies.get(inst.model, 0), now, config), value))
     return found
 
 
-def eviction_order_key(
-    c: Candidate, strategy: EvictionStrategy, kind: ModelKind, memory_pressure: bool, oracle: bool
-) -> tuple:
+def eviction_order_key(c: Candidate, strategy: EvictionStrategy, kind: ModelKind, memory_pressure: bool, oracle: bool) -> tuple:
     """Sort key: the first candidate is given up first. Tier (keep-warm) always comes first."""
     tie = (c.ref.node_id, c.ref.model)
     if oracle or strategy == "cost":

@@ -56,7 +56,11 @@ class NodeShortfall:
 
 
 def _need_on(
-    spec: ModelSpec, node: NodeState, device: DeviceKind, state: ClusterState, config: PolicyConfig,
+    spec: ModelSpec,
+    node: NodeState,
+    device: DeviceKind,
+    state: ClusterState,
+    config: PolicyConfig,
     global_excesses: list[CapExcess],
 ) -> Need:
     memory = required_bytes(spec, config) + margin_bytes(node, config) - free_bytes(node)
@@ -88,11 +92,7 @@ def plan_placement(
     eligible = [
         n
         for n in state.nodes
-        if n.alive
-        and not n.draining
-        and n.node_id not in exclude_nodes
-        and n.instance(spec.name) is None
-        and meets_constraints(spec, n)
+        if n.alive and not n.draining and n.node_id not in exclude_nodes and n.instance(spec.name) is None and meets_constraints(spec, n)
     ]
     global_excesses = global_cap_excesses(spec, state, config)
     oracle = oracle_keep_values is not None
@@ -144,8 +144,7 @@ def _shortfall(node: NodeState, need: Need, usable: list[Candidate], everyone: l
     blockers = tuple(
         c
         for c in everyone
-        if c.protection is not None
-        and ((memory_short > 0 and c.ref.node_id == node.node_id) or any(c.ref in e.members for e in unmet))
+        if c.protection is not None and ((memory_short > 0 and c.ref.node_id == node.node_id) or any(c.ref in e.members for e in unmet))
     )
     return NodeShortfall(node, max(0, memory_short), unmet, blockers)
 
@@ -227,9 +226,7 @@ def ensure(
     if spec is None:
         return Reject(model=model, code="unknown_model", message=f"model {model!r} is not in the registry")
 
-    ready = [
-        (n, i) for n in state.nodes if n.alive for i in n.instances if i.model == model and i.status == "ready"
-    ]
+    ready = [(n, i) for n in state.nodes if n.alive for i in n.instances if i.model == model and i.status == "ready"]
     if ready:
         node, _ = min(ready, key=lambda p: (p[1].in_flight, p[0].node_id))
         return Use(instance=InstanceRef(node_id=node.node_id, model=model))
@@ -251,18 +248,14 @@ def ensure(
     if mark is not None and backoff_left(mark, now, config) > 0:
         return reject_marked(mark, now, config)
 
-    plan, shortfalls, eligible = plan_placement(
-        spec, state, now, config, exclude_nodes=exclude_nodes, oracle_keep_values=oracle_keep_values
-    )
+    plan, shortfalls, eligible = plan_placement(spec, state, now, config, exclude_nodes=exclude_nodes, oracle_keep_values=oracle_keep_values)
     if plan is not None:
         return place_from_plan(spec, plan, config)
     return _refuse(spec, state, now, config, shortfalls, eligible, waited_s, exclude_nodes)
 
 
 def place_from_plan(spec: ModelSpec, plan: Plan, config: PolicyConfig) -> Place:
-    reason = "fits without eviction" if not plan.victims else "evicting " + ", ".join(
-        str(v.ref) for v in plan.victims
-    )
+    reason = "fits without eviction" if not plan.victims else "evicting " + ", ".join(str(v.ref) for v in plan.victims)
     return Place(
         model=spec.name,
         node_id=plan.node.node_id,
@@ -308,9 +301,7 @@ def _refuse(
             f"{gib(max(0, capacities[largest.node_id]))} after its safety margin",
         )
 
-    waiting_plan, _, _ = plan_placement(
-        spec, state, now, config, exclude_nodes=exclude_nodes, passing_evictable=True
-    )
+    waiting_plan, _, _ = plan_placement(spec, state, now, config, exclude_nodes=exclude_nodes, passing_evictable=True)
     ordered = sorted(shortfalls, key=lambda s: -capacities[s.node.node_id])
     detail = "; ".join(_shortfall_text(s) for s in ordered[:3])
     if len(ordered) > 3:
@@ -332,9 +323,7 @@ def _refuse(
     return Reject(model=spec.name, code="busy", message=message, blockers=blockers, retry_after_s=retry_after)
 
 
-def retry_after_failure(
-    failure: LoadFailure, state: ClusterState, now: float, config: PolicyConfig
-) -> Place | Reject:
+def retry_after_failure(failure: LoadFailure, state: ClusterState, now: float, config: PolicyConfig) -> Place | Reject:
     """Rule P9: only a first out-of-memory failure is retried, after evicting every evictable
     instance on the node where it failed (or, if that does not meet the need there, placed
     elsewhere by P4-P7). Any other reason, and any second failure, is `Reject` `load_failed` with
@@ -364,9 +353,7 @@ def retry_after_failure(
     if node is not None and node.alive and not node.draining and meets_constraints(spec, node):
         device = device_for(spec, node)
         assert device is not None
-        more = tuple(
-            c for c in candidates(state, now, config) if c.ref.node_id == node.node_id and c.protection is None
-        )
+        more = tuple(c for c in candidates(state, now, config) if c.ref.node_id == node.node_id and c.protection is None)
         need = _need_on(spec, node, device, state, config, global_cap_excesses(spec, state, config))
         if more and need.met_by(more):
             return Place(

@@ -45,15 +45,11 @@ def apply_place(state: ClusterState, place: Place, now: float) -> ClusterState:
     node = _node(state, place.node_id)
     if node.instance(place.model) is not None:
         raise ValueError(f"{place.model} is already on {place.node_id}")
-    new = InstanceState(
-        model=place.model, device=place.device, bytes=place.bytes, status="loading", last_used=now, loaded_at=now
-    )
+    new = InstanceState(model=place.model, device=place.device, bytes=place.bytes, status="loading", last_used=now, loaded_at=now)
     return _set_instances(state, node, node.instances + (new,))
 
 
-def mark_loaded(
-    state: ClusterState, ref: InstanceRef, now: float, load_seconds: float, measured_bytes: int | None = None
-) -> ClusterState:
+def mark_loaded(state: ClusterState, ref: InstanceRef, now: float, load_seconds: float, measured_bytes: int | None = None) -> ClusterState:
     """The instance is ready. A load that succeeded also clears the model's failed mark (P10)."""
     changes: dict[str, object] = {"status": "ready", "loaded_at": now, "load_seconds": load_seconds}
     if measured_bytes is not None:

@@ -63,9 +63,7 @@ class OrchardError(Exception):
     could help: becomes Retry-After). `status` is derived from the code unless a protocol parser
     set it."""
 
-    def __init__(
-        self, code: str, message: str, param: str | None = None, *, retry_after_s: float | None = None, status: int | None = None
-    ):
+    def __init__(self, code: str, message: str, param: str | None = None, *, retry_after_s: float | None = None, status: int | None = None):
         super().__init__(message)
         self.code = code
         self.message = message

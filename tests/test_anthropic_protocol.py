@@ -24,8 +24,11 @@ STREAM_EVENT = TypeAdapter(RawMessageStreamEvent)
 CHAT_PARAMS = TypeAdapter(completion_create_params.CompletionCreateParamsNonStreaming)
 PNG = "iVBORw0KGgo="
 
-WEATHER = {"name": "get_weather", "description": "Weather for a city", "input_schema": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 def body(**kw: Any) -> dict[str, Any]:
@@ -104,8 +107,8 @@ def sse_events(data: bytes) -> list[tuple[str, dict[str, Any]]]:
             continue
         lines = frame.split("\n")
         assert lines[0].startswith("event: ") and lines[1].startswith("data: ") and len(lines) == 2, frame
-        payload = json.loads(lines[1][len("data: "):])
-        assert payload["type"] == lines[0][len("event: "):]
+        payload = json.loads(lines[1][len("data: ") :])
+        assert payload["type"] == lines[0][len("event: ") :]
         out.append((payload["type"], payload))
     return out
 
@@ -146,10 +149,12 @@ def stream(events: list[Any], **kw: Any) -> list[dict[str, Any]]:
 
 
 TOOL_TURN = [
-    ReasoningDelta(text="The user wants "), ReasoningDelta(text="weather."),
+    ReasoningDelta(text="The user wants "),
+    ReasoningDelta(text="weather."),
     TextDelta(text="Let me check."),
     ToolCallStart(index=0, id="call_a", name="get_weather"),
-    ToolCallArguments(index=0, arguments='{"city": '), ToolCallArguments(index=0, arguments='"Paris"}'),
+    ToolCallArguments(index=0, arguments='{"city": '),
+    ToolCallArguments(index=0, arguments='"Paris"}'),
     ToolCallEnd(index=0),
     ToolCallStart(index=1, id="call_b", name="get_weather"),
     ToolCallArguments(index=1, arguments='{"city": "Oslo"}'),
@@ -164,7 +169,11 @@ TOOL_TURN = [
 def test_sdk_request_round_trip(server: FakeServer) -> None:
     server.events = [TextDelta(text="Hello"), Finish(reason="stop", prompt_tokens=5, completion_tokens=1)]
     message = server.client.messages.create(
-        model="qwen3-4b", max_tokens=100, system="Be brief.", stop_sequences=["END"], metadata={"user_id": "u1"},
+        model="qwen3-4b",
+        max_tokens=100,
+        system="Be brief.",
+        stop_sequences=["END"],
+        metadata={"user_id": "u1"},
         extra_body={"temperature": 0.2, "top_p": 0.9, "top_k": 20},  # this SDK version dropped the sampling arguments
         messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again"}],
     )
@@ -178,14 +187,21 @@ def test_sdk_request_round_trip(server: FakeServer) -> None:
             {"role": "assistant", "content": "Hello!"},
             {"role": "user", "content": "Again"},
         ],
-        "max_tokens": 100, "temperature": 0.2, "top_p": 0.9, "top_k": 20, "stop": ["END"], "stream": False,
+        "max_tokens": 100,
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "top_k": 20,
+        "stop": ["END"],
+        "stream": False,
     }
     assert_chat_shape(out)
 
 
 def test_system_blocks_join_and_system_role_messages() -> None:
-    out = chat(system=[{"type": "text", "text": "One."}, {"type": "text", "text": "Two.", "cache_control": {"type": "ephemeral"}}],
-               messages=[{"role": "system", "content": "Mid."}, {"role": "user", "content": "Hi"}])
+    out = chat(
+        system=[{"type": "text", "text": "One."}, {"type": "text", "text": "Two.", "cache_control": {"type": "ephemeral"}}],
+        messages=[{"role": "system", "content": "Mid."}, {"role": "user", "content": "Hi"}],
+    )
     assert out["messages"] == [{"role": "system", "content": "One.\nTwo."}, {"role": "system", "content": "Mid."}, {"role": "user", "content": "Hi"}]
     assert_chat_shape(out)
 
@@ -193,67 +209,108 @@ def test_system_blocks_join_and_system_role_messages() -> None:
 def test_tool_round_trip_history() -> None:
     """tool_use -> assistant tool_calls (input as a JSON string); tool_result -> role tool messages
     with the function name, ahead of the turn's text; is_error marks the content; thinking dropped."""
-    out = chat(tools=[WEATHER], messages=[
-        {"role": "user", "content": "Weather in Paris and Oslo?"},
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "two calls", "signature": "sig"},
-            {"type": "redacted_thinking", "data": "xyz"},
-            {"type": "text", "text": "Checking."},
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
-            {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Oslo"}},
-        ]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18C"},
-            {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "station down"}], "is_error": True},
-            {"type": "text", "text": "Summarise."},
-        ]},
-    ])
+    out = chat(
+        tools=[WEATHER],
+        messages=[
+            {"role": "user", "content": "Weather in Paris and Oslo?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "two calls", "signature": "sig"},
+                    {"type": "redacted_thinking", "data": "xyz"},
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                    {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Oslo"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18C"},
+                    {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "station down"}], "is_error": True},
+                    {"type": "text", "text": "Summarise."},
+                ],
+            },
+        ],
+    )
     assert out["messages"][1:] == [
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": "toolu_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {"id": "toolu_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "toolu_1", "content": "18C", "name": "get_weather"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: station down", "name": "get_weather"},
         {"role": "user", "content": "Summarise."},
     ]
-    assert out["tools"] == [{"type": "function", "function": {
-        "name": "get_weather", "description": "Weather for a city", "parameters": WEATHER["input_schema"]}}]
+    assert out["tools"] == [
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": WEATHER["input_schema"]}}
+    ]
     assert_chat_shape(out)
 
 
 def test_assistant_tool_use_only_has_null_content() -> None:
-    out = chat(messages=[
-        {"role": "user", "content": "x"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]},
-    ])
+    out = chat(
+        messages=[
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]},
+        ]
+    )
     assert out["messages"][1]["content"] is None and out["messages"][1]["tool_calls"][0]["function"]["arguments"] == "{}"
     assert out["messages"][2] == {"role": "tool", "tool_call_id": "t", "content": "", "name": "f"}
     assert_chat_shape(out)
 
 
 def test_images_base64_and_url() -> None:
-    out = chat(messages=[{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}},
-        {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.jpg"}},
-        {"type": "text", "text": "Compare."},
-    ]}])
-    assert out["messages"] == [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
-        {"type": "image_url", "image_url": {"url": "https://example.com/cat.jpg"}},
-        {"type": "text", "text": "Compare."},
-    ]}]
+    out = chat(
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}},
+                    {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.jpg"}},
+                    {"type": "text", "text": "Compare."},
+                ],
+            }
+        ]
+    )
+    assert out["messages"] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
+                {"type": "image_url", "image_url": {"url": "https://example.com/cat.jpg"}},
+                {"type": "text", "text": "Compare."},
+            ],
+        }
+    ]
     assert_chat_shape(out)
 
 
 def test_images_in_tool_results_follow_as_a_user_message() -> None:
-    out = chat(messages=[
-        {"role": "user", "content": "Screenshot?"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "shot", "input": {}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
-            {"type": "text", "text": "done"}, {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": PNG}}]}]},
-    ])
+    out = chat(
+        messages=[
+            {"role": "user", "content": "Screenshot?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "shot", "input": {}}]},
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t",
+                        "content": [
+                            {"type": "text", "text": "done"},
+                            {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": PNG}},
+                        ],
+                    }
+                ],
+            },
+        ]
+    )
     assert out["messages"][2:] == [
         {"role": "tool", "tool_call_id": "t", "content": "done", "name": "shot"},
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{PNG}"}}]},
@@ -261,13 +318,16 @@ def test_images_in_tool_results_follow_as_a_user_message() -> None:
     assert_chat_shape(out)
 
 
-@pytest.mark.parametrize(("choice", "expected", "parallel"), [
-    ({"type": "auto"}, "auto", None),
-    ({"type": "any"}, "required", None),
-    ({"type": "none"}, "none", None),
-    ({"type": "tool", "name": "get_weather"}, {"type": "function", "function": {"name": "get_weather"}}, None),
-    ({"type": "any", "disable_parallel_tool_use": True}, "required", False),
-])
+@pytest.mark.parametrize(
+    ("choice", "expected", "parallel"),
+    [
+        ({"type": "auto"}, "auto", None),
+        ({"type": "any"}, "required", None),
+        ({"type": "none"}, "none", None),
+        ({"type": "tool", "name": "get_weather"}, {"type": "function", "function": {"name": "get_weather"}}, None),
+        ({"type": "any", "disable_parallel_tool_use": True}, "required", False),
+    ],
+)
 def test_tool_choice_mapping(choice: dict, expected: Any, parallel: bool | None) -> None:
     out = chat(tools=[WEATHER], tool_choice=choice)
     assert out["tool_choice"] == expected
@@ -300,11 +360,17 @@ def test_thinking_output_format_and_effort() -> None:
 
 
 def test_ignored_hints_are_accepted() -> None:
-    req = ap.parse_messages_request(body(
-        metadata={"user_id": "u"}, service_tier="auto", cache_control={"type": "ephemeral"}, inference_geo="us",
-        context_management={"edits": []}, stream=False,
-        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}, "citations": None}]}],
-    ))
+    req = ap.parse_messages_request(
+        body(
+            metadata={"user_id": "u"},
+            service_tier="auto",
+            cache_control={"type": "ephemeral"},
+            inference_geo="us",
+            context_management={"edits": []},
+            stream=False,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}, "citations": None}]}],
+        )
+    )
     assert ap.to_chat_request(req)["messages"] == [{"role": "user", "content": "Hi"}]
 
 
@@ -313,11 +379,22 @@ def test_response_message_sent_back_as_history_is_accepted(server: FakeServer) -
     server.events = TOOL_TURN
     first = server.client.messages.create(model="m", max_tokens=50, tools=[WEATHER], messages=[{"role": "user", "content": "Weather?"}])
     server.events = [TextDelta(text="Both mild."), Finish(reason="stop")]
-    server.client.messages.create(model="m", max_tokens=50, tools=[WEATHER], messages=[
-        {"role": "user", "content": "Weather?"}, first.to_param(),
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_a", "content": "18C"},
-                                     {"type": "tool_result", "tool_use_id": "call_b", "content": "9C"}]},
-    ])
+    server.client.messages.create(
+        model="m",
+        max_tokens=50,
+        tools=[WEATHER],
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            first.to_param(),
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "call_a", "content": "18C"},
+                    {"type": "tool_result", "tool_use_id": "call_b", "content": "9C"},
+                ],
+            },
+        ],
+    )
     out = ap.to_chat_request(server.requests[1])
     assert [m["role"] for m in out["messages"]] == ["user", "assistant", "tool", "tool"]
     assert out["messages"][1]["tool_calls"][1]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
@@ -334,33 +411,60 @@ def test_count_tokens(server: FakeServer) -> None:
 # ---- requests: errors ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("request_body", "where"), [
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens: Field required"),
-    (body(frequency_penalty=1), "frequency_penalty: Extra inputs are not permitted"),
-    (body(max_tokens=0), "max_tokens:"),
-    (body(temperature=1.5), "temperature:"),
-    (body(messages=[]), "messages:"),
-    (body(messages=[{"role": "user", "content": [{"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "x"}}]}]),
-     "messages.0.content.0.type: document blocks"),
-    (body(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]), "messages.0.content.0.source.type: file sources"),
-    (body(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/tiff", "data": "x"}}]}]), "messages.0.content.0.source.media_type"),
-    (body(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png"}}]}]), "messages.0.content.0.source.data"),
-    (body(messages=[{"role": "user", "content": [{"type": "hologram"}]}]), "unknown content block type 'hologram'"),
-    (body(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]), "messages.0.content.0.type: user messages take"),
-    (body(messages=[{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]), "messages.0.content.0.type: assistant messages take"),
-    (body(messages=[{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]), "messages.0.content.0.tool_use_id: Field required"),
-    (body(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "search_result"}]}]}]), "messages.0.content.0.content.0.type"),
-    (body(system=[{"type": "image", "source": {}}]), "system.0.type: system takes text blocks"),
-    (body(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools.0.type: server tools are not supported"),
-    (body(tools=[{"name": "f"}]), "tools.0.input_schema: Field required"),
-    (body(tool_choice={"type": "any"}), "tool_choice.type: tool_choice 'any' needs tools"),
-    (body(tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"}), "tool_choice.name: tool 'nope' is not in tools"),
-    (body(tools=[WEATHER], tool_choice={"type": "tool"}), "tool_choice.name: Field required"),
-    (body(thinking={"type": "enabled"}), "thinking.budget_tokens: Field required"),
-    (body(stop_sequences=[f"s{i}" for i in range(MAX_STOP + 1)]), "stop_sequences: at most"),
-    (body(container="c1"), "container: containers"),
-    (body(mcp_servers=[{"type": "url", "url": "https://x", "name": "x"}]), "mcp_servers: MCP servers"),
-])
+@pytest.mark.parametrize(
+    ("request_body", "where"),
+    [
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens: Field required"),
+        (body(frequency_penalty=1), "frequency_penalty: Extra inputs are not permitted"),
+        (body(max_tokens=0), "max_tokens:"),
+        (body(temperature=1.5), "temperature:"),
+        (body(messages=[]), "messages:"),
+        (
+            body(
+                messages=[
+                    {"role": "user", "content": [{"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "x"}}]}
+                ]
+            ),
+            "messages.0.content.0.type: document blocks",
+        ),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]),
+            "messages.0.content.0.source.type: file sources",
+        ),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/tiff", "data": "x"}}]}]),
+            "messages.0.content.0.source.media_type",
+        ),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png"}}]}]),
+            "messages.0.content.0.source.data",
+        ),
+        (body(messages=[{"role": "user", "content": [{"type": "hologram"}]}]), "unknown content block type 'hologram'"),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),
+            "messages.0.content.0.type: user messages take",
+        ),
+        (
+            body(messages=[{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]),
+            "messages.0.content.0.type: assistant messages take",
+        ),
+        (body(messages=[{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]), "messages.0.content.0.tool_use_id: Field required"),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "search_result"}]}]}]),
+            "messages.0.content.0.content.0.type",
+        ),
+        (body(system=[{"type": "image", "source": {}}]), "system.0.type: system takes text blocks"),
+        (body(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools.0.type: server tools are not supported"),
+        (body(tools=[{"name": "f"}]), "tools.0.input_schema: Field required"),
+        (body(tool_choice={"type": "any"}), "tool_choice.type: tool_choice 'any' needs tools"),
+        (body(tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"}), "tool_choice.name: tool 'nope' is not in tools"),
+        (body(tools=[WEATHER], tool_choice={"type": "tool"}), "tool_choice.name: Field required"),
+        (body(thinking={"type": "enabled"}), "thinking.budget_tokens: Field required"),
+        (body(stop_sequences=[f"s{i}" for i in range(MAX_STOP + 1)]), "stop_sequences: at most"),
+        (body(container="c1"), "container: containers"),
+        (body(mcp_servers=[{"type": "url", "url": "https://x", "name": "x"}]), "mcp_servers: MCP servers"),
+    ],
+)
 def test_rejections_name_the_field(request_body: dict, where: str) -> None:
     e = rejected(request_body)
     assert e.message.startswith(where) or where in e.message, e.message
@@ -375,27 +479,45 @@ def test_bad_json_and_non_objects() -> None:
 
 def test_errors_reach_the_sdk_as_its_exceptions(server: FakeServer) -> None:
     with pytest.raises(anthropic.BadRequestError) as e:
-        server.client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": [
-            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}])
+        server.client.messages.create(
+            model="m",
+            max_tokens=5,
+            messages=[{"role": "user", "content": [{"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}],
+        )
     assert e.value.body["error"]["type"] == "invalid_request_error"
     assert "messages.0.content.0.type" in e.value.body["error"]["message"]
 
 
 def test_fastapi_style_errors() -> None:
     """RequestValidationError.errors() locations start with "body"."""
-    e = ap.validation_error([{"loc": ("body", "messages", 0, "role"), "msg": "Input should be 'user'", "type": "literal_error"},
-                             {"loc": ("body", "model"), "msg": "Field required", "type": "missing"}])
+    e = ap.validation_error(
+        [
+            {"loc": ("body", "messages", 0, "role"), "msg": "Input should be 'user'", "type": "literal_error"},
+            {"loc": ("body", "model"), "msg": "Field required", "type": "missing"},
+        ]
+    )
     assert e.message == "messages.0.role: Input should be 'user' (1 more error in the request)"
     assert ap.protocol_error_body(e) == {"type": "error", "error": {"type": "invalid_request_error", "message": e.message}}
 
 
-@pytest.mark.parametrize(("status", "code", "kind"), [
-    (400, "context_length_exceeded", "invalid_request_error"), (401, None, "authentication_error"),
-    (403, None, "permission_error"), (404, "not_found", "not_found_error"), (413, None, "request_too_large"),
-    (429, None, "rate_limit_error"), (499, "cancelled", "invalid_request_error"), (500, "internal", "api_error"),
-    (503, "engine_stopped", "overloaded_error"), (503, "unavailable", "overloaded_error"), (503, "load_failed", "api_error"),
-    (504, None, "timeout_error"), (529, None, "overloaded_error"),
-])
+@pytest.mark.parametrize(
+    ("status", "code", "kind"),
+    [
+        (400, "context_length_exceeded", "invalid_request_error"),
+        (401, None, "authentication_error"),
+        (403, None, "permission_error"),
+        (404, "not_found", "not_found_error"),
+        (413, None, "request_too_large"),
+        (429, None, "rate_limit_error"),
+        (499, "cancelled", "invalid_request_error"),
+        (500, "internal", "api_error"),
+        (503, "engine_stopped", "overloaded_error"),
+        (503, "unavailable", "overloaded_error"),
+        (503, "load_failed", "api_error"),
+        (504, None, "timeout_error"),
+        (529, None, "overloaded_error"),
+    ],
+)
 def test_error_type_mapping(status: int, code: str | None, kind: str) -> None:
     assert ap.error_type(status, code) == kind
     assert ap.error_body(status, "m", code) == {"type": "error", "error": {"type": kind, "message": "m"}}
@@ -414,12 +536,15 @@ def test_message_response_parses_with_the_sdk() -> None:
     assert message.usage.input_tokens == 20 and message.usage.cache_read_input_tokens == 100 and message.usage.output_tokens == 30
 
 
-@pytest.mark.parametrize(("finish", "reason", "sequence"), [
-    (Finish(reason="stop"), "end_turn", None),
-    (Finish(reason="stop", stop_sequence="END"), "stop_sequence", "END"),
-    (Finish(reason="length"), "max_tokens", None),
-    (Finish(reason="tool_calls"), "tool_use", None),
-])
+@pytest.mark.parametrize(
+    ("finish", "reason", "sequence"),
+    [
+        (Finish(reason="stop"), "end_turn", None),
+        (Finish(reason="stop", stop_sequence="END"), "stop_sequence", "END"),
+        (Finish(reason="length"), "max_tokens", None),
+        (Finish(reason="tool_calls"), "tool_use", None),
+    ],
+)
 def test_stop_reasons(finish: Finish, reason: str, sequence: str | None) -> None:
     message = Message.model_validate(ap.message_response("m", "msg_1", [TextDelta(text="x"), finish]))
     assert (message.stop_reason, message.stop_sequence) == (reason, sequence)
@@ -461,11 +586,22 @@ def test_stream_event_sequence() -> None:
     check_order(events)
     assert [(e["type"], e.get("index")) for e in events] == [
         ("message_start", None),
-        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_delta", 0), ("content_block_stop", 0),
-        ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1),
-        ("content_block_start", 2), ("content_block_delta", 2), ("content_block_delta", 2), ("content_block_stop", 2),
-        ("content_block_start", 3), ("content_block_delta", 3), ("content_block_stop", 3),
-        ("message_delta", None), ("message_stop", None),
+        ("content_block_start", 0),
+        ("content_block_delta", 0),
+        ("content_block_delta", 0),
+        ("content_block_stop", 0),
+        ("content_block_start", 1),
+        ("content_block_delta", 1),
+        ("content_block_stop", 1),
+        ("content_block_start", 2),
+        ("content_block_delta", 2),
+        ("content_block_delta", 2),
+        ("content_block_stop", 2),
+        ("content_block_start", 3),
+        ("content_block_delta", 3),
+        ("content_block_stop", 3),
+        ("message_delta", None),
+        ("message_stop", None),
     ]
     assert events[0]["message"]["usage"] == {"input_tokens": 120, "output_tokens": 0}
     assert events[1]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
@@ -488,9 +624,18 @@ def test_sdk_stream_accumulates_to_the_non_stream_message(server: FakeServer) ->
 
 def test_sdk_raw_stream_events(server: FakeServer) -> None:
     server.events = [TextDelta(text="a"), TextDelta(text="b"), Finish(reason="stop", stop_sequence="###")]
-    kinds = [type(e).__name__ for e in server.client.messages.create(model="m", max_tokens=5, stream=True, messages=[{"role": "user", "content": "x"}])]
-    assert kinds == ["RawMessageStartEvent", "RawContentBlockStartEvent", "RawContentBlockDeltaEvent", "RawContentBlockDeltaEvent",
-                     "RawContentBlockStopEvent", "RawMessageDeltaEvent", "RawMessageStopEvent"]
+    kinds = [
+        type(e).__name__ for e in server.client.messages.create(model="m", max_tokens=5, stream=True, messages=[{"role": "user", "content": "x"}])
+    ]
+    assert kinds == [
+        "RawMessageStartEvent",
+        "RawContentBlockStartEvent",
+        "RawContentBlockDeltaEvent",
+        "RawContentBlockDeltaEvent",
+        "RawContentBlockStopEvent",
+        "RawMessageDeltaEvent",
+        "RawMessageStopEvent",
+    ]
 
 
 def test_mid_stream_error_is_an_anthropic_error_event(server: FakeServer) -> None:
@@ -527,12 +672,17 @@ def test_stream_lifecycle_edges() -> None:
 
 def test_unterminated_tool_call_and_text_after_tools() -> None:
     """A call the parser never ended is closed at the Finish; text after a call is a new block."""
-    events = stream([
-        ToolCallStart(index=0, id="c0", name="f"), ToolCallArguments(index=0, arguments="{}"), ToolCallEnd(index=0),
-        TextDelta(text="and"),
-        ToolCallStart(index=1, id="c1", name="f"), ToolCallArguments(index=1, arguments='{"x": 1}'),
-        Finish(reason="tool_calls"),
-    ])
+    events = stream(
+        [
+            ToolCallStart(index=0, id="c0", name="f"),
+            ToolCallArguments(index=0, arguments="{}"),
+            ToolCallEnd(index=0),
+            TextDelta(text="and"),
+            ToolCallStart(index=1, id="c1", name="f"),
+            ToolCallArguments(index=1, arguments='{"x": 1}'),
+            Finish(reason="tool_calls"),
+        ]
+    )
     check_order(events)
     starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
     assert starts == ["tool_use", "text", "tool_use"]
@@ -563,8 +713,15 @@ def generations(draw: st.DrawFn) -> list[Any]:
     reason = draw(st.sampled_from(["stop", "length"] + (["tool_calls"] if calls else [])))
     stop = draw(st.none() | st.just("END")) if reason == "stop" else None
     prompt = draw(st.integers(0, 500))
-    events.append(Finish(reason=reason, prompt_tokens=prompt, completion_tokens=draw(st.integers(0, 500)),
-                         cached_tokens=draw(st.integers(0, prompt)), stop_sequence=stop))
+    events.append(
+        Finish(
+            reason=reason,
+            prompt_tokens=prompt,
+            completion_tokens=draw(st.integers(0, 500)),
+            cached_tokens=draw(st.integers(0, prompt)),
+            stop_sequence=stop,
+        )
+    )
     return events
 
 

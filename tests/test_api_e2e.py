@@ -63,7 +63,9 @@ def orchard(models_dir):
         {"name": "minilm-rerank", "kind": "rerank", "path": "all-minilm-l6-v2"},
     ]
     policy = {"min_residency_s": 0, "instance_overhead_bytes": 32 * MIB}
-    serve.run(build_app({"models_dir": str(models_dir), "models": models, "policy": policy, "max_audio_bytes": 2 * MIB}), name="orchard", route_prefix="/")
+    serve.run(
+        build_app({"models_dir": str(models_dir), "models": models, "policy": policy, "max_audio_bytes": 2 * MIB}), name="orchard", route_prefix="/"
+    )
     base = f"http://127.0.0.1:{port}"
     yield {
         "base": base,
@@ -144,9 +146,15 @@ def test_twenty_random_json_schemas_validate_through_the_cluster(orchard):
         i, schema = i_schema
         fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
         if i % 4 == 0:  # some streamed
-            chunks = client.chat.completions.create(model="llama-10m", messages=USER, response_format=fmt, max_tokens=400, temperature=1.0, stream=True)
+            chunks = client.chat.completions.create(
+                model="llama-10m", messages=USER, response_format=fmt, max_tokens=400, temperature=1.0, stream=True
+            )
             return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        return client.chat.completions.create(model="llama-10m", messages=USER, response_format=fmt, max_tokens=400, temperature=1.0).choices[0].message.content
+        return (
+            client.chat.completions.create(model="llama-10m", messages=USER, response_format=fmt, max_tokens=400, temperature=1.0)
+            .choices[0]
+            .message.content
+        )
 
     with ThreadPoolExecutor(10) as pool:
         outputs = list(pool.map(ask, enumerate(schemas)))
@@ -155,7 +163,9 @@ def test_twenty_random_json_schemas_validate_through_the_cluster(orchard):
 
 
 def test_json_object_response_format(orchard):
-    reply = orchard["openai"].chat.completions.create(model="llama-10m", messages=USER, response_format={"type": "json_object"}, max_tokens=200, temperature=1.0)
+    reply = orchard["openai"].chat.completions.create(
+        model="llama-10m", messages=USER, response_format={"type": "json_object"}, max_tokens=200, temperature=1.0
+    )
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
     else:  # a random model may keep writing one object; what came out is still a JSON prefix
@@ -182,14 +192,20 @@ def test_reasoning_is_split_into_reasoning_content(orchard):
 def test_anthropic_messages_plain_and_streamed(orchard):
     client = orchard["anthropic"]
     msg = client.messages.create(
-        model="smollm2-135m-instruct", max_tokens=16, system="You answer in one short sentence.",
-        messages=[{"role": "user", "content": "What is the capital of France?"}], extra_body={"temperature": 0},
+        model="smollm2-135m-instruct",
+        max_tokens=16,
+        system="You answer in one short sentence.",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        extra_body={"temperature": 0},
     )
     assert msg.type == "message" and msg.role == "assistant" and msg.stop_reason in ("end_turn", "max_tokens")
     assert "Paris" in msg.content[0].text and msg.usage.input_tokens > 0 and msg.usage.output_tokens > 0
     with client.messages.stream(
-        model="smollm2-135m-instruct", max_tokens=16, system="You answer in one short sentence.",
-        messages=[{"role": "user", "content": "What is the capital of France?"}], extra_body={"temperature": 0},
+        model="smollm2-135m-instruct",
+        max_tokens=16,
+        system="You answer in one short sentence.",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        extra_body={"temperature": 0},
     ) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_message()
@@ -201,14 +217,19 @@ def test_anthropic_tool_use_round_trip(orchard):
     client = orchard["anthropic"]
     tool = {"name": "get_weather", "description": "weather", "input_schema": WEATHER["function"]["parameters"]}
     msg = client.messages.create(
-        model="llama-10m", max_tokens=120, tools=[tool], tool_choice={"type": "tool", "name": "get_weather"},
+        model="llama-10m",
+        max_tokens=120,
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "get_weather"},
         messages=[{"role": "user", "content": "Weather in Paris?"}],
     )
     assert msg.stop_reason == "tool_use"
     (use,) = [b for b in msg.content if b.type == "tool_use"]
     jsonschema.validate(use.input, tool["input_schema"])
     follow = client.messages.create(
-        model="llama-10m", max_tokens=8, tools=[tool],
+        model="llama-10m",
+        max_tokens=8,
+        tools=[tool],
         messages=[
             {"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": [b.model_dump() for b in msg.content]},
@@ -247,9 +268,21 @@ def test_anthropic_count_tokens_and_errors(orchard):
 
 def test_responses_text_stream_and_function_call(orchard):
     client = orchard["openai"]
-    r = client.responses.create(model="smollm2-135m-instruct", input="What is the capital of France?", instructions="You answer in one short sentence.", max_output_tokens=16, temperature=0)
+    r = client.responses.create(
+        model="smollm2-135m-instruct",
+        input="What is the capital of France?",
+        instructions="You answer in one short sentence.",
+        max_output_tokens=16,
+        temperature=0,
+    )
     assert r.status in ("completed", "incomplete") and "Paris" in r.output_text
-    with client.responses.stream(model="smollm2-135m-instruct", input="What is the capital of France?", instructions="You answer in one short sentence.", max_output_tokens=16, temperature=0) as stream:
+    with client.responses.stream(
+        model="smollm2-135m-instruct",
+        input="What is the capital of France?",
+        instructions="You answer in one short sentence.",
+        max_output_tokens=16,
+        temperature=0,
+    ) as stream:
         kinds = [e.type for e in stream]
     assert kinds[0] == "response.created" and "response.output_text.delta" in kinds
     tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"], "strict": True}

@@ -58,9 +58,21 @@ def assert_protocol_error(response, status: int, path: str, *, openai_code: str 
 def test_every_route_wants_a_valid_key(client, key):
     found = routes()
     assert {p for _, p in found} >= {
-        "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/embeddings",
-        "/v1/rerank", "/v1/audio/transcriptions", "/v1/audio/speech", "/v1/models", "/v1/models/{model:path}", "/v1/cluster",
-        "/v1/cluster/events", "/v1/models/{model}/load", "/v1/models/{model}/pin",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/v1/rerank",
+        "/v1/audio/transcriptions",
+        "/v1/audio/speech",
+        "/v1/models",
+        "/v1/models/{model:path}",
+        "/v1/cluster",
+        "/v1/cluster/events",
+        "/v1/models/{model}/load",
+        "/v1/models/{model}/pin",
     }
     headers = {} if key is None else {"authorization": f"Bearer {key}"}
     for method, path in found:

@@ -65,10 +65,21 @@ def orchard(models_dir, broken_dir):
         {"name": "broken-llama", "kind": "llm", "path": str(broken_dir), "weight_bytes": "40MiB", "kv_bytes_per_token": "8KiB"},
     ]
     policy = {
-        "safety_margin_bytes": 16 * MIB, "safety_margin_fraction": 0, "instance_overhead_bytes": 64 * MIB,
-        "min_residency_s": 0, "contention": "wait", "wait_timeout_s": 60,
+        "safety_margin_bytes": 16 * MIB,
+        "safety_margin_fraction": 0,
+        "instance_overhead_bytes": 64 * MIB,
+        "min_residency_s": 0,
+        "contention": "wait",
+        "wait_timeout_s": 60,
     }
-    args = {"models_dir": str(models_dir), "models": models, "policy": policy, "watch_period_s": 0.5, "chunk_timeout_s": CHUNK_TIMEOUT_S, "api_keys": [KEY]}
+    args = {
+        "models_dir": str(models_dir),
+        "models": models,
+        "policy": policy,
+        "watch_period_s": 0.5,
+        "chunk_timeout_s": CHUNK_TIMEOUT_S,
+        "api_keys": [KEY],
+    }
     serve.run(build_app(args), name="orchard", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -246,7 +257,9 @@ def test_corrupt_weights_fail_once_evict_nothing_and_are_tried_again_when_fixed(
     since = get(orchard, "/v1/cluster/events")["data"][-1]["seq"]
     statuses, retry_after, messages = [], [], []
     for _ in range(3):  # what one openai SDK call with its two retries sends
-        r = requests.post(orchard["base"] + "/v1/completions", json={"model": "broken-llama", "prompt": "Hi", "max_tokens": 2}, headers=AUTH, timeout=120)
+        r = requests.post(
+            orchard["base"] + "/v1/completions", json={"model": "broken-llama", "prompt": "Hi", "max_tokens": 2}, headers=AUTH, timeout=120
+        )
         statuses.append(r.status_code)
         retry_after.append(r.headers.get("retry-after"))
         messages.append(r.json()["error"]["message"])
@@ -296,9 +309,7 @@ def test_a_restarted_controller_adopts_the_running_servers(orchard):
 
     def adopted():
         try:
-            return "llama-10m" in instances(orchard) and any(
-                e["kind"] == "loaded" and "adopted" in e["reason"] for e in events(orchard, "llama-10m")
-            )
+            return "llama-10m" in instances(orchard) and any(e["kind"] == "loaded" and "adopted" in e["reason"] for e in events(orchard, "llama-10m"))
         except (AssertionError, requests.RequestException):
             return False  # the new controller is not up yet
 

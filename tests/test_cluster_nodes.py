@@ -114,7 +114,14 @@ def test_identity_from_labels():
 
 
 def test_report_becomes_policy_node_state():
-    rep = read_report("mac-1", "f" * 56, {"orchard.node": "mac-1"}, 3 * GIB, used_by_orchard_bytes=GIB, readings=readings({}, total=24 * GIB, limit=int(0.8 * 24 * GIB)))
+    rep = read_report(
+        "mac-1",
+        "f" * 56,
+        {"orchard.node": "mac-1"},
+        3 * GIB,
+        used_by_orchard_bytes=GIB,
+        readings=readings({}, total=24 * GIB, limit=int(0.8 * 24 * GIB)),
+    )
     assert NodeReport.model_validate(rep.model_dump(mode="json")) == rep  # crosses Ray as a dict
     st = rep.node_state()
     assert (st.node_id, st.usable_bytes, st.reported_headroom_bytes, st.devices) == ("mac-1", 3 * GIB, 2 * GIB, ("cpu",))

@@ -12,7 +12,9 @@ from policy.config import GIB
 from router.errors import OrchardError
 from router.residency.controller import LoadError, LoadResult, ResidencyController
 
-PLAIN = PolicyConfig(safety_margin_bytes=0, safety_margin_fraction=0.0, instance_overhead_bytes=0, min_residency_s=0.0, retry_poll_s=0.01, wait_timeout_s=0.2)
+PLAIN = PolicyConfig(
+    safety_margin_bytes=0, safety_margin_fraction=0.0, instance_overhead_bytes=0, min_residency_s=0.0, retry_poll_s=0.01, wait_timeout_s=0.2
+)
 
 
 class FakeEffects:
@@ -84,6 +86,7 @@ def test_first_request_places_loads_and_leases():
 def test_a_lease_names_the_incarnation_of_its_instance():
     """Leases of one placed instance share its loaded_at; placed again after an unload, the model
     is a new actor under the same name, and its leases say so (the ingress keys cached handles on it)."""
+
     async def scenario():
         c, fx = make([spec("a", gb=3)])
         first = await c.acquire("a")

@@ -189,6 +189,7 @@ def test_memory_report_counts_weights_and_reserves_kv(engine):
 def test_counters_count_the_batched_steps(engine):
     """mlx-lm's generator counters, as the engine reports them: two requests decoding together
     make fewer steps than tokens (rows share a step), and the counters only grow."""
+
     async def two():  # prompts of their own: a cached prefix would skip prompt processing
         return await asyncio.gather(*(engine.complete(greedy(f"Counters, case {i}: one two three", 16)) for i in range(2)))
 

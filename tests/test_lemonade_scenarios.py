@@ -42,7 +42,15 @@ def test_scenario_2_keep_the_two_small_helpers_not_three_arbitrary_models():
     rr = spec("reranker", "rerank", gb=1, role="utility")
     a, y = spec("llm-a", gb=40), spec("llm-y", gb=30)
     st = cluster(
-        [node("mac", 64, inst("embedder", 0.5, last_used=NOW - 900), inst("reranker", 1, last_used=NOW - 800), inst("llm-a", 40, last_used=NOW - 700))],
+        [
+            node(
+                "mac",
+                64,
+                inst("embedder", 0.5, last_used=NOW - 900),
+                inst("reranker", 1, last_used=NOW - 800),
+                inst("llm-a", 40, last_used=NOW - 700),
+            )
+        ],
         [emb, rr, a, y],
     )
     old = count_only_lru("llm-y", st, NOW, max_loaded_models=3, per_kind=False)
@@ -77,7 +85,15 @@ def test_scenario_4_evict_the_most_expendable_not_the_least_recent():
     idle = spec("idle-70b", gb=40)
     y = spec("primary", gb=30)
     st = cluster(
-        [node("mac", 64, inst("embedder", 0.3, last_used=NOW - 600), inst("reranker", 0.6, last_used=NOW - 450), inst("idle-70b", 40, last_used=NOW - 300))],
+        [
+            node(
+                "mac",
+                64,
+                inst("embedder", 0.3, last_used=NOW - 600),
+                inst("reranker", 0.6, last_used=NOW - 450),
+                inst("idle-70b", 40, last_used=NOW - 300),
+            )
+        ],
         [emb, rr, idle, y],
     )
     old = count_only_lru("primary", st, NOW, max_loaded_models=3, per_kind=False)

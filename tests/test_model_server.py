@@ -38,8 +38,12 @@ def ray_node():
     before = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = temp
     ray.init(
-        address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024**2,
-        log_to_driver=False, _temp_dir=temp,
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=80 * 1024**2,
+        log_to_driver=False,
+        _temp_dir=temp,
     )
     try:
         yield ray.get_runtime_context().get_node_id()

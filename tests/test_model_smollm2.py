@@ -97,9 +97,7 @@ def test_builder_is_idempotent(built):
 
 def test_chat_template_renders_chatml(loaded):
     _, tokenizer = loaded
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
-    )
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
     assert f"<|im_start|>user\n{PROMPT}<|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
     ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
@@ -120,8 +118,6 @@ def test_answers_capital_of_france(loaded):
 
     model, tokenizer = loaded
     assert 2 in tokenizer.eos_token_ids  # <|im_end|> stops generation
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
-    )
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
     answer = generate(model, tokenizer, prompt, max_tokens=30, sampler=make_sampler(temp=0.0))
     assert "Paris" in answer, answer

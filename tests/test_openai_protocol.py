@@ -195,11 +195,14 @@ def test_image_parts_helpers():
         "model": "llava",
         "messages": [
             {"role": "developer", "content": "Describe images."},
-            {"role": "user", "content": [
-                {"type": "text", "text": "What is this?"},
-                {"type": "image_url", "image_url": {"url": IMAGE, "detail": "low"}},
-                {"type": "image_url", "image_url": "data:image/png;base64,AAAA"},
-            ]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image_url", "image_url": {"url": IMAGE, "detail": "low"}},
+                    {"type": "image_url", "image_url": "data:image/png;base64,AAAA"},
+                ],
+            },
         ],
         "max_tokens": 32,
         "temperature": 0,
@@ -267,7 +270,13 @@ def test_bad_tools_and_formats_are_400_with_param(extra, param, code):
 
 
 def test_tools_and_formats_reach_the_engine_request():
-    req = parse_chat_request(_user(tools=[TOOL], tool_choice="auto", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}))
+    req = parse_chat_request(
+        _user(
+            tools=[TOOL],
+            tool_choice="auto",
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}},
+        )
+    )
     fields = generation_fields(req)
     assert fields["tools"] == [TOOL] and req.forced_tool is None and req.uses_tools
     assert fields["constraint"] == {"type": "json_schema", "schema": {"type": "object"}, "strict": True}
@@ -290,7 +299,11 @@ def test_image_urls_are_data_urls_unless_remote_ones_are_allowed():
 
 
 def test_harmless_values_of_unsupported_fields_pass():
-    req = parse_chat_request(_user(n=1, tools=[], tool_choice="auto", response_format={"type": "text"}, modalities=["text"], prediction={"type": "content", "content": "x"}))
+    req = parse_chat_request(
+        _user(
+            n=1, tools=[], tool_choice="auto", response_format={"type": "text"}, modalities=["text"], prediction={"type": "content", "content": "x"}
+        )
+    )
     assert req.n == 1
 
 
@@ -353,28 +366,34 @@ def test_sdk_completion_payload_round_trip():
     assert plain["logprobs"] is False and plain["max_tokens"] == 512 and plain["temperature"] == 1.0
 
 
-@pytest.mark.parametrize("prompt,key,value", [
-    ("hi", "prompt", "hi"),
-    (["hi"], "prompt", "hi"),
-    ([5, 6, 7], "prompt_tokens", [5, 6, 7]),
-    ([[5, 6]], "prompt_tokens", [5, 6]),
-])
+@pytest.mark.parametrize(
+    "prompt,key,value",
+    [
+        ("hi", "prompt", "hi"),
+        (["hi"], "prompt", "hi"),
+        ([5, 6, 7], "prompt_tokens", [5, 6, 7]),
+        ([[5, 6]], "prompt_tokens", [5, 6]),
+    ],
+)
 def test_completion_prompt_forms(prompt, key, value):
     assert generation_fields(parse_completion_request({"model": "m", "prompt": prompt}))[key] == value
 
 
-@pytest.mark.parametrize("extra,param,code", [
-    ({"prompt": ["a", "b"]}, "prompt", "unsupported_value"),
-    ({"prompt": [[1], [2]]}, "prompt", "unsupported_value"),
-    ({"prompt": []}, "prompt", "invalid_type"),
-    ({"prompt": [1, "a"]}, "prompt", "invalid_value"),
-    ({"prompt": [-1]}, "prompt", "invalid_value"),
-    ({"best_of": 3}, "best_of", "unsupported_value"),
-    ({"echo": True}, "echo", "unsupported_value"),
-    ({"suffix": "tail"}, "suffix", "unsupported_parameter"),
-    ({"n": 2}, "n", "unsupported_value"),
-    ({"logprobs": 21}, "logprobs", "invalid_value"),
-])
+@pytest.mark.parametrize(
+    "extra,param,code",
+    [
+        ({"prompt": ["a", "b"]}, "prompt", "unsupported_value"),
+        ({"prompt": [[1], [2]]}, "prompt", "unsupported_value"),
+        ({"prompt": []}, "prompt", "invalid_type"),
+        ({"prompt": [1, "a"]}, "prompt", "invalid_value"),
+        ({"prompt": [-1]}, "prompt", "invalid_value"),
+        ({"best_of": 3}, "best_of", "unsupported_value"),
+        ({"echo": True}, "echo", "unsupported_value"),
+        ({"suffix": "tail"}, "suffix", "unsupported_parameter"),
+        ({"n": 2}, "n", "unsupported_value"),
+        ({"logprobs": 21}, "logprobs", "invalid_value"),
+    ],
+)
 def test_unsupported_or_invalid_completion_fields(extra, param, code):
     err = _fails(parse_completion_request, {"model": "m", "prompt": "x", **extra})
     assert (err.param, err.code) == (param, code)
@@ -408,9 +427,33 @@ def _lp(token: str, logprob: float, top=()) -> dict:
 
 USAGE = {"prompt_tokens": 11, "completion_tokens": 3, "cached_tokens": 8}
 DELTAS = [
-    {"text": "Hel", "token_ids": [1], "logprobs": [_lp("Hel", -0.1, [(1, "Hel", -0.1), (2, "Hi", -2.5)])], "finish_reason": None, "usage": None, "error": None, "error_code": None},
-    {"text": "lo ", "token_ids": [2], "logprobs": [_lp("lo ", -0.2, [(3, "lo ", -0.2)])], "finish_reason": None, "usage": None, "error": None, "error_code": None},
-    {"text": "é", "token_ids": [3], "logprobs": [_lp("é", float("-inf"), [(4, "é", float("-inf"))])], "finish_reason": "length", "usage": USAGE, "error": None, "error_code": None},
+    {
+        "text": "Hel",
+        "token_ids": [1],
+        "logprobs": [_lp("Hel", -0.1, [(1, "Hel", -0.1), (2, "Hi", -2.5)])],
+        "finish_reason": None,
+        "usage": None,
+        "error": None,
+        "error_code": None,
+    },
+    {
+        "text": "lo ",
+        "token_ids": [2],
+        "logprobs": [_lp("lo ", -0.2, [(3, "lo ", -0.2)])],
+        "finish_reason": None,
+        "usage": None,
+        "error": None,
+        "error_code": None,
+    },
+    {
+        "text": "é",
+        "token_ids": [3],
+        "logprobs": [_lp("é", float("-inf"), [(4, "é", float("-inf"))])],
+        "finish_reason": "length",
+        "usage": USAGE,
+        "error": None,
+        "error_code": None,
+    },
 ]
 
 
@@ -418,7 +461,12 @@ def test_join_deltas():
     joined = join_deltas(DELTAS)
     assert joined["text"] == "Hello é" and joined["token_ids"] == [1, 2, 3]
     assert len(joined["logprobs"]) == 3 and joined["finish_reason"] == "length" and joined["usage"] == USAGE
-    vlm = join_deltas([{"text": "a", "finish_reason": None, "usage": None}, {"text": "b", "finish_reason": "stop", "usage": {"prompt_tokens": 2, "completion_tokens": 2}}])
+    vlm = join_deltas(
+        [
+            {"text": "a", "finish_reason": None, "usage": None},
+            {"text": "b", "finish_reason": "stop", "usage": {"prompt_tokens": 2, "completion_tokens": 2}},
+        ]
+    )
     assert vlm["text"] == "ab" and vlm["logprobs"] is None and vlm["token_ids"] == []
 
 
@@ -431,7 +479,10 @@ def test_chat_completion_response_shape():
     assert resp["usage"] == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14, "prompt_tokens_details": {"cached_tokens": 8}}
     content = choice["logprobs"]["content"]
     assert [c["token"] for c in content] == ["Hel", "lo ", "é"]
-    assert content[0]["top_logprobs"] == [{"token": "Hel", "logprob": -0.1, "bytes": [72, 101, 108]}, {"token": "Hi", "logprob": -2.5, "bytes": [72, 105]}]
+    assert content[0]["top_logprobs"] == [
+        {"token": "Hel", "logprob": -0.1, "bytes": [72, 101, 108]},
+        {"token": "Hi", "logprob": -2.5, "bytes": [72, 105]},
+    ]
     assert content[2]["bytes"] == [0xC3, 0xA9] and content[2]["logprob"] == op.MIN_LOGPROB  # no -inf in JSON
     json.dumps(resp, allow_nan=False)
     plain = chat_completion_response("m", "c", 1, {"text": "ok", "finish_reason": "stop", "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
@@ -503,7 +554,7 @@ def _events(raw: bytes) -> list:
     out = []
     for frame in raw.split(b"\n\n")[:-1]:
         assert frame.startswith(b"data: ") and b"\n" not in frame
-        data = frame[len(b"data: "):]
+        data = frame[len(b"data: ") :]
         out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
     return out
 
@@ -557,14 +608,27 @@ def test_chat_stream_with_usage():
 
 def test_chat_stream_role_first_even_without_text_and_no_usage_by_default():
     enc = StreamEncoder("chat", "m", "c", 1)
-    events = _events(enc.feed({"text": ""}) + enc.feed({"text": ""}) + enc.feed({"text": "A"}) + enc.feed({"text": "", "finish_reason": "stop", "usage": USAGE}) + enc.close())
-    assert [e if e == "[DONE]" else e["choices"][0]["delta"] for e in events] == [{"role": "assistant", "content": ""}, {"content": "A"}, {}, "[DONE]"]
+    events = _events(
+        enc.feed({"text": ""})
+        + enc.feed({"text": ""})
+        + enc.feed({"text": "A"})
+        + enc.feed({"text": "", "finish_reason": "stop", "usage": USAGE})
+        + enc.close()
+    )
+    assert [e if e == "[DONE]" else e["choices"][0]["delta"] for e in events] == [
+        {"role": "assistant", "content": ""},
+        {"content": "A"},
+        {},
+        "[DONE]",
+    ]
     assert events[2]["choices"][0]["finish_reason"] == "stop" and "usage" not in events[2]
 
 
 def test_stream_error_ends_with_error_event_then_done():
     enc = StreamEncoder("chat", "m", "c", 1, include_usage=True)
-    raw = enc.feed({"text": "par"}) + enc.feed({"text": "tial", "finish_reason": "error", "error": "engine stopped", "error_code": "engine_stopped", "usage": USAGE})
+    raw = enc.feed({"text": "par"}) + enc.feed(
+        {"text": "tial", "finish_reason": "error", "error": "engine stopped", "error_code": "engine_stopped", "usage": USAGE}
+    )
     raw += enc.feed({"text": "late"}) + enc.close()
     events = _events(raw)
     assert events[-1] == "[DONE]"
@@ -600,16 +664,19 @@ def test_completion_stream_offsets_continue():
 # ---- errors -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("status,code,kind", [
-    (400, "invalid_request", "invalid_request_error"),
-    (401, "invalid_api_key", "authentication_error"),
-    (404, "model_not_found", "invalid_request_error"),
-    (409, "model_pinned", "conflict_error"),
-    (429, "rate_limited", "rate_limit_error"),
-    (500, "internal", "server_error"),
-    (503, "model_loading", "service_unavailable_error"),
-    (503, "model_busy", "overloaded_error"),
-])
+@pytest.mark.parametrize(
+    "status,code,kind",
+    [
+        (400, "invalid_request", "invalid_request_error"),
+        (401, "invalid_api_key", "authentication_error"),
+        (404, "model_not_found", "invalid_request_error"),
+        (409, "model_pinned", "conflict_error"),
+        (429, "rate_limited", "rate_limit_error"),
+        (500, "internal", "server_error"),
+        (503, "model_loading", "service_unavailable_error"),
+        (503, "model_busy", "overloaded_error"),
+    ],
+)
 def test_error_body_types(status, code, kind):
     body = error_body(status, code, "why", param="x")
     assert body == {"error": {"message": "why", "type": kind, "param": "x", "code": code}}
@@ -624,7 +691,9 @@ def test_validation_error_body_from_pydantic_and_fastapi_errors():
     fastapi_style = [{"type": "missing", "loc": ("body", "messages", 0, "role"), "msg": "Field required", "input": {}}]
     assert validation_error_body(fastapi_style)["error"] == {
         "message": "Missing required parameter: 'messages[0].role'.",
-        "type": "invalid_request_error", "param": "messages[0].role", "code": "missing_required_parameter",
+        "type": "invalid_request_error",
+        "param": "messages[0].role",
+        "code": "missing_required_parameter",
     }
 
 
@@ -656,7 +725,9 @@ def _sdk_client(handler):
         status, content, kind = handler(request.url.path, json.loads(request.content))
         return httpx.Response(status, content=content, headers={"content-type": kind})
 
-    return openai.OpenAI(base_url="http://orchard.test/v1", api_key="x", max_retries=0, http_client=httpx.Client(transport=httpx.MockTransport(transport)))
+    return openai.OpenAI(
+        base_url="http://orchard.test/v1", api_key="x", max_retries=0, http_client=httpx.Client(transport=httpx.MockTransport(transport))
+    )
 
 
 def _serve(path: str, body: dict):
@@ -683,13 +754,22 @@ def _serve(path: str, body: dict):
 def test_round_trip_through_the_openai_sdk():
     client = _sdk_client(_serve)
     resp = client.chat.completions.create(
-        model="smollm2", messages=[{"role": "developer", "content": "terse"}, {"role": "user", "content": "hi"}],
-        max_completion_tokens=8, seed=1, user="u", metadata={"a": "b"}, store=False, logprobs=True, top_logprobs=2,
+        model="smollm2",
+        messages=[{"role": "developer", "content": "terse"}, {"role": "user", "content": "hi"}],
+        max_completion_tokens=8,
+        seed=1,
+        user="u",
+        metadata={"a": "b"},
+        store=False,
+        logprobs=True,
+        top_logprobs=2,
         extra_body={"top_k": 20},
     )
     assert resp.choices[0].message.content == "Hello é" and resp.usage.total_tokens == 14
     assert resp.choices[0].logprobs.content[0].top_logprobs[1].token == "Hi"
-    stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello é"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3

@@ -81,7 +81,9 @@ def clusters(draw, pressure=False):
         usable = int(draw(st.sampled_from([8, 16, 32, 64])) * GIB)
         # Under pressure m0 is never loaded: it is the model asked for.
         placeable = [s for s in catalog if (s.device is None or s.device in devices) and not (pressure and s.name == "m0")]
-        held = draw(st.lists(st.sampled_from(placeable), unique_by=lambda s: s.name, min_size=min(1, len(placeable)), max_size=5)) if placeable else []
+        held = (
+            draw(st.lists(st.sampled_from(placeable), unique_by=lambda s: s.name, min_size=min(1, len(placeable)), max_size=5)) if placeable else []
+        )
         nodes.append(
             NodeState(
                 node_id=f"n{n}",
@@ -230,9 +232,7 @@ def test_every_decision_obeys_the_spec(request):
         everything = {r for _, r in __import__("policy_oracle").all_refs(state)}
         assert not any(feasible_after(state, spec, n.node_id, everything, config, memory_only=True) for n in nodes)
         return
-    waiting_helps = any(
-        feasible_after(state, spec, n.node_id, evictable(state, NOW, config, passing_too=True), config) for n in nodes
-    )
+    waiting_helps = any(feasible_after(state, spec, n.node_id, evictable(state, NOW, config, passing_too=True), config) for n in nodes)
     if waiting_helps:  # P8
         if config.contention == "wait" and waited < config.wait_timeout_s:
             assert isinstance(decision, Wait) and decision.code == "busy" and decision.retry_after_s > 0
@@ -312,15 +312,20 @@ def load_failures(draw, pressure=False):
     spec = state.catalog[model]
     # Often a node where evicting all it may evict makes room: where the evict-all retry can happen.
     roomy = [
-        n.node_id for n in state.nodes
-        if eligible(state, spec, n) and feasible_after(state, spec, n.node_id, {r for r in evictable(state, NOW, config) if r.node_id == n.node_id}, config)
+        n.node_id
+        for n in state.nodes
+        if eligible(state, spec, n)
+        and feasible_after(state, spec, n.node_id, {r for r in evictable(state, NOW, config) if r.node_id == n.node_id}, config)
     ]
     node_id = draw(st.sampled_from(roomy if roomy and draw(st.booleans()) else [n.node_id for n in state.nodes] * 4 + ["gone"]))
     node = state.node(node_id)
     if node is not None and node.instance(model) is not None:
         state = remove_instance(state, InstanceRef(node_id=node_id, model=model))
     failure = LoadFailure(
-        model=model, node_id=node_id, reason=draw(st.sampled_from(REASONS + ["out_of_memory"] * 2)), message="boom",
+        model=model,
+        node_id=node_id,
+        reason=draw(st.sampled_from(REASONS + ["out_of_memory"] * 2)),
+        message="boom",
         attempt=draw(st.sampled_from([1, 1, 2])),
     )
     return state, config, failure

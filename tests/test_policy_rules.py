@@ -96,8 +96,13 @@ def test_p4_a_model_on_cpu_runs_on_the_cpu_device_of_a_mac():
 # P5
 def test_p5_need_counts_weights_kv_reservation_and_overhead():
     a = ModelSpec(
-        name="a", kind="llm", weight_bytes=4 * GIB, kv_bytes_per_token=64 * 1024,
-        reserve_context_tokens=8192, reserve_concurrency=4, overhead_bytes=GIB // 2,
+        name="a",
+        kind="llm",
+        weight_bytes=4 * GIB,
+        kv_bytes_per_token=64 * 1024,
+        reserve_context_tokens=8192,
+        reserve_concurrency=4,
+        overhead_bytes=GIB // 2,
     )
     # 4 GiB weights + 64 KiB * 8192 * 4 = 2 GiB KV + 0.5 GiB = 6.5 GiB; node has 6 GiB usable.
     st = cluster([node("n1", 6)], [a])
@@ -537,9 +542,7 @@ def test_c2_a_saturated_model_gets_one_more_copy_only_where_it_fits_freely():
     hot = spec("hot", gb=2, reserve_concurrency=4, max_copies=3)
     other = spec("other", gb=6)
     st = cluster([node("n1", 8, inst("hot", 2, in_flight=4)), node("n2", 6, inst("other", 6)), node("n3", 4)], [hot, other])
-    assert plan_copies(st, NOW, PLAIN) == (
-        Place(model="hot", node_id="n3", device="metal", bytes=2 * GIB, reason="fits without eviction"),
-    )
+    assert plan_copies(st, NOW, PLAIN) == (Place(model="hot", node_id="n3", device="metal", bytes=2 * GIB, reason="fits without eviction"),)
     st_full = cluster([node("n1", 8, inst("hot", 2, in_flight=4)), node("n2", 6, inst("other", 6))], [hot, other])
     assert plan_copies(st_full, NOW, PLAIN) == ()  # would need an eviction: no scale-up
     st_calm = cluster([node("n1", 8, inst("hot", 2, in_flight=3)), node("n3", 4)], [hot, other])
@@ -550,7 +553,10 @@ def test_c3_never_beyond_max_copies_nor_beside_a_loading_copy():
     hot = spec("hot", gb=1, reserve_concurrency=1, max_copies=2)
     two = cluster([node("n1", 8, inst("hot", 1, in_flight=5)), node("n2", 8, inst("hot", 1, in_flight=5)), node("n3", 8)], [hot])
     assert plan_copies(two, NOW, PLAIN) == ()
-    loading = cluster([node("n1", 8, inst("hot", 1, in_flight=5)), node("n2", 8, inst("hot", 1, status="loading")), node("n3", 8)], [hot.model_copy(update={"max_copies": 3})])
+    loading = cluster(
+        [node("n1", 8, inst("hot", 1, in_flight=5)), node("n2", 8, inst("hot", 1, status="loading")), node("n3", 8)],
+        [hot.model_copy(update={"max_copies": 3})],
+    )
     assert plan_copies(loading, NOW, PLAIN) == ()
 
 

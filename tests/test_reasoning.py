@@ -45,21 +45,37 @@ def splits(text: str):
 R, T = "reasoning", "text"
 CASES = {
     # Qwen3 with thinking on: the model opens the block itself.
-    "qwen3": (DEFAULT, "<think>\nThe user asks for 2+2. That is 4.\n</think>\n\n2 + 2 = 4.", [(R, "The user asks for 2+2. That is 4."), (T, "2 + 2 = 4.")]),
+    "qwen3": (
+        DEFAULT,
+        "<think>\nThe user asks for 2+2. That is 4.\n</think>\n\n2 + 2 = 4.",
+        [(R, "The user asks for 2+2. That is 4."), (T, "2 + 2 = 4.")],
+    ),
     # Qwen3 with enable_thinking=False: the template writes an empty block into the prompt.
     "qwen3_no_thinking": (DEFAULT, "2 + 2 = 4.", [(T, "2 + 2 = 4.")]),
     "empty_block": (DEFAULT, "<think>\n\n</think>\n\nHi!", [(T, "Hi!")]),
     # DeepSeek-R1 (current template): `<think>\n` is in the prompt.
-    "r1_inside": (INSIDE, "Okay, so the user wants a haiku.\nLet me count syllables.\n</think>\n\nAutumn moonlight\u2014", [(R, "Okay, so the user wants a haiku.\nLet me count syllables."), (T, "Autumn moonlight\u2014")]),
+    "r1_inside": (
+        INSIDE,
+        "Okay, so the user wants a haiku.\nLet me count syllables.\n</think>\n\nAutumn moonlight\u2014",
+        [(R, "Okay, so the user wants a haiku.\nLet me count syllables."), (T, "Autumn moonlight\u2014")],
+    ),
     "r1_inside_repeats_start": (INSIDE, "<think>\nHmm.\n</think>\nYes.", [(R, "Hmm."), (T, "Yes.")]),
-    "truncated_reasoning": (DEFAULT, "<think>\nLet me think about this very carefully, step by", [(R, "Let me think about this very carefully, step by")]),
+    "truncated_reasoning": (
+        DEFAULT,
+        "<think>\nLet me think about this very carefully, step by",
+        [(R, "Let me think about this very carefully, step by")],
+    ),
     "truncated_inside": (INSIDE, "First, </thi", [(R, "First, </thi")]),
     "think_mentioned_later_is_text": (DEFAULT, "Use <think> tags like <think>this</think>.", [(T, "Use <think> tags like <think>this</think>.")]),
     "end_marker_in_answer_is_text": (DEFAULT, "<think>a</think>b</think>c", [(R, "a"), (T, "b</think>c")]),
     "leading_whitespace_answer": (DEFAULT, "\n\n  Plain answer\n", [(T, "\n\n  Plain answer\n")]),
     "start_prefix_only": (DEFAULT, "<thin", [(T, "<thin")]),
     "lookalike_end": (DEFAULT, "<think>x </thinking> y</think>z", [(R, "x </thinking> y"), (T, "z")]),
-    "custom_markers": (CUSTOM, "<|begin_of_thought|>\n\nplan\n\n<|end_of_thought|>\n\n<|begin_of_solution|>42", [(R, "plan"), (T, "<|begin_of_solution|>42")]),
+    "custom_markers": (
+        CUSTOM,
+        "<|begin_of_thought|>\n\nplan\n\n<|end_of_thought|>\n\n<|begin_of_solution|>42",
+        [(R, "plan"), (T, "<|begin_of_solution|>42")],
+    ),
 }
 
 

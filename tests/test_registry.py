@@ -7,7 +7,10 @@ from router.residency.registry import from_config, from_manifest
 
 def test_sizes_come_from_the_folder_when_not_given(models_dir):
     catalog, entries = from_config(
-        [{"name": "llama-10m", "kind": "llm", "pinned": True, "reserve_context_tokens": 1024}, {"name": "e", "kind": "embedding", "path": "all-minilm-l6-v2", "policy": {"keep_warm": True, "role": "utility"}}],
+        [
+            {"name": "llama-10m", "kind": "llm", "pinned": True, "reserve_context_tokens": 1024},
+            {"name": "e", "kind": "embedding", "path": "all-minilm-l6-v2", "policy": {"keep_warm": True, "role": "utility"}},
+        ],
         models_dir,
     )
     llama = catalog["llama-10m"]
@@ -37,7 +40,18 @@ def test_hub_models_are_loaded_by_id(models_dir):
     from deployments.manifest import model_location
     from deployments.models import open_engine
 
-    catalog, entries = from_config([{"name": "qwen", "kind": "llm", "hub_id": "mlx-community/Qwen2.5-7B-Instruct-4bit", "weight_bytes": "4.3GiB", "kv_bytes_per_token": "56KiB"}], models_dir)
+    catalog, entries = from_config(
+        [
+            {
+                "name": "qwen",
+                "kind": "llm",
+                "hub_id": "mlx-community/Qwen2.5-7B-Instruct-4bit",
+                "weight_bytes": "4.3GiB",
+                "kv_bytes_per_token": "56KiB",
+            }
+        ],
+        models_dir,
+    )
     entry = entries["qwen"]
     assert entry.hub and model_location(entry, models_dir) == "mlx-community/Qwen2.5-7B-Instruct-4bit"
     assert open_engine(entry, models_dir).path == "mlx-community/Qwen2.5-7B-Instruct-4bit"  # mlx_lm.load gets the id

@@ -24,10 +24,17 @@ STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
 CHAT_PARAMS = TypeAdapter(completion_create_params.CompletionCreateParamsNonStreaming)
 IMAGE = "data:image/png;base64,iVBORw0KGgo="
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city", "strict": True,
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}
-CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                                 "parameters": WEATHER["parameters"], "strict": True}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False},
+}
+CHAT_WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Weather for a city", "parameters": WEATHER["parameters"], "strict": True},
+}
 
 
 def request(**kw: Any) -> rp.ResponsesRequest:
@@ -154,10 +161,12 @@ def check_order(events: list[dict[str, Any]]) -> None:
 
 
 TOOL_TURN = [
-    ReasoningDelta(text="Two cities, "), ReasoningDelta(text="two calls."),
+    ReasoningDelta(text="Two cities, "),
+    ReasoningDelta(text="two calls."),
     TextDelta(text="Checking."),
     ToolCallStart(index=0, id="call_a", name="get_weather"),
-    ToolCallArguments(index=0, arguments='{"city": '), ToolCallArguments(index=0, arguments='"Paris"}'),
+    ToolCallArguments(index=0, arguments='{"city": '),
+    ToolCallArguments(index=0, arguments='"Paris"}'),
     ToolCallEnd(index=0),
     ToolCallStart(index=1, id="call_b", name="get_weather"),
     ToolCallArguments(index=1, arguments='{"city": "Oslo"}'),
@@ -173,8 +182,17 @@ def test_sdk_request_round_trip(server: FakeServer) -> None:
     """What `client.responses.create(...)` sends (store defaults to true server-side: accepted)."""
     server.events = [TextDelta(text="Hello"), Finish(reason="stop", prompt_tokens=5, completion_tokens=1)]
     response = server.client.responses.create(
-        model="qwen3-4b", instructions="Be brief.", input="Hi", max_output_tokens=100, temperature=0.2, top_p=0.9,
-        store=True, metadata={"run": "1"}, user="u", truncation="auto", include=["reasoning.encrypted_content"],
+        model="qwen3-4b",
+        instructions="Be brief.",
+        input="Hi",
+        max_output_tokens=100,
+        temperature=0.2,
+        top_p=0.9,
+        store=True,
+        metadata={"run": "1"},
+        user="u",
+        truncation="auto",
+        include=["reasoning.encrypted_content"],
         extra_body={"top_k": 20},
     )
     assert response.output_text == "Hello" and response.status == "completed"
@@ -183,27 +201,50 @@ def test_sdk_request_round_trip(server: FakeServer) -> None:
     assert out == {
         "model": "qwen3-4b",
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-        "max_tokens": 100, "temperature": 0.2, "top_p": 0.9, "top_k": 20, "stream": False,
+        "max_tokens": 100,
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "top_k": 20,
+        "stream": False,
     }
     assert_chat_shape(out)
 
 
 def test_message_items_and_roles() -> None:
-    out = chat(input=[
-        {"role": "developer", "content": "Rules."},
-        {"role": "system", "content": [{"type": "input_text", "text": "More rules."}]},
-        {"role": "user", "content": [{"type": "input_text", "text": "Look:"}, {"type": "input_image", "image_url": IMAGE, "detail": "low"},
-                                     {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "original"}]},
-        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
-         "content": [{"type": "output_text", "text": "A cat.", "annotations": []}]},
-        {"role": "assistant", "content": "Plain string."},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Thanks"}]},
-    ])
+    out = chat(
+        input=[
+            {"role": "developer", "content": "Rules."},
+            {"role": "system", "content": [{"type": "input_text", "text": "More rules."}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "Look:"},
+                    {"type": "input_image", "image_url": IMAGE, "detail": "low"},
+                    {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "original"},
+                ],
+            },
+            {
+                "type": "message",
+                "role": "assistant",
+                "id": "msg_1",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": "A cat.", "annotations": []}],
+            },
+            {"role": "assistant", "content": "Plain string."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Thanks"}]},
+        ]
+    )
     assert out["messages"] == [
         {"role": "system", "content": "Rules."},
         {"role": "system", "content": "More rules."},
-        {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": IMAGE, "detail": "low"}},
-                                     {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look:"},
+                {"type": "image_url", "image_url": {"url": IMAGE, "detail": "low"}},
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+            ],
+        },
         {"role": "assistant", "content": "A cat."},
         {"role": "assistant", "content": "Plain string."},
         {"role": "user", "content": "Thanks"},
@@ -214,22 +255,40 @@ def test_message_items_and_roles() -> None:
 def test_function_call_round_trip_history() -> None:
     """function_call items join the assistant message before them; outputs become tool messages
     with the function name; output images follow as a user message; reasoning items are dropped."""
-    out = chat(tools=[WEATHER], input=[
-        {"role": "user", "content": "Weather in Paris and Oslo?"},
-        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "two calls"}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
-        {"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city":"Paris"}', "id": "fc_1", "status": "completed"},
-        {"type": "function_call", "call_id": "call_b", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
-        {"type": "function_call_output", "call_id": "call_a", "output": "18C"},
-        {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "9C"}, {"type": "input_image", "image_url": IMAGE}]},
-        {"role": "user", "content": "Summarise."},
-    ])
+    out = chat(
+        tools=[WEATHER],
+        input=[
+            {"role": "user", "content": "Weather in Paris and Oslo?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "two calls"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+            {
+                "type": "function_call",
+                "call_id": "call_a",
+                "name": "get_weather",
+                "arguments": '{"city":"Paris"}',
+                "id": "fc_1",
+                "status": "completed",
+            },
+            {"type": "function_call", "call_id": "call_b", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
+            {"type": "function_call_output", "call_id": "call_a", "output": "18C"},
+            {
+                "type": "function_call_output",
+                "call_id": "call_b",
+                "output": [{"type": "input_text", "text": "9C"}, {"type": "input_image", "image_url": IMAGE}],
+            },
+            {"role": "user", "content": "Summarise."},
+        ],
+    )
     assert out["messages"] == [
         {"role": "user", "content": "Weather in Paris and Oslo?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
-            {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+                {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_a", "content": "18C", "name": "get_weather"},
         {"role": "tool", "tool_call_id": "call_b", "content": "9C", "name": "get_weather"},
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}}]},
@@ -240,23 +299,31 @@ def test_function_call_round_trip_history() -> None:
 
 
 def test_function_call_without_preceding_text() -> None:
-    out = chat(input=[
-        {"role": "user", "content": "x"},
-        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c", "output": "ok"},
-    ])
-    assert out["messages"][1] == {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    out = chat(
+        input=[
+            {"role": "user", "content": "x"},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "ok"},
+        ]
+    )
+    assert out["messages"][1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
     assert_chat_shape(out)
 
 
-@pytest.mark.parametrize(("choice", "expected", "tools"), [
-    ("auto", "auto", ["get_weather", "get_time"]),
-    ("none", "none", ["get_weather", "get_time"]),
-    ("required", "required", ["get_weather", "get_time"]),
-    ({"type": "function", "name": "get_time"}, {"type": "function", "function": {"name": "get_time"}}, ["get_weather", "get_time"]),
-    ({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}, "required", ["get_time"]),
-])
+@pytest.mark.parametrize(
+    ("choice", "expected", "tools"),
+    [
+        ("auto", "auto", ["get_weather", "get_time"]),
+        ("none", "none", ["get_weather", "get_time"]),
+        ("required", "required", ["get_weather", "get_time"]),
+        ({"type": "function", "name": "get_time"}, {"type": "function", "function": {"name": "get_time"}}, ["get_weather", "get_time"]),
+        ({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}, "required", ["get_time"]),
+    ],
+)
 def test_tool_choice_mapping(choice: Any, expected: Any, tools: list[str]) -> None:
     time_tool = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}
     out = chat(tools=[WEATHER, time_tool], tool_choice=choice, parallel_tool_calls=False)
@@ -285,8 +352,10 @@ def test_chat_model_accepts_tool_bodies_once_it_supports_tools() -> None:
 
 def test_text_format_and_reasoning() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    out = chat(text={"format": {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}, "verbosity": "low"},
-               reasoning={"effort": "high", "summary": "auto"})
+    out = chat(
+        text={"format": {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}, "verbosity": "low"},
+        reasoning={"effort": "high", "summary": "auto"},
+    )
     assert out["response_format"] == {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
     assert out["reasoning_effort"] == "high"
     assert chat(text={"format": {"type": "json_object"}})["response_format"] == {"type": "json_object"}
@@ -302,37 +371,56 @@ def test_unknown_keys_are_ignored_and_listed() -> None:
 # ---- requests: errors ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("body", "param", "words"), [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "does not store"),
-    ({"input": "x", "conversation": "conv_1"}, "conversation", "does not store"),
-    ({"input": "x", "background": True}, "background", "stateless"),
-    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates"),
-    ({"input": "x", "top_logprobs": 3}, "top_logprobs", "logprobs"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "stateless"),
-    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type", "not supported"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type", "file inputs"),
-    ({"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "input[0].content[0].type", "audio"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f", "detail": "auto"}]}]}, "input[0].content[0].file_id", "Files API"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "detail": "auto"}]}]}, "input[0].content[0].image_url", "Missing"),
-    ({"input": [{"role": "system", "content": [{"type": "input_image", "image_url": IMAGE}]}]}, "input[0].content[0].type", "system messages take"),
-    ({"input": [{"role": "user", "content": [{"type": "hologram"}]}]}, "input[0].content[0].type", "unknown"),
-    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id", "Missing"),
-    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output", "Missing"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "output_text", "text": "x"}]}]}, "input[0].output[0].type", "takes"),
-    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "Invalid"),
-    ({"input": []}, "input", "Invalid"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "built-in tools"),
-    ({"input": "x", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type", "built-in tools"),
-    ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice.type", "built-in"),
-    ({"input": "x", "tool_choice": "sometimes"}, "tool_choice", "must be"),
-    ({"input": "x", "tool_choice": "required"}, "tool_choice", "needs tools"),
-    ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "not in tools"),
-    ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "mcp"}]}}, "tool_choice.tools[0]", "function tools only"),
-    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name", "Missing"),
-    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema", "Missing"),
-    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "Invalid"),
-    ({"input": "x", "temperature": 3}, "temperature", "Invalid"),
-])
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "does not store"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation", "does not store"),
+        ({"input": "x", "background": True}, "background", "stateless"),
+        ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates"),
+        ({"input": "x", "top_logprobs": 3}, "top_logprobs", "logprobs"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "stateless"),
+        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type", "not supported"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type", "file inputs"),
+        ({"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "input[0].content[0].type", "audio"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f", "detail": "auto"}]}]},
+            "input[0].content[0].file_id",
+            "Files API",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "detail": "auto"}]}]}, "input[0].content[0].image_url", "Missing"),
+        (
+            {"input": [{"role": "system", "content": [{"type": "input_image", "image_url": IMAGE}]}]},
+            "input[0].content[0].type",
+            "system messages take",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "hologram"}]}]}, "input[0].content[0].type", "unknown"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id", "Missing"),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output", "Missing"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "output_text", "text": "x"}]}]},
+            "input[0].output[0].type",
+            "takes",
+        ),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "Invalid"),
+        ({"input": []}, "input", "Invalid"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "built-in tools"),
+        ({"input": "x", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type", "built-in tools"),
+        ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice.type", "built-in"),
+        ({"input": "x", "tool_choice": "sometimes"}, "tool_choice", "must be"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "not in tools"),
+        (
+            {"input": "x", "tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "mcp"}]}},
+            "tool_choice.tools[0]",
+            "function tools only",
+        ),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name", "Missing"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema", "Missing"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "Invalid"),
+        ({"input": "x", "temperature": 3}, "temperature", "Invalid"),
+    ],
+)
 def test_rejections_name_the_field(body: dict, param: str, words: str) -> None:
     e = rejected(body)
     assert e.param == param, e.message
@@ -376,7 +464,9 @@ def test_response_object_parses_with_the_sdk(server: FakeServer) -> None:
 
 
 def test_length_is_incomplete() -> None:
-    response = Response.model_validate(rp.response_object(request(), "resp_1", [TextDelta(text="trunc"), Finish(reason="length", completion_tokens=5)]))
+    response = Response.model_validate(
+        rp.response_object(request(), "resp_1", [TextDelta(text="trunc"), Finish(reason="length", completion_tokens=5)])
+    )
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.output[0].status == "incomplete" and response.output_text == "trunc"
 
@@ -406,15 +496,41 @@ def test_stream_event_sequence() -> None:
     events = stream(request(tools=[WEATHER]), TOOL_TURN)
     check_order(events)
     assert [e["type"].removeprefix("response.") for e in events] == [
-        "created", "in_progress",
-        "output_item.added", "content_part.added", "reasoning_text.delta", "reasoning_text.delta", "reasoning_text.done", "content_part.done", "output_item.done",
-        "output_item.added", "content_part.added", "output_text.delta", "output_text.done", "content_part.done", "output_item.done",
-        "output_item.added", "function_call_arguments.delta", "function_call_arguments.delta", "function_call_arguments.done", "output_item.done",
-        "output_item.added", "function_call_arguments.delta", "function_call_arguments.done", "output_item.done",
+        "created",
+        "in_progress",
+        "output_item.added",
+        "content_part.added",
+        "reasoning_text.delta",
+        "reasoning_text.delta",
+        "reasoning_text.done",
+        "content_part.done",
+        "output_item.done",
+        "output_item.added",
+        "content_part.added",
+        "output_text.delta",
+        "output_text.done",
+        "content_part.done",
+        "output_item.done",
+        "output_item.added",
+        "function_call_arguments.delta",
+        "function_call_arguments.delta",
+        "function_call_arguments.done",
+        "output_item.done",
+        "output_item.added",
+        "function_call_arguments.delta",
+        "function_call_arguments.done",
+        "output_item.done",
         "completed",
     ]
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
-    assert events[15]["item"] == {"id": "fc_test_2", "type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": "", "status": "in_progress"}
+    assert events[15]["item"] == {
+        "id": "fc_test_2",
+        "type": "function_call",
+        "call_id": "call_a",
+        "name": "get_weather",
+        "arguments": "",
+        "status": "in_progress",
+    }
     final = Response.model_validate(events[-1]["response"])
     assert final.status == "completed" and final.usage.total_tokens == 150
 
@@ -428,15 +544,25 @@ def test_sdk_stream_accumulates_to_the_non_stream_response(server: FakeServer) -
     expected = Response.model_validate(rp.response_object(server.requests[0], "resp_test", TOOL_TURN, created_at=1700000000))
     assert final.model_dump(exclude_none=True, exclude={"output"}) == expected.model_dump(exclude_none=True, exclude={"output"})
     assert [o.model_dump(exclude_none=True, exclude={"parsed_arguments"}) for o in final.output] == [
-        o.model_dump(exclude_none=True) for o in expected.output]
+        o.model_dump(exclude_none=True) for o in expected.output
+    ]
 
 
 def test_sdk_raw_stream_events(server: FakeServer) -> None:
     server.events = [TextDelta(text="a"), TextDelta(text="b"), Finish(reason="stop")]
     kinds = [e.type for e in server.client.responses.create(model="m", input="x", stream=True)]
-    assert kinds == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-                     "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
-                     "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
 
 
 def test_length_streams_response_incomplete() -> None:
@@ -480,8 +606,17 @@ def test_stream_lifecycle_edges() -> None:
 
 
 def test_text_after_reasoning_after_text_opens_new_items() -> None:
-    events = stream(request(), [TextDelta(text="a"), ReasoningDelta(text="r"), TextDelta(text="b"),
-                                ToolCallStart(index=0, id="c", name="f"), ToolCallArguments(index=0, arguments="{}"), Finish(reason="tool_calls")])
+    events = stream(
+        request(),
+        [
+            TextDelta(text="a"),
+            ReasoningDelta(text="r"),
+            TextDelta(text="b"),
+            ToolCallStart(index=0, id="c", name="f"),
+            ToolCallArguments(index=0, arguments="{}"),
+            Finish(reason="tool_calls"),
+        ],
+    )
     check_order(events)
     added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
     assert added == ["message", "reasoning", "message", "function_call"]
@@ -511,7 +646,9 @@ def generations(draw: st.DrawFn) -> list[Any]:
             events += [cls(text=t) for t in draw(st.lists(st.text(max_size=6), min_size=1, max_size=4))]
     reason = draw(st.sampled_from(["stop"] + (["tool_calls"] if calls else [])))
     prompt = draw(st.integers(0, 500))
-    events.append(Finish(reason=reason, prompt_tokens=prompt, completion_tokens=draw(st.integers(0, 500)), cached_tokens=draw(st.integers(0, prompt))))
+    events.append(
+        Finish(reason=reason, prompt_tokens=prompt, completion_tokens=draw(st.integers(0, 500)), cached_tokens=draw(st.integers(0, prompt)))
+    )
     return events
 
 
@@ -528,7 +665,8 @@ def test_any_generation_streams_validly_and_accumulates(events: list[Any]) -> No
     with PROPERTY_SERVER.client.responses.stream(model="qwen3-4b", input="Hi") as s:
         final = s.get_final_response()
     assert [o.model_dump(exclude_none=True, exclude={"parsed_arguments"}) for o in final.output] == [
-        o.model_dump(exclude_none=True) for o in expected.output]
+        o.model_dump(exclude_none=True) for o in expected.output
+    ]
     assert final.output_text == "".join(e.text for e in events if isinstance(e, TextDelta))
 
 

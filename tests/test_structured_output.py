@@ -104,8 +104,17 @@ def random_schemas(n: int, seed: int = 2024) -> list[dict[str, Any]]:
 
 def test_the_schema_generator_covers_every_shape():
     text = json.dumps(random_schemas(20))
-    for needle in ('"type": "string"', '"maxLength"', '"type": "integer"', '"type": "number"', '"type": "boolean"',
-                   '"enum"', '"type": "array"', '"required"', '"additionalProperties": false'):
+    for needle in (
+        '"type": "string"',
+        '"maxLength"',
+        '"type": "integer"',
+        '"type": "number"',
+        '"type": "boolean"',
+        '"enum"',
+        '"type": "array"',
+        '"required"',
+        '"additionalProperties": false',
+    ):
         assert needle in text, needle
     assert any(s["properties"].get(k, {}).get("type") == "object" for s in random_schemas(20) for k in s["properties"])
 
@@ -116,7 +125,10 @@ def test_twenty_random_schemas_in_one_batch_all_validate(engine):
     async def scenario():
         requests = [
             GenerationRequest(
-                prompt=f"Record {i}:", max_tokens=400, temperature=1.0, seed=i,
+                prompt=f"Record {i}:",
+                max_tokens=400,
+                temperature=1.0,
+                seed=i,
                 constraint=Constraint(type="json_schema", schema=schema),
             )
             for i, schema in enumerate(schemas)
@@ -134,17 +146,30 @@ def test_twenty_random_schemas_in_one_batch_all_validate(engine):
 
 def test_regex_constraint_matches_the_whole_output(engine):
     pattern = r"(yes|no), [0-9]{2}-[a-z]{3}"
-    results = run_all((
-        engine.complete(GenerationRequest(prompt="Answer:", max_tokens=40, temperature=1.0, seed=s, constraint=Constraint(type="regex", pattern=pattern)))
-        for s in range(4)
-    ))
+    results = run_all(
+        (
+            engine.complete(
+                GenerationRequest(prompt="Answer:", max_tokens=40, temperature=1.0, seed=s, constraint=Constraint(type="regex", pattern=pattern))
+            )
+            for s in range(4)
+        )
+    )
     for r in results:
         assert r.finish_reason == "stop" and re.fullmatch(pattern, r.text), r.text
     # logprobs come from the masked distribution: the alternatives are only allowed tokens
-    few = run(engine.complete(GenerationRequest(
-        prompt="Answer:", max_tokens=4, temperature=1.0, seed=0, logprobs=True, top_logprobs=20,
-        constraint=Constraint(type="regex", pattern="(yes|no)"),
-    )))
+    few = run(
+        engine.complete(
+            GenerationRequest(
+                prompt="Answer:",
+                max_tokens=4,
+                temperature=1.0,
+                seed=0,
+                logprobs=True,
+                top_logprobs=20,
+                constraint=Constraint(type="regex", pattern="(yes|no)"),
+            )
+        )
+    )
     assert few.text in ("yes", "no")
     first = few.logprobs[0]
     assert 1 <= len(first.top) < 20 and all(math.isfinite(v) for _, _, v in first.top)
@@ -172,13 +197,20 @@ call: %json {
 
 
 def test_a_lark_grammar_forces_a_hermes_tool_call(engine):
-    results = run_all((
-        engine.complete(GenerationRequest(
-            messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=80, temperature=1.0, seed=s,
-            constraint=Constraint(type="lark", grammar=TOOL_CALL_GRAMMAR),
-        ))
-        for s in range(3)
-    ))
+    results = run_all(
+        (
+            engine.complete(
+                GenerationRequest(
+                    messages=[{"role": "user", "content": "Weather in Paris?"}],
+                    max_tokens=80,
+                    temperature=1.0,
+                    seed=s,
+                    constraint=Constraint(type="lark", grammar=TOOL_CALL_GRAMMAR),
+                )
+            )
+            for s in range(3)
+        )
+    )
     for r in results:
         assert r.finish_reason == "stop", r.text
         m = re.fullmatch(r'<tool_call>(\{"name": "get_weather", "arguments": \{"city": ".*"\}\})</tool_call>', r.text, re.DOTALL)
@@ -189,11 +221,17 @@ def test_a_lark_grammar_forces_a_hermes_tool_call(engine):
 
 
 def test_constrained_and_unconstrained_requests_share_a_batch(engine):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "s": {"type": "string", "maxLength": 4}},
-              "required": ["n", "s"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "s": {"type": "string", "maxLength": 4}},
+        "required": ["n", "s"],
+        "additionalProperties": False,
+    }
     plain = [GenerationRequest(prompt=p, max_tokens=30, temperature=0) for p in ("The number one is", "def f(x):", "Paris")]
-    constrained = [GenerationRequest(prompt="JSON:", max_tokens=60, temperature=1.0, seed=s, constraint=Constraint(type="json_schema", schema=schema))
-                   for s in range(3)]
+    constrained = [
+        GenerationRequest(prompt="JSON:", max_tokens=60, temperature=1.0, seed=s, constraint=Constraint(type="json_schema", schema=schema))
+        for s in range(3)
+    ]
 
     async def scenario():
         alone = [await engine.complete(r) for r in plain]
@@ -263,7 +301,9 @@ def test_json_object_on_a_real_model(models_dir):
         try:
             request = GenerationRequest(
                 messages=[{"role": "user", "content": "Describe a cat as a JSON object with keys name and color."}],
-                max_tokens=60, temperature=0, constraint=Constraint(type="json_object"),
+                max_tokens=60,
+                temperature=0,
+                constraint=Constraint(type="json_object"),
             )
             return await e.complete(request)
         finally:
@@ -332,10 +372,18 @@ def test_fallback_rendering_of_tools_and_tool_history():
     plain = chat_format.fallback_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}])
     assert plain == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
     # text beside calls, arguments already an object, and arguments that are not JSON
-    mixed = chat_format.fallback_messages([{"role": "assistant", "content": "Checking.", "tool_calls": [
-        {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
-        {"type": "function", "function": {"name": "g", "arguments": "not json"}},
-    ]}])
+    mixed = chat_format.fallback_messages(
+        [
+            {
+                "role": "assistant",
+                "content": "Checking.",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
+                    {"type": "function", "function": {"name": "g", "arguments": "not json"}},
+                ],
+            }
+        ]
+    )
     assert mixed[0]["content"] == (
         'Checking.\n<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "g", "arguments": "not json"}</tool_call>'
     )

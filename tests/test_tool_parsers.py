@@ -109,7 +109,11 @@ TRANSCRIPTS = {
         [text('<tool_call>\n{"name": "get_current_weather", "arguments": {"location": "Bos')],
     ),
     "qwen_no_closing_tag": ("hermes", '<tool_call>\n{"name": "get_current_time", "arguments": {}}\n', [call("get_current_time", {})]),
-    "qwen_lookalikes": ("hermes", "Use the <tool> tag; a < b, and <tool_call is not one.", [text("Use the <tool> tag; a < b, and <tool_call is not one.")]),
+    "qwen_lookalikes": (
+        "hermes",
+        "Use the <tool> tag; a < b, and <tool_call is not one.",
+        [text("Use the <tool> tag; a < b, and <tool_call is not one.")],
+    ),
     "qwen_call_then_text": (
         "hermes",
         QWEN_CALL + "\n\nI've asked for the weather in Boston.",
@@ -269,9 +273,30 @@ def test_feed_after_finish_is_a_bug():
 
 
 PIECES = [
-    "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", "<tool_c", "[TOOL",
-    '{"name": "f", "arguments": {"a": 1}}', '{"name": "g", "parameters": {}}', '[{"name": "h", "arguments": {}}]',
-    "{", "}", "[", "]", ";", " ", "\n", "f", "words", '"', "\\", ",", ":",
+    "<tool_call>",
+    "</tool_call>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "<|python_tag|>",
+    "<tool_c",
+    "[TOOL",
+    '{"name": "f", "arguments": {"a": 1}}',
+    '{"name": "g", "parameters": {}}',
+    '[{"name": "h", "arguments": {}}]',
+    "{",
+    "}",
+    "[",
+    "]",
+    ";",
+    " ",
+    "\n",
+    "f",
+    "words",
+    '"',
+    "\\",
+    ",",
+    ":",
 ]
 
 
@@ -285,6 +310,7 @@ def test_any_mix_of_syntax_fragments_is_chunking_independent_and_lossless(family
     assert summary(run(family, [out[i:j] for i, j in zip([0, *cuts], [*cuts, len(out)])])) == whole
     if not any(kind == "call" for kind, *_ in whole):
         assert "".join(t for _, t in whole) == out  # no call: every character comes back
+
 
 # ---- render_calls --------------------------------------------------------------------------------
 
@@ -303,7 +329,7 @@ def test_render_matches_the_chat_templates():
 
 NAMES = st.from_regex(r"[A-Za-z_][A-Za-z0-9_\-]{0,20}", fullmatch=True)
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=12),
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8,
 )
@@ -391,7 +417,12 @@ def test_every_grammar_compiles(family, parallel, reasoning):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_grammar_admits_rendered_calls_and_they_parse_back(family):
     g = forced_call_grammar(family, TOOLS, "required")
-    for name, args in [("get_current_weather", BOSTON), ("get_current_time", {}), ("get_current_time", {"timezone": "UTC"}), ("add", {"a": 2, "b": -3})]:
+    for name, args in [
+        ("get_current_weather", BOSTON),
+        ("get_current_time", {}),
+        ("get_current_time", {"timezone": "UTC"}),
+        ("add", {"a": 2, "b": -3}),
+    ]:
         out = render_call(family, name, args)
         assert accepts(g, out), out
         assert summary(run(family, [out])) == [call(name, args)]
@@ -429,7 +460,7 @@ def test_named_choice_and_parallel(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @settings(max_examples=60, deadline=None)
-@given(location=st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\x7f"), max_size=20), a=st.integers(-10**9, 10**9))
+@given(location=st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\x7f"), max_size=20), a=st.integers(-(10**9), 10**9))
 def test_any_valid_arguments_are_admitted_and_parse_back(family, location, a):
     # DEL (U+007F) is the one character llguidance's JSON strings want escaped (\u007f) where
     # json.dumps writes it raw; a constrained model writes the escape, which parses back the same.
@@ -494,7 +525,9 @@ def test_special_token_markers_are_admitted_as_their_token():
     g = forced_call_grammar("mistral", TOOLS, "required", special_tokens={"[TOOL_CALLS]": 257})
     assert grammar_error(g) is None
     assert accepts_tokens(g, [257, *after]) and accepts_tokens(g, list(spelled.encode()))
-    thinking = forced_call_grammar("mistral", TOOLS, "add", reasoning=ReasoningConfig(starts_inside=True), special_tokens={"[TOOL_CALLS]": 257, "</think>": 258})
+    thinking = forced_call_grammar(
+        "mistral", TOOLS, "add", reasoning=ReasoningConfig(starts_inside=True), special_tokens={"[TOOL_CALLS]": 257, "</think>": 258}
+    )
     assert accepts_tokens(thinking, [*b"Add them.", 258, *b"\n\n", 257, *after])
     assert not accepts_tokens(thinking, [257, *after])
 

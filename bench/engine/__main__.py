@@ -63,9 +63,13 @@ def measure(name: str, path: str, concurrencies: list[int], max_tokens: int) -> 
         d_tokens, d_s = direct(path, texts, max_tokens)
         e_tokens, e_s = asyncio.run(through_engine(engine, texts, max_tokens))
         row = {
-            "model": name, "concurrency": c, "max_tokens": max_tokens,
-            "direct_tok_s": round(d_tokens / d_s, 1), "engine_tok_s": round(e_tokens / e_s, 1),
-            "direct_tokens": d_tokens, "engine_tokens": e_tokens,
+            "model": name,
+            "concurrency": c,
+            "max_tokens": max_tokens,
+            "direct_tok_s": round(d_tokens / d_s, 1),
+            "engine_tok_s": round(e_tokens / e_s, 1),
+            "direct_tokens": d_tokens,
+            "engine_tokens": e_tokens,
         }
         row["ratio"] = round(row["engine_tok_s"] / row["direct_tok_s"], 3)
         print(f"| {name} | {c} | {row['direct_tok_s']} | {row['engine_tok_s']} | {row['ratio']:.2f} |", flush=True)
@@ -88,7 +92,10 @@ def main() -> None:
     print(header)
     rows = measure("llama-10m", str(models / "llama-10m"), concurrencies, 128)
     rows += measure("smollm2-135m-instruct", str(models / "smollm2-135m-instruct"), concurrencies, 48)
-    result = {"rows": rows, "machine": {"python": platform.python_version(), "processor": platform.machine(), "mlx": mx.__version__, "device": str(mx.default_device())}}
+    result = {
+        "rows": rows,
+        "machine": {"python": platform.python_version(), "processor": platform.machine(), "mlx": mx.__version__, "device": str(mx.default_device())},
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.json}")

@@ -30,8 +30,12 @@ def large_cluster(nodes: int, models: int, seed: int = 7) -> tuple[ClusterState,
             used += nbytes
             held.append(
                 InstanceState(
-                    model=spec.name, device="metal", bytes=nbytes, last_used=rng.uniform(0, 9000),
-                    loaded_at=rng.uniform(0, 5000), in_flight=rng.choice([0, 0, 0, 1]),
+                    model=spec.name,
+                    device="metal",
+                    bytes=nbytes,
+                    last_used=rng.uniform(0, 9000),
+                    loaded_at=rng.uniform(0, 5000),
+                    in_flight=rng.choice([0, 0, 0, 1]),
                 )
             )
             if len(held) == 10:

@@ -82,14 +82,10 @@ def belady(config: PolicyConfig, trace: list[Request]) -> Decider:
                 times = arrivals.get(inst.model, [])
                 i = bisect.bisect_right(times, now)
                 reload = estimated_load_seconds(inst.bytes, config)
-                values[InstanceRef(node_id=node.node_id, model=inst.model)] = (
-                    reload / max(times[i] - now, 1e-3) if i < len(times) else 0.0
-                )
+                values[InstanceRef(node_id=node.node_id, model=inst.model)] = reload / max(times[i] - now, 1e-3) if i < len(times) else 0.0
         return values
 
-    return lambda model, state, now, waited: ensure(
-        model, state, now, config, waited_s=waited, oracle_keep_values=keep_values(state, now)
-    )
+    return lambda model, state, now, waited: ensure(model, state, now, config, waited_s=waited, oracle_keep_values=keep_values(state, now))
 
 
 def overcommitted(state: ClusterState, node_id: str) -> bool:

@@ -56,7 +56,14 @@ class SSEClient:
         """One streamed chat request: (completion tokens from usage, seconds to the first content)."""
         if self.session is None:
             self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
-        body = {"model": model, "messages": messages(i), "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": model,
+            "messages": messages(i),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         started = time.perf_counter()
         first, tokens, done = None, None, False
         async with self.session.post(self.url, json=body) as response:
@@ -187,7 +194,12 @@ async def with_steps(read_counters, run) -> tuple[int, float, dict]:
     return tokens, seconds, {"rows_per_step": rows, "ms_per_step": 1000 * elapsed / steps}
 
 
-PROFILED = {"actor": "ray::ModelServer", "ingress": "ServeReplica:orchard:Ingress", "proxy": "ProxyActor", "controller": "ServeReplica:orchard:ResidencyService"}
+PROFILED = {
+    "actor": "ray::ModelServer",
+    "ingress": "ServeReplica:orchard:Ingress",
+    "proxy": "ProxyActor",
+    "controller": "ServeReplica:orchard:ResidencyService",
+}
 
 
 def profile(py_spy: str, out: Path, model: str, seconds: float) -> list:
@@ -199,10 +211,28 @@ def profile(py_spy: str, out: Path, model: str, seconds: float) -> list:
     for name, title in PROFILED.items():
         pids = [p.pid for p in psutil.process_iter(["cmdline"]) if any(title in part for part in p.info["cmdline"] or ())]
         for pid in pids[:1]:
-            spies.append(subprocess.Popen(
-                [py_spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw", "--threads", "--nonblocking", "-o", str(out / f"{model}-{name}.txt")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            ))
+            spies.append(
+                subprocess.Popen(
+                    [
+                        py_spy,
+                        "record",
+                        "-p",
+                        str(pid),
+                        "-d",
+                        str(int(seconds)),
+                        "-r",
+                        "200",
+                        "-f",
+                        "raw",
+                        "--threads",
+                        "--nonblocking",
+                        "-o",
+                        str(out / f"{model}-{name}.txt"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
     return spies
 
 
@@ -222,7 +252,9 @@ def main() -> None:
     parser.add_argument("--coalesce-ms", type=float, default=50.0)
     parser.add_argument("--coalesce-max-ms", type=float, default=100.0)
     parser.add_argument("--gil-switch-ms", type=float, default=None, help="the model servers' (default: ray-config's, 0.1)")
-    parser.add_argument("--engine-gil-switch-ms", type=float, default=None, help="this process's while the in-process engine runs (default: Python's 5 ms)")
+    parser.add_argument(
+        "--engine-gil-switch-ms", type=float, default=None, help="this process's while the in-process engine runs (default: Python's 5 ms)"
+    )
     parser.add_argument("--client", choices=("aiohttp", "openai"), default="aiohttp", help="the load generator (see SSEClient)")
     parser.add_argument("--profile-dir", default=None, help="py-spy records of the path's processes in one more HTTP run")
     parser.add_argument("--py-spy", default="py-spy")
@@ -235,17 +267,35 @@ def main() -> None:
     prepare(models_dir, set(args.models.split(",")), log=lambda *_: None)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "labels": {"orchard.node": "head", "orchard.budget_gib": "8"}, "include_dashboard": False, "object_store_memory": 80 << 20})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "labels": {"orchard.node": "head", "orchard.budget_gib": "8"},
+            "include_dashboard": False,
+            "object_store_memory": 80 << 20,
+        },
+    )
     ray.init(address=cluster.address, log_to_driver=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    overrides = {"llama-10m": {"reserve_context_tokens": 1024, "reserve_concurrency": 64}, "smollm2-135m-instruct": {"reserve_context_tokens": 512, "reserve_concurrency": 64}}
+    overrides = {
+        "llama-10m": {"reserve_context_tokens": 1024, "reserve_concurrency": 64},
+        "smollm2-135m-instruct": {"reserve_context_tokens": 512, "reserve_concurrency": 64},
+    }
     overrides = {name: o for name, o in overrides.items() if name in args.models.split(",")}
     registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in overrides]
     policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
-    app_args = {"models_dir": str(models_dir), "models": registry, "policy": policy, "coalesce_tokens": args.coalesce_tokens, "coalesce_ms": args.coalesce_ms, "coalesce_max_ms": args.coalesce_max_ms}
+    app_args = {
+        "models_dir": str(models_dir),
+        "models": registry,
+        "policy": policy,
+        "coalesce_tokens": args.coalesce_tokens,
+        "coalesce_ms": args.coalesce_ms,
+        "coalesce_max_ms": args.coalesce_max_ms,
+    }
     if args.gil_switch_ms is not None:
         app_args["gil_switch_ms"] = args.gil_switch_ms
     serve.run(build_app(app_args), name="orchard", route_prefix="/")
@@ -260,7 +310,9 @@ def main() -> None:
         raw_load_s = time.perf_counter() - load_started
         # cold: the first request of a model that is not loaded yet, through HTTP
         started = time.perf_counter()
-        requests.post(f"{base}/v1/chat/completions", json={"model": model, "messages": messages(0), "max_tokens": 1, "temperature": 0}, timeout=600).raise_for_status()
+        requests.post(
+            f"{base}/v1/chat/completions", json={"model": model, "messages": messages(0), "max_tokens": 1, "temperature": 0}, timeout=600
+        ).raise_for_status()
         cold.append({"model": model, "first_token_cold_s": round(time.perf_counter() - started, 3), "raw_load_s": round(raw_load_s, 3)})
 
         async def measure() -> None:
@@ -272,6 +324,7 @@ def main() -> None:
 
             async def actor_counters() -> dict:
                 return await actor.counters.remote()
+
             await through_http(client, model, 2, 4)  # warm-up
             await in_process(engine, 2, 4)
             http_f, engine_f = [], []
@@ -280,10 +333,15 @@ def main() -> None:
                 http_f += f
                 _, _, f = await in_process(engine, 1, 2)
                 engine_f += f
-            ttft.append({
-                "model": model, "http_p50_ms": round(1000 * statistics.median(http_f), 1), "http_p95_ms": round(1000 * pct(http_f, 0.95), 1),
-                "engine_p50_ms": round(1000 * statistics.median(engine_f), 1), "engine_p95_ms": round(1000 * pct(engine_f, 0.95), 1),
-            })
+            ttft.append(
+                {
+                    "model": model,
+                    "http_p50_ms": round(1000 * statistics.median(http_f), 1),
+                    "http_p95_ms": round(1000 * pct(http_f, 0.95), 1),
+                    "engine_p50_ms": round(1000 * statistics.median(engine_f), 1),
+                    "engine_p95_ms": round(1000 * pct(engine_f, 0.95), 1),
+                }
+            )
             for c in concurrencies:
                 # Alternating rounds, median of each: this VM's speed drifts by ~10% over minutes,
                 # which one long run of each side would read as a difference of the paths.
@@ -296,13 +354,21 @@ def main() -> None:
                     e_steps.append(e_step)
                     h_steps.append(h_step)
                 ratios = sorted(h / e for h, e in zip(h_rates, e_rates))
-                row = {"model": model, "concurrency": c, "http_tok_s": round(statistics.median(h_rates), 1), "engine_tok_s": round(statistics.median(e_rates), 1)}
+                row = {
+                    "model": model,
+                    "concurrency": c,
+                    "http_tok_s": round(statistics.median(h_rates), 1),
+                    "engine_tok_s": round(statistics.median(e_rates), 1),
+                }
                 row["ratio"] = round(statistics.median(ratios), 3)
                 row["ratio_min_max"] = [round(ratios[0], 3), round(ratios[-1], 3)]
                 for side, steps in (("engine", e_steps), ("http", h_steps)):
                     row[f"{side}_rows_per_step"] = round(statistics.median(x["rows_per_step"] for x in steps), 2)
                     row[f"{side}_ms_per_step"] = round(statistics.median(x["ms_per_step"] for x in steps), 2)
-                print(f"| {model} | {c} | {row['engine_tok_s']} | {row['http_tok_s']} | {row['ratio']:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) |", flush=True)
+                print(
+                    f"| {model} | {c} | {row['engine_tok_s']} | {row['http_tok_s']} | {row['ratio']:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) |",
+                    flush=True,
+                )
                 rows.append(row)
             if args.profile_dir:  # one more HTTP run at the highest concurrency, under py-spy
                 spies = profile(args.py_spy, Path(args.profile_dir), model, args.seconds)
@@ -316,7 +382,20 @@ def main() -> None:
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
-    result = {"client": args.client, "gil_switch_ms": {"model_server": args.gil_switch_ms if args.gil_switch_ms is not None else AppArgs.model_fields["gil_switch_ms"].default, "in_process": args.engine_gil_switch_ms or 5.0}, "coalesce": {"tokens": args.coalesce_tokens, "ms": args.coalesce_ms, "max_ms": args.coalesce_max_ms}, "seconds_per_side_per_round": args.seconds, "rounds": args.rounds, "throughput": rows, "ttft": ttft, "cold_start": cold, "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()}}
+    result = {
+        "client": args.client,
+        "gil_switch_ms": {
+            "model_server": args.gil_switch_ms if args.gil_switch_ms is not None else AppArgs.model_fields["gil_switch_ms"].default,
+            "in_process": args.engine_gil_switch_ms or 5.0,
+        },
+        "coalesce": {"tokens": args.coalesce_tokens, "ms": args.coalesce_ms, "max_ms": args.coalesce_max_ms},
+        "seconds_per_side_per_round": args.seconds,
+        "rounds": args.rounds,
+        "throughput": rows,
+        "ttft": ttft,
+        "cold_start": cold,
+        "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()},
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     text = render(result)

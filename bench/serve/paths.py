@@ -72,6 +72,7 @@ def main() -> None:
                             return tokens, first or 0.0
                 finally:
                     stream.close()
+
             return one
 
         async def engine_counters() -> dict:
@@ -79,8 +80,10 @@ def main() -> None:
 
         sides = {"in-process": (engine_counters, lambda i: engine_one(engine, i, args.max_tokens))}
         for name, actor in variants.items():
+
             async def read(actor=actor) -> dict:
                 return await actor.counters.remote()
+
             sides[name] = (read, via(actor))
         for read, one in sides.values():  # warm-up
             await closed_loop(one, 2, 1.0)
@@ -94,17 +97,40 @@ def main() -> None:
             base = statistics.median(r for r, _ in got["in-process"])
             for name, runs in got.items():
                 rate = statistics.median(r for r, _ in runs)
-                row = {"concurrency": c, "side": name, "tok_s": round(rate, 1), "ratio": round(rate / base, 3),
-                       "rows_per_step": round(statistics.median(s["rows_per_step"] for _, s in runs), 2),
-                       "ms_per_step": round(statistics.median(s["ms_per_step"] for _, s in runs), 2)}
+                row = {
+                    "concurrency": c,
+                    "side": name,
+                    "tok_s": round(rate, 1),
+                    "ratio": round(rate / base, 3),
+                    "rows_per_step": round(statistics.median(s["rows_per_step"] for _, s in runs), 2),
+                    "ms_per_step": round(statistics.median(s["ms_per_step"] for _, s in runs), 2),
+                }
                 rows.append(row)
                 print(f"| {c} | {name} | {row['tok_s']} | {row['ratio']:.2f} | {row['rows_per_step']} | {row['ms_per_step']} |", flush=True)
         if args.profile_dir and shutil.which(args.py_spy):
             first = next(iter(variants.values()))
             pid = await first.__ray_call__.remote(lambda self: os.getpid())
             out = Path(args.profile_dir) / "actor-profile.txt"
-            spy = subprocess.Popen([args.py_spy, "record", "-p", str(pid), "-d", str(int(args.seconds)), "-r", "200", "-f", "raw", "--threads", "--nonblocking", "-o", str(out)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spy = subprocess.Popen(
+                [
+                    args.py_spy,
+                    "record",
+                    "-p",
+                    str(pid),
+                    "-d",
+                    str(int(args.seconds)),
+                    "-r",
+                    "200",
+                    "-f",
+                    "raw",
+                    "--threads",
+                    "--nonblocking",
+                    "-o",
+                    str(out),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             await closed_loop(via(first), max(concurrencies), args.seconds)
             spy.wait()
         await engine.stop()

@@ -91,9 +91,7 @@ class GrammarCompiler:
                 try:
                     self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=n_vocab, eos_token=self.eos_ids)
                 except Exception as e:
-                    raise RequestError(
-                        "unsupported", f"structured output needs a fast (tokenizers) tokenizer: {type(e).__name__}: {e}", PARAM
-                    ) from e
+                    raise RequestError("unsupported", f"structured output needs a fast (tokenizers) tokenizer: {type(e).__name__}: {e}", PARAM) from e
             return self._tokenizer
 
     def compile(self, constraint: Constraint) -> "GrammarProcessor":

@@ -69,8 +69,10 @@ class EncoderEngine(Engine):
 
     def memory(self) -> MemoryReport:
         return MemoryReport(
-            weight_bytes=self.weight_bytes, active_bytes=mx.get_active_memory(),
-            peak_bytes=mx.get_peak_memory(), load_seconds=self._load_seconds,
+            weight_bytes=self.weight_bytes,
+            active_bytes=mx.get_active_memory(),
+            peak_bytes=mx.get_peak_memory(),
+            load_seconds=self._load_seconds,
         )
 
 
@@ -118,7 +120,10 @@ def mean_pooled_embeddings(model, tokenizer, texts: list[str], max_length: int, 
     number of tokens run after truncation."""
     ids = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
     rows = run_batches(
-        ids, None, batch_size, tokenizer.pad_token_id or 0,
+        ids,
+        None,
+        batch_size,
+        tokenizer.pad_token_id or 0,
         lambda input_ids, _types, mask: model(input_ids, attention_mask=mask).text_embeds,
     )
     return np.stack(rows), sum(len(x) for x in ids)

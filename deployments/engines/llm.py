@@ -313,8 +313,12 @@ class LLMEngine(Engine):
         if last.finish_reason == "error":
             raise RequestError(last.error_code or "internal", last.error or "generation failed")
         return Delta(
-            text="".join(text), token_ids=tokens, logprobs=logprobs if request.logprobs else None,
-            finish_reason=last.finish_reason, usage=last.usage, stop_sequence=last.stop_sequence,
+            text="".join(text),
+            token_ids=tokens,
+            logprobs=logprobs if request.logprobs else None,
+            finish_reason=last.finish_reason,
+            usage=last.usage,
+            stop_sequence=last.stop_sequence,
         )
 
     # ---- the loop (worker thread) ----------------------------------------------------------
@@ -389,9 +393,7 @@ class LLMEngine(Engine):
             elif r.prompt_cache is not None and self._prompt_cache_entries > 0:
                 self.prompt_cache.insert_cache(self.name, r.all_tokens[:], r.prompt_cache, cache_type="assistant")
 
-    def _handle(
-        self, command: tuple[str, Any], streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]
-    ) -> None:
+    def _handle(self, command: tuple[str, Any], streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]) -> None:
         kind, payload = command
         if kind == "add":
             rid, request, loop, out, grammar = payload
@@ -414,17 +416,14 @@ class LLMEngine(Engine):
                 self._finish(stream, "cancelled")
                 outbox.append(stream)
 
-    def _admit(
-        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, out: DeltaSink, grammar: GrammarProcessor | None = None
-    ) -> _Stream:
+    def _admit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, out: DeltaSink, grammar: GrammarProcessor | None = None) -> _Stream:
         tokens = self._tokenize(request)
         if not tokens:
             raise RequestError("invalid_request", "the prompt is empty")
         if len(tokens) + request.max_tokens > self.context_length:
             raise RequestError(
                 "context_length_exceeded",
-                f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) exceeds the context of "
-                f"{self.context_length} tokens",
+                f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) exceeds the context of {self.context_length} tokens",
             )
         vocab = self.model.args.vocab_size if hasattr(self.model, "args") else None
         if vocab and any(t < 0 or t >= vocab for t in tokens):
@@ -440,8 +439,14 @@ class LLMEngine(Engine):
                 cache, rest = None, tokens
         cached = len(tokens) - len(rest)
         stream = _Stream(
-            request=request, tokens=tokens, loop=loop, out=out, detokenizer=self.tokenizer.detokenizer,
-            stops=_stop_filter(request.stop), cached=cached, grammar=grammar,
+            request=request,
+            tokens=tokens,
+            loop=loop,
+            out=out,
+            detokenizer=self.tokenizer.detokenizer,
+            stops=_stop_filter(request.stop),
+            cached=cached,
+            grammar=grammar,
         )
         (stream.uid,) = self.generator.insert(
             [rest],
@@ -469,9 +474,7 @@ class LLMEngine(Engine):
                 raise RequestError("invalid_request", "messages is empty")
             messages, extra = chat_inputs(request.messages, request.tools, self.template_knows_tools)
             try:
-                tokens = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, **extra, **request.chat_template_kwargs
-                )
+                tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra, **request.chat_template_kwargs)
             except Exception as e:
                 raise RequestError("invalid_request", f"the chat template rejected the messages: {e}") from e
             return list(tokens["input_ids"] if isinstance(tokens, dict) else tokens)
@@ -594,4 +597,3 @@ def _processors(request: GenerationRequest):
         presence_penalty=request.presence_penalty or None,
         frequency_penalty=request.frequency_penalty or None,
     )
-

@@ -132,7 +132,10 @@ class RerankEngine(EncoderEngine):
         enc = self.tokenizer([query] * len(documents), documents, truncation=True, max_length=self.max_length)
         ids = enc["input_ids"]
         scores = run_batches(
-            ids, enc.get("token_type_ids"), self.batch_size, self.tokenizer.pad_token_id or 0,
+            ids,
+            enc.get("token_type_ids"),
+            self.batch_size,
+            self.tokenizer.pad_token_id or 0,
             lambda input_ids, types, mask: mx.sigmoid(self.model(input_ids, types, mask)),
         )
         return np.array(scores), sum(len(x) for x in ids)

@@ -145,13 +145,9 @@ class STTEngine(Engine):
         finally:
             mx.clear_cache()
         segments = tuple(Segment(round(s["start"], 2), round(s["end"], 2), s["text"]) for s in out.segments if s["text"].strip())
-        return Transcription(
-            text=out.text.strip(), language=out.language or "en", duration_s=round(samples.size / SAMPLE_RATE, 3), segments=segments
-        )
+        return Transcription(text=out.text.strip(), language=out.language or "en", duration_s=round(samples.size / SAMPLE_RATE, 3), segments=segments)
 
-    async def transcribe(
-        self, audio: bytes, *, language: str | None = None, temperature: float = 0.0, prompt: str | None = None
-    ) -> Transcription:
+    async def transcribe(self, audio: bytes, *, language: str | None = None, temperature: float = 0.0, prompt: str | None = None) -> Transcription:
         """Transcribe one audio file (wav / mp3 / flac bytes). Requests run one at a time."""
         self._check_ready()
         if not 0.0 <= temperature <= 1.0:

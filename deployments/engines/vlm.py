@@ -146,7 +146,7 @@ class VLMEngine(Engine):
         if src[:8].lower().startswith(("http://", "https://")):
             raise RequestError("unsupported", "remote image URLs are disabled", "images")
         if m := _DATA_URL.match(src):
-            payload = src[m.end():]
+            payload = src[m.end() :]
             if len(payload) * 3 // 4 > self.max_image_bytes:
                 raise RequestError("invalid_request", f"images[{i}] is larger than {self.max_image_bytes} bytes", "images")
             return payload
@@ -195,8 +195,13 @@ class VLMEngine(Engine):
                 )
             self._kv_tokens = n_prompt
             for r in stream_generate(
-                self._model, self._processor, prompt, input_ids=inputs["input_ids"],
-                pixel_values=inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **opts,
+                self._model,
+                self._processor,
+                prompt,
+                input_ids=inputs["input_ids"],
+                pixel_values=inputs.get("pixel_values"),
+                mask=inputs.get("attention_mask"),
+                **opts,
             ):
                 self._kv_tokens = n_prompt + r.generation_tokens
                 emit(("step", r.text, n_prompt, r.generation_tokens, r.finish_reason))

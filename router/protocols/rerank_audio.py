@@ -23,7 +23,7 @@ class RerankRequest(BaseModel):
         for i, d in enumerate(self.documents):
             text = d if isinstance(d, str) else d.get("text")
             if not isinstance(text, str):
-                raise oai.ProtocolError(400, "invalid_value", "a document is a string or {\"text\": ...}", f"documents[{i}]")
+                raise oai.ProtocolError(400, "invalid_value", 'a document is a string or {"text": ...}', f"documents[{i}]")
             out.append(text)
         return out
 
@@ -44,8 +44,12 @@ def rerank_response(req: RerankRequest, result: dict) -> dict:
         results.append(item)
     tokens = (result.get("usage") or {}).get("total_tokens", 0)
     return {
-        "id": f"rerank-{uuid.uuid4().hex}", "object": "list", "model": req.model, "results": results,
-        "usage": {"total_tokens": tokens}, "meta": {"billed_units": {"search_units": 1}},
+        "id": f"rerank-{uuid.uuid4().hex}",
+        "object": "list",
+        "model": req.model,
+        "results": results,
+        "usage": {"total_tokens": tokens},
+        "meta": {"billed_units": {"search_units": 1}},
     }
 
 

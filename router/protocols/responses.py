@@ -79,7 +79,9 @@ class ContentPart(_Part):
         if self.type == "input_image":
             if self.image_url is None:
                 msg = "image file_id (the Files API) is not supported; send image_url" if self.file_id else "an input_image part needs 'image_url'"
-                raise _reject(msg, "image_url" if not self.file_id else "file_id", "unsupported_value" if self.file_id else "missing_required_parameter")
+                raise _reject(
+                    msg, "image_url" if not self.file_id else "file_id", "unsupported_value" if self.file_id else "missing_required_parameter"
+                )
         elif self.type == "refusal":
             if self.refusal is None:
                 raise _reject("a refusal part needs 'refusal'", "refusal", "missing_required_parameter")
@@ -121,7 +123,10 @@ class InputItem(_Part):
         if kind == "item_reference":
             raise _reject("item_reference needs stored responses; Orchard is stateless: send the item itself", "type")
         if isinstance(kind, str) and kind not in _ITEM_TYPES:
-            raise _reject(f"'{kind}' items are not supported (built-in tools are not available); send messages, function_call and function_call_output items", "type")
+            raise _reject(
+                f"'{kind}' items are not supported (built-in tools are not available); send messages, function_call and function_call_output items",
+                "type",
+            )
         v = dict(v)
         text_type = "output_text" if v.get("role") == "assistant" else "input_text"
         for key, kind_of_text in (("content", text_type), ("output", "input_text")):
@@ -283,8 +288,13 @@ class ResponsesRequest(BaseModel):
     def _choice_names_a_tool(self) -> "ResponsesRequest":
         names = {t.name for t in self.tools or ()}
         choice = self.tool_choice
-        wanted = [choice["name"]] if isinstance(choice, dict) and choice["type"] == "function" else [
-            t["name"] for t in choice["tools"]] if isinstance(choice, dict) else []
+        wanted = (
+            [choice["name"]]
+            if isinstance(choice, dict) and choice["type"] == "function"
+            else [t["name"] for t in choice["tools"]]
+            if isinstance(choice, dict)
+            else []
+        )
         for name in wanted:
             if name not in names:
                 raise _reject(f"tool '{name}' is not in tools", "tool_choice", "invalid_value")
@@ -359,7 +369,11 @@ def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif item.type == "function_call_output":
             parts = item.output or []
-            msg: dict[str, Any] = {"role": "tool", "tool_call_id": item.call_id, "content": "\n".join(p.as_text() for p in parts if p.type == "input_text")}
+            msg: dict[str, Any] = {
+                "role": "tool",
+                "tool_call_id": item.call_id,
+                "content": "\n".join(p.as_text() for p in parts if p.type == "input_text"),
+            }
             if item.call_id in names:
                 msg["name"] = names[item.call_id]
             out.append(msg)
@@ -382,11 +396,15 @@ def to_chat_request(req: ResponsesRequest) -> dict[str, Any]:
         choice = choice["mode"]
     if tools:
         body["tools"] = [
-            {"type": "function", "function": {
-                "name": t.name, **({"description": t.description} if t.description is not None else {}),
-                "parameters": t.parameters if t.parameters is not None else {"type": "object", "properties": {}},
-                **({"strict": t.strict} if t.strict is not None else {}),
-            }}
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    **({"description": t.description} if t.description is not None else {}),
+                    "parameters": t.parameters if t.parameters is not None else {"type": "object", "properties": {}},
+                    **({"strict": t.strict} if t.strict is not None else {}),
+                },
+            }
             for t in tools
         ]
         if choice is not None:
@@ -482,7 +500,12 @@ class ResponseStreamEncoder:
     """
 
     def __init__(
-        self, req: ResponsesRequest, response_id: str, *, model: str | None = None, created_at: int | None = None,
+        self,
+        req: ResponsesRequest,
+        response_id: str,
+        *,
+        model: str | None = None,
+        created_at: int | None = None,
         statuses: Mapping[str, int] | None = None,
     ):
         self.req = req
@@ -586,7 +609,15 @@ class ResponseStreamEncoder:
                 item = {"id": self._item_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
             out += self._add(key, item)
             item["content"].append(part)
-            out.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": self._open[key], "content_index": 0, "part": _copy(part)})
+            out.append(
+                {
+                    "type": "response.content_part.added",
+                    "item_id": item["id"],
+                    "output_index": self._open[key],
+                    "content_index": 0,
+                    "part": _copy(part),
+                }
+            )
         index = self._open[key]
         item = self.output[index]
         item["content"][0]["text"] += text
@@ -618,10 +649,17 @@ class ResponseStreamEncoder:
                 out += self._text("message" if isinstance(event, TextDelta) else "reasoning", event.text)
         elif isinstance(event, ToolCallStart):
             out += self._close("message") + self._close("reasoning") + self._close(("tool", event.index))
-            out += self._add(("tool", event.index), {
-                "id": self._item_id("fc"), "type": "function_call", "call_id": event.id, "name": event.name,
-                "arguments": "", "status": "in_progress",
-            })
+            out += self._add(
+                ("tool", event.index),
+                {
+                    "id": self._item_id("fc"),
+                    "type": "function_call",
+                    "call_id": event.id,
+                    "name": event.name,
+                    "arguments": "",
+                    "status": "in_progress",
+                },
+            )
         elif isinstance(event, ToolCallArguments):
             index = self._open.get(("tool", event.index))
             if index is not None and event.arguments:
@@ -670,8 +708,13 @@ class ResponseStreamEncoder:
 
 
 def response_object(
-    req: ResponsesRequest, response_id: str, events: Iterable[OutputEvent], *, model: str | None = None,
-    created_at: int | None = None, statuses: Mapping[str, int] | None = None,
+    req: ResponsesRequest,
+    response_id: str,
+    events: Iterable[OutputEvent],
+    *,
+    model: str | None = None,
+    created_at: int | None = None,
+    statuses: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The Response for a whole generation (non-streaming): status completed, or incomplete with
     incomplete_details.reason max_output_tokens. An error / cancelled Finish raises its

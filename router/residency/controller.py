@@ -43,8 +43,21 @@ from policy.failures import reject_marked
 from policy.transitions import apply_place, clear_failed, finish_request, mark_failed, mark_loaded, remove_instance, start_request
 
 EventKind = Literal[
-    "placed", "loaded", "load_failed", "retrying", "evicted", "unloaded", "died", "rejected", "waiting", "gave_up",
-    "node_up", "node_dead", "pinned", "unpinned", "lease_expired",
+    "placed",
+    "loaded",
+    "load_failed",
+    "retrying",
+    "evicted",
+    "unloaded",
+    "died",
+    "rejected",
+    "waiting",
+    "gave_up",
+    "node_up",
+    "node_dead",
+    "pinned",
+    "unpinned",
+    "lease_expired",
 ]
 
 
@@ -275,7 +288,9 @@ class ResidencyController:
         if decision.code == "unknown_model":
             pass  # a 404, not a placement decision: names a client made up stay out of the log and the metrics
         elif waiter.announced:
-            self._record("gave_up", model=model, reason=f"after waiting {now - waiter.started:.1f} s: {decision.message}", seconds=now - waiter.started)
+            self._record(
+                "gave_up", model=model, reason=f"after waiting {now - waiter.started:.1f} s: {decision.message}", seconds=now - waiter.started
+            )
         else:
             self._record("rejected", model=model, reason=decision.message)
         waiter.future.set_exception(_error_for(decision))
@@ -365,7 +380,8 @@ class ResidencyController:
             return
         if self._copies(spec.name) >= spec.max_copies:
             raise OrchardError(
-                409, "model_already_loaded",
+                409,
+                "model_already_loaded",
                 f"model {spec.name} already has {self._copies(spec.name)} copies (max_copies={spec.max_copies}): unload it first",
             )
         others = frozenset(n.node_id for n in self.state.nodes if n.node_id != node_id)
@@ -407,7 +423,13 @@ class ResidencyController:
         now = self.effects.now()
         for victim in place.evict:
             inst = self.state.node(victim.node_id).instance(victim.model)
-            self._record("evicted", model=victim.model, node_id=victim.node_id, bytes=inst.bytes if inst else None, reason=f"to place {place.model}: {place.reason}")
+            self._record(
+                "evicted",
+                model=victim.model,
+                node_id=victim.node_id,
+                bytes=inst.bytes if inst else None,
+                reason=f"to place {place.model}: {place.reason}",
+            )
             self._spawn(self.effects.stop_instance(victim, f"evicted for {place.model}"))
         self.state = apply_place(self.state, place, now)
         self._record("placed", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=place.reason)

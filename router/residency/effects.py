@@ -74,7 +74,11 @@ class RayEffects:
         name = actor_name(place.model, place.node_id, incarnation)
         self.actors[(place.model, place.node_id)] = name
         handle = create_model_server(
-            self.entries[place.model], place.node_id, ray_node_id=ray_node_id, models_dir=self.models_dir, options=options,
+            self.entries[place.model],
+            place.node_id,
+            ray_node_id=ray_node_id,
+            models_dir=self.models_dir,
+            options=options,
             incarnation=incarnation,
         )
         try:

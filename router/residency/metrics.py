@@ -33,7 +33,10 @@ def _m():
             "orchard_load_seconds", "Seconds to load a model instance", boundaries=[0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300], tag_keys=("model",)
         ),
         "ttft": metrics.Histogram(
-            "orchard_ttft_seconds", "Request to first token, through the ingress", boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30], tag_keys=("model",)
+            "orchard_ttft_seconds",
+            "Request to first token, through the ingress",
+            boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30],
+            tag_keys=("model",),
         ),
         "tokens": metrics.Counter("orchard_generated_tokens_total", "Completion tokens streamed", tag_keys=("model",)),
     }

@@ -38,6 +38,7 @@ class RegistryModel(Frozen):
     def _text_models_only(cls, v: str | None, info: ValidationInfo) -> str | None:
         return v if info.data.get("kind") == "llm" else None  # only text models call tools
 
+
 def parse_entries(models: list[dict]) -> list[RegistryModel]:
     """Every `models:` entry validated, ModelSpec fields included (they may sit at the top level of
     an entry or under `policy:`); a ValueError names the entry and the field. Reads no files: the
@@ -84,9 +85,17 @@ def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, M
             raise ValueError(f"model {model.name}: no weight_bytes given ({where})")
         catalog[model.name] = ModelSpec(name=model.name, kind=model.kind, weight_bytes=weight, kv_bytes_per_token=kv or 0, **model.policy)
         entries[model.name] = ManifestEntry(
-            name=model.name, kind=model.kind, path=model.hub_id or str(folder), hub=model.hub_id is not None,
-            weight_bytes=int(weight), kv_bytes_per_token=int(kv or 0), weights="real", architecture="unknown",
-            source=model.hub_id or str(folder), tool_parser=model.tool_parser, reasoning=model.reasoning,
+            name=model.name,
+            kind=model.kind,
+            path=model.hub_id or str(folder),
+            hub=model.hub_id is not None,
+            weight_bytes=int(weight),
+            kv_bytes_per_token=int(kv or 0),
+            weights="real",
+            architecture="unknown",
+            source=model.hub_id or str(folder),
+            tool_parser=model.tool_parser,
+            reasoning=model.reasoning,
         )
     return catalog, entries
 
@@ -96,6 +105,13 @@ def from_manifest(models_dir: str | Path, overrides: dict[str, dict] | None = No
     policy overrides (pinned, keep_warm, ...)."""
     overrides = overrides or {}
     return [
-        {"name": e.name, "kind": e.kind, "path": e.path, "weight_bytes": e.weight_bytes, "kv_bytes_per_token": e.kv_bytes_per_token, **overrides.get(e.name, {})}
+        {
+            "name": e.name,
+            "kind": e.kind,
+            "path": e.path,
+            "weight_bytes": e.weight_bytes,
+            "kv_bytes_per_token": e.kv_bytes_per_token,
+            **overrides.get(e.name, {}),
+        }
         for e in read_manifest(models_dir).models
     ]

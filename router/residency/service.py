@@ -38,9 +38,7 @@ ON_HEAD = {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE_NAME: 0.001}}
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=10_000, ray_actor_options=ON_HEAD)
 class ResidencyService:
-    async def __init__(
-        self, models: list[dict], policy: dict, models_dir: str, watch_period_s: float = 1.0, server_options: dict | None = None
-    ):
+    async def __init__(self, models: list[dict], policy: dict, models_dir: str, watch_period_s: float = 1.0, server_options: dict | None = None):
         catalog, entries = from_config(models, models_dir)
         self.effects = RayEffects(entries, models_dir, server_options=server_options)
         self.effects.listeners.append(metrics.on_event)
@@ -69,8 +67,12 @@ class ResidencyService:
         for node_id, report in reports.items():
             self.effects.ray_node_ids[node_id] = report.ray_node_id
             self.controller.report_node(
-                node_id, devices=report.devices, total_bytes=report.total_bytes, usable_bytes=report.usable_bytes,
-                free_bytes=report.free_bytes, labels=report.labels,
+                node_id,
+                devices=report.devices,
+                total_bytes=report.total_bytes,
+                usable_bytes=report.usable_bytes,
+                free_bytes=report.free_bytes,
+                labels=report.labels,
             )
         alive = {n.node_id for n in await asyncio.to_thread(alive_nodes)}
         for node in self.controller.state.nodes:
@@ -167,12 +169,20 @@ class ResidencyService:
             mark = state.failed.get(name)
             status = "loaded" if any(i.status == "ready" for _, i in copies) else "loading" if copies else "failed" if mark else "available"
             model = {
-                "id": name, "kind": spec.kind, "status": status, "pinned": spec.pinned, "keep_warm": spec.keep_warm,
-                "nodes": [node_id for node_id, _ in copies], "bytes": sum(i.bytes for _, i in copies) or None,
+                "id": name,
+                "kind": spec.kind,
+                "status": status,
+                "pinned": spec.pinned,
+                "keep_warm": spec.keep_warm,
+                "nodes": [node_id for node_id, _ in copies],
+                "bytes": sum(i.bytes for _, i in copies) or None,
             }
             if mark is not None:
                 model["failure"] = {
-                    "node_id": mark.node_id, "reason": mark.reason, "message": mark.message, "failures": mark.failures,
+                    "node_id": mark.node_id,
+                    "reason": mark.reason,
+                    "message": mark.message,
+                    "failures": mark.failures,
                     "retry_in_s": max(0.0, round(backoff_left(mark, now, self.controller.config), 1)),
                 }
             out.append(model)
@@ -184,13 +194,21 @@ class ResidencyService:
         return {
             "nodes": [
                 {
-                    "node_id": n.node_id, "alive": n.alive, "draining": n.draining, "devices": list(n.devices), "labels": n.labels,
+                    "node_id": n.node_id,
+                    "alive": n.alive,
+                    "draining": n.draining,
+                    "devices": list(n.devices),
+                    "labels": n.labels,
                     "memory": {
-                        "total_bytes": n.total_bytes, "usable_bytes": n.usable_bytes, "foreign_bytes": n.foreign_bytes,
-                        "headroom_bytes": n.reported_headroom_bytes, "ours_bytes": sum(i.bytes for i in n.instances),
+                        "total_bytes": n.total_bytes,
+                        "usable_bytes": n.usable_bytes,
+                        "foreign_bytes": n.foreign_bytes,
+                        "headroom_bytes": n.reported_headroom_bytes,
+                        "ours_bytes": sum(i.bytes for i in n.instances),
                     },
                     "instances": [
-                        i.model_dump() | {
+                        i.model_dump()
+                        | {
                             "leases": sum(1 for lease in leases if lease.node_id == n.node_id and lease.model == i.model),
                             "actor": self.effects.actor_of(InstanceRef(node_id=n.node_id, model=i.model)),
                         }

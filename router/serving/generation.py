@@ -56,7 +56,9 @@ def prepare(lease: Lease, body: ChatOrCompletion, *, allow_remote_images: bool) 
     if body.uses_tools and config.tool_parser is None:
         raise OrchardError("tools_not_supported", f"model {model} has no tool-call parser configured (registry: tool_parser)", "tools")
     if body.forced_tool is not None:
-        grammar = forced_call_grammar(config.tool_parser, generation["tools"], body.forced_tool, parallel=body.parallel_tool_calls is True, reasoning=config.reasoning)
+        grammar = forced_call_grammar(
+            config.tool_parser, generation["tools"], body.forced_tool, parallel=body.parallel_tool_calls is True, reasoning=config.reasoning
+        )
         generation["constraint"] = {"type": "lark", "grammar": grammar}
     return generation, parser
 

@@ -176,7 +176,7 @@ class ToolParser:
             self._after_call = False
         s = self._ws + s
         body = s.rstrip()
-        self._ws = s[len(body):]
+        self._ws = s[len(body) :]
         if body:
             self._out.append(TextDelta(text=body))
 
