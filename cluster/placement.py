@@ -163,7 +163,7 @@ async def kill_model_server(
     except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
         if left is None:
             return None  # died on its own; a detached actor's name frees itself
-    except (asyncio.TimeoutError, ray.exceptions.RayTaskError):
+    except (TimeoutError, ray.exceptions.RayTaskError):
         pass  # hung or failing: kill it anyway
     if not name or not await _name_freed(name, free_timeout_s / 2):  # it did not end itself
         ray.kill(handle, no_restart=True)

@@ -170,7 +170,7 @@ class _Channel:
     def __init__(self) -> None:
         self.ready: dict[str, list[dict]] = {}
         self.tokens: dict[str, int] = {}
-        self.open: dict[str, "_Delivery"] = {}  # generations still running, by request id
+        self.open: dict[str, _Delivery] = {}  # generations still running, by request id
         self.oldest: float | None = None
         self.sending = False  # a batch went out and its caller has not taken it yet (open_channel)
         self.wake = asyncio.Event()  # something is waiting to go out

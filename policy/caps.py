@@ -62,12 +62,12 @@ def node_cap_excesses(spec: ModelSpec, node: NodeState, device: DeviceKind, stat
         _excess(
             f"max_per_device_per_node[{device}]={per_device.get(device)} {where}",
             per_device.get(device),
-            [r for r, d in zip(refs, devices) if d == device],
+            [r for r, d in zip(refs, devices, strict=True) if d == device],
         ),
         _excess(
             f"max_per_kind_per_node[{spec.kind}]={config.max_per_kind_per_node.get(spec.kind)} {where}",
             config.max_per_kind_per_node.get(spec.kind),
-            [r for r, k in zip(refs, kinds) if k == spec.kind],
+            [r for r, k in zip(refs, kinds, strict=True) if k == spec.kind],
         ),
     ]
     return [e for e in found if e is not None]

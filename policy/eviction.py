@@ -128,10 +128,10 @@ def select_victims(
     counts = [0] * len(need.excesses)
 
     def met() -> bool:
-        return freed >= need.memory_bytes and all(n >= e.excess for n, e in zip(counts, need.excesses))
+        return freed >= need.memory_bytes and all(n >= e.excess for n, e in zip(counts, need.excesses, strict=True))
 
     def cluster_caps_open() -> bool:
-        return any(e.cluster_wide and n < e.excess for n, e in zip(counts, need.excesses))
+        return any(e.cluster_wide and n < e.excess for n, e in zip(counts, need.excesses, strict=True))
 
     li = ei = 0
     while not met():

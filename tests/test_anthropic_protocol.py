@@ -11,14 +11,13 @@ import anthropic
 import httpx2
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from openai.types.chat import completion_create_params
 from pydantic import TypeAdapter, ValidationError
 
 from router.protocols import anthropic as ap
-from router.protocols.openai import MAX_STOP, ProtocolError, parse_chat_request
 from router.protocols.events import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from router.protocols.openai import MAX_STOP, ProtocolError, parse_chat_request
 
 STREAM_EVENT = TypeAdapter(RawMessageStreamEvent)
 CHAT_PARAMS = TypeAdapter(completion_create_params.CompletionCreateParamsNonStreaming)
@@ -643,9 +642,11 @@ def test_mid_stream_error_is_an_anthropic_error_event(server: FakeServer) -> Non
     assert [e["type"] for e in events] == ["message_start", "content_block_start", "content_block_delta", "error"]
     assert events[-1] == {"type": "error", "error": {"type": "overloaded_error", "message": "engine stopped"}}
     server.events = [TextDelta(text="partial"), Finish(reason="error", error="boom")]
-    with pytest.raises(anthropic.APIStatusError) as e:
-        with server.client.messages.stream(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}]) as s:
-            s.get_final_message()
+    with (
+        pytest.raises(anthropic.APIStatusError) as e,
+        server.client.messages.stream(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}]) as s,
+    ):
+        s.get_final_message()
     assert e.value.body == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
 
 

@@ -158,7 +158,7 @@ def test_twenty_random_json_schemas_validate_through_the_cluster(orchard):
 
     with ThreadPoolExecutor(10) as pool:
         outputs = list(pool.map(ask, enumerate(schemas)))
-    for schema, text in zip(schemas, outputs):
+    for schema, text in zip(schemas, outputs, strict=True):
         jsonschema.validate(json.loads(text), schema)
 
 

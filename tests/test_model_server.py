@@ -12,9 +12,9 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import asyncio
 import pickle
 import shutil
+import sys
 import tempfile
 import threading
-import sys
 import time
 
 import pytest
@@ -247,7 +247,7 @@ def test_closing_a_channel_cancels_its_requests(llama, local_engine):
     """The caller went away (its channel generator is cancelled): every request it had open on the
     channel is cancelled in the engine and its KV freed."""
     handle, _ = llama
-    never_end = {e: -100.0 for e in local_engine.eos_ids}  # random weights may pick EOS: forbid it
+    never_end = dict.fromkeys(local_engine.eos_ids, -100.0)  # random weights may pick EOS: forbid it
     handle.submit.remote("closing", "long", {"prompt": "Keep going", "max_tokens": 2000, "temperature": 0, "logit_bias": never_end})
     stream = open_channel(handle, "closing")
     for _ in range(3):

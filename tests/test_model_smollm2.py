@@ -76,9 +76,8 @@ def test_kv_bytes_per_token_matches_config(built):
 
 
 def test_weights_are_float32(loaded):
-    from mlx.utils import tree_flatten
-
     import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     params = tree_flatten(loaded[0].parameters())
     assert params and all(v.dtype == mx.float32 for _, v in params)

@@ -289,7 +289,9 @@ def test_tools_and_formats_reach_the_engine_request():
 
 
 def test_image_urls_are_data_urls_unless_remote_ones_are_allowed():
-    img = lambda url: parse_chat_request(_user() | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+    def img(url):
+        return parse_chat_request(_user() | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+
     op.check_image_urls(img("data:image/png;base64,AAAA"), allow_remote=False)
     op.check_image_urls(img("https://example.com/a.png"), allow_remote=True)
     for url, remote in (("https://example.com/a.png", False), ("/etc/passwd", True), ("file:///etc/passwd", True)):

@@ -6,8 +6,7 @@ import itertools
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from pydantic import ValidationError
 
 from router.protocols.events import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
@@ -86,7 +85,7 @@ def test_same_result_however_the_engine_cuts_the_text():
 @given(data=st.data())
 def test_same_result_at_random_cuts(data):
     cuts = sorted(data.draw(st.sets(st.integers(1, len(TRANSCRIPT) - 1), max_size=15)))
-    chunks = [TRANSCRIPT[i:j] for i, j in zip([0, *cuts], [*cuts, len(TRANSCRIPT)])]
+    chunks = [TRANSCRIPT[i:j] for i, j in zip([0, *cuts], [*cuts, len(TRANSCRIPT)], strict=True)]
     assert merged(parse(chunks)) == merged(parse([TRANSCRIPT]))
 
 

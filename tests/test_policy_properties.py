@@ -1,8 +1,7 @@
 """Property-based tests: random clusters, configs and requests; every decision is checked against
 the brute-force oracle of the spec (tests/policy_oracle.py)."""
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from policy_oracle import backoff_left, backoff_s, eligible, evictable, feasible_after, need_bytes, protection
 
 from policy import (
@@ -10,10 +9,10 @@ from policy import (
     FailedLoad,
     InstanceRef,
     InstanceState,
+    LoadFailure,
     ModelSpec,
     NodeState,
     Place,
-    LoadFailure,
     PolicyConfig,
     Reject,
     Use,
@@ -24,8 +23,8 @@ from policy import (
     retry_after_failure,
     sweep,
 )
-from policy.transitions import apply_place, remove_instance
 from policy.config import GIB
+from policy.transitions import apply_place, remove_instance
 
 NOW = 10_000.0
 SIZES_GIB = [0.25, 0.5, 1, 2, 4, 8, 12, 20, 40]

@@ -2,8 +2,7 @@
 every chunk boundary (markers split across chunks included)."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from pydantic import ValidationError
 
 from router.protocols.events import ReasoningDelta, TextDelta
@@ -92,7 +91,7 @@ def test_split_at_every_boundary(name):
 def test_split_at_random_boundaries(name, data):
     config, out, expected = CASES[name]
     cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(out) - 1)), max_size=10)))
-    chunks = [out[i:j] for i, j in zip([0, *cuts], [*cuts, len(out)])]
+    chunks = [out[i:j] for i, j in zip([0, *cuts], [*cuts, len(out)], strict=True)]
     assert merged(run(config, chunks)) == expected
 
 
@@ -154,5 +153,5 @@ def test_config():
 def test_any_mix_of_marker_fragments_is_chunking_independent(config, pieces, data):
     out = "".join(pieces)
     cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(out) - 1)), max_size=8)))
-    chunks = [out[i:j] for i, j in zip([0, *cuts], [*cuts, len(out)])]
+    chunks = [out[i:j] for i, j in zip([0, *cuts], [*cuts, len(out)], strict=True)]
     assert merged(run(config, chunks)) == merged(run(config, [out]))

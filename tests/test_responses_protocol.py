@@ -10,15 +10,14 @@ from typing import Any
 import httpx2
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from openai.types.chat import completion_create_params
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
 from router.protocols import responses as rp
-from router.protocols.openai import ProtocolError, error_body, parse_chat_request
 from router.protocols.events import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from router.protocols.openai import ProtocolError, error_body, parse_chat_request
 
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
 CHAT_PARAMS = TypeAdapter(completion_create_params.CompletionCreateParamsNonStreaming)

@@ -136,7 +136,7 @@ def test_twenty_random_schemas_in_one_batch_all_validate(engine):
         return await asyncio.gather(*(engine.complete(r) for r in requests))
 
     results = run(scenario())
-    for schema, result in zip(schemas, results):
+    for schema, result in zip(schemas, results, strict=True):
         assert result.finish_reason == "stop", (schema, result.text)
         value = json.loads(result.text)
         jsonschema.validate(value, schema)
@@ -147,12 +147,10 @@ def test_twenty_random_schemas_in_one_batch_all_validate(engine):
 def test_regex_constraint_matches_the_whole_output(engine):
     pattern = r"(yes|no), [0-9]{2}-[a-z]{3}"
     results = run_all(
-        (
-            engine.complete(
-                GenerationRequest(prompt="Answer:", max_tokens=40, temperature=1.0, seed=s, constraint=Constraint(type="regex", pattern=pattern))
-            )
-            for s in range(4)
+        engine.complete(
+            GenerationRequest(prompt="Answer:", max_tokens=40, temperature=1.0, seed=s, constraint=Constraint(type="regex", pattern=pattern))
         )
+        for s in range(4)
     )
     for r in results:
         assert r.finish_reason == "stop" and re.fullmatch(pattern, r.text), r.text
@@ -198,18 +196,16 @@ call: %json {
 
 def test_a_lark_grammar_forces_a_hermes_tool_call(engine):
     results = run_all(
-        (
-            engine.complete(
-                GenerationRequest(
-                    messages=[{"role": "user", "content": "Weather in Paris?"}],
-                    max_tokens=80,
-                    temperature=1.0,
-                    seed=s,
-                    constraint=Constraint(type="lark", grammar=TOOL_CALL_GRAMMAR),
-                )
+        engine.complete(
+            GenerationRequest(
+                messages=[{"role": "user", "content": "Weather in Paris?"}],
+                max_tokens=80,
+                temperature=1.0,
+                seed=s,
+                constraint=Constraint(type="lark", grammar=TOOL_CALL_GRAMMAR),
             )
-            for s in range(3)
         )
+        for s in range(3)
     )
     for r in results:
         assert r.finish_reason == "stop", r.text

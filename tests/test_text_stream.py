@@ -1,7 +1,6 @@
 """Stop strings never leak, even split across deltas; nothing else is held back longer than needed."""
 
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from deployments.engines.text_stream import StopStringFilter
 

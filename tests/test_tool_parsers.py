@@ -7,8 +7,7 @@ import itertools
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from router.protocols.events import TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 from router.serving.output.tool_parsers import PARSERS, UnknownToolParser, get_parser, new_call_id, render_call, render_calls
@@ -222,7 +221,7 @@ def test_transcript_at_every_split(name):
 def test_transcript_at_random_splits(name, data):
     family, out, expected = TRANSCRIPTS[name]
     cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(out) - 1)), max_size=12)))
-    chunks = [out[i:j] for i, j in zip([0, *cuts], [*cuts, len(out)])]
+    chunks = [out[i:j] for i, j in zip([0, *cuts], [*cuts, len(out)], strict=True)]
     assert summary(run(family, chunks)) == expected
 
 
@@ -307,7 +306,7 @@ def test_any_mix_of_syntax_fragments_is_chunking_independent_and_lossless(family
     out = "".join(pieces)
     whole = summary(run(family, [out]))
     cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(out) - 1)), max_size=8)))
-    assert summary(run(family, [out[i:j] for i, j in zip([0, *cuts], [*cuts, len(out)])])) == whole
+    assert summary(run(family, [out[i:j] for i, j in zip([0, *cuts], [*cuts, len(out)], strict=True)])) == whole
     if not any(kind == "call" for kind, *_ in whole):
         assert "".join(t for _, t in whole) == out  # no call: every character comes back
 

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
+
+# isort: split
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import BatchGenerator

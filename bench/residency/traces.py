@@ -48,7 +48,7 @@ def zipf(seed: int = 1, requests: int = 5000, rate_per_s: float = 0.8, s: float 
 def bursts(seed: int = 2, hours: float = 2.0) -> list[Request]:
     """A light Zipf background, plus every ten minutes a batch job hitting three models at once."""
     rng = random.Random(seed)
-    out = [r for r in zipf(seed, requests=int(0.25 * hours * 3600), rate_per_s=0.25)]
+    out = list(zipf(seed, requests=int(0.25 * hours * 3600), rate_per_s=0.25))
     llms = [n for n, *_ in LLMS]
     smalls = [n for n, *_ in SMALL]
     start = 300.0

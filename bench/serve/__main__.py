@@ -18,7 +18,7 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-from cluster.local import SERVE_ENV  # noqa: E402 (stdlib only)
+from cluster.local import SERVE_ENV  # stdlib only
 
 for _k, _v in SERVE_ENV.items():  # the product's Serve mode
     os.environ.setdefault(_k, _v)
@@ -315,7 +315,7 @@ def main() -> None:
         ).raise_for_status()
         cold.append({"model": model, "first_token_cold_s": round(time.perf_counter() - started, 3), "raw_load_s": round(raw_load_s, 3)})
 
-        async def measure() -> None:
+        async def measure(model: str, engine: LLMEngine, max_tokens: int) -> None:
             client = (SSEClient if args.client == "aiohttp" else SDKClient)(f"{base}/v1")
             actor = find_model_server(model, "head")
 
@@ -328,7 +328,7 @@ def main() -> None:
             await through_http(client, model, 2, 4)  # warm-up
             await in_process(engine, 2, 4)
             http_f, engine_f = [], []
-            for i in range(20):  # idle-cluster TTFT, one request at a time
+            for _ in range(20):  # idle-cluster TTFT, one request at a time
                 _, _, f = await through_http(client, model, 1, 2)
                 http_f += f
                 _, _, f = await in_process(engine, 1, 2)
@@ -353,7 +353,7 @@ def main() -> None:
                     h_rates.append(h_tokens / h_s)
                     e_steps.append(e_step)
                     h_steps.append(h_step)
-                ratios = sorted(h / e for h, e in zip(h_rates, e_rates))
+                ratios = sorted(h / e for h, e in zip(h_rates, e_rates, strict=True))
                 row = {
                     "model": model,
                     "concurrency": c,
@@ -377,7 +377,7 @@ def main() -> None:
                     spy.wait()
             await client.close()
 
-        asyncio.run(measure())
+        asyncio.run(measure(model, engine, max_tokens))
         asyncio.run(engine.stop())
     serve.shutdown()
     ray.shutdown()

@@ -14,14 +14,14 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-import ray  # noqa: E402
+import ray
 
-from bench.serve.__main__ import closed_loop, engine_one, messages, with_steps  # noqa: E402
-from cluster.placement import create_model_server  # noqa: E402
-from deployments.engines.llm import LLMEngine  # noqa: E402
-from deployments.manifest import read_manifest  # noqa: E402
-from deployments.models import prepare  # noqa: E402
-from router.serving.stream_mux import StreamMux  # noqa: E402
+from bench.serve.__main__ import closed_loop, engine_one, messages, with_steps
+from cluster.placement import create_model_server
+from deployments.engines.llm import LLMEngine
+from deployments.manifest import read_manifest
+from deployments.models import prepare
+from router.serving.stream_mux import StreamMux
 
 
 def main() -> None:
@@ -85,7 +85,7 @@ def main() -> None:
                 return await actor.counters.remote()
 
             sides[name] = (read, via(actor))
-        for read, one in sides.values():  # warm-up
+        for _read, one in sides.values():  # warm-up
             await closed_loop(one, 2, 1.0)
         rows = []
         for c in concurrencies:

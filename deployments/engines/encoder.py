@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 
@@ -86,7 +88,7 @@ def padded_batches(
         chunk = order[start : start + batch_size]
         width = max(len(ids[i]) for i in chunk)
 
-        def pad(rows: list[list[int]], value: int) -> mx.array:
+        def pad(rows: list[list[int]], value: int, width: int = width) -> mx.array:
             return mx.array([r + [value] * (width - len(r)) for r in rows], dtype=mx.int32)
 
         yield (
@@ -110,7 +112,7 @@ def run_batches(
     for chunk, input_ids, token_types, mask in padded_batches(ids, types, batch_size, pad_id):
         y = forward(input_ids, token_types, mask)
         mx.eval(y)
-        for i, row in zip(chunk, np.array(y, dtype=np.float32)):
+        for i, row in zip(chunk, np.array(y, dtype=np.float32), strict=True):
             out[i] = row
     return out  # type: ignore[return-value]
 

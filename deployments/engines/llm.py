@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
+
+# isort: split
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -511,7 +513,7 @@ class LLMEngine(Engine):
         if request.top_logprobs:
             ids = mx.argpartition(-row, request.top_logprobs - 1)[: request.top_logprobs]
             values = row[ids]
-            pairs = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
+            pairs = sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda p: -p[1])
             # a grammar leaves some tokens at -inf: they are not alternatives (nor valid JSON)
             top = [(i, self.tokenizer.decode([i]), v) for i, v in pairs if v != -math.inf]
         return [TokenLogprob(token_id=r.token, token=self.tokenizer.decode([r.token]), logprob=row[r.token].item(), top=top)]

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Literal
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np

@@ -10,10 +10,12 @@ import io
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+import deployments  # noqa: F401  (OpenBLAS before MLX)
+
+# isort: split
+import mlx.core as mx
 import numpy as np
 
-import deployments  # noqa: F401  (OpenBLAS before MLX)
-import mlx.core as mx
 from deployments.engine import Engine, Frozen, MemoryReport, RequestError
 from deployments.manifest import safetensors_bytes
 from deployments.worker import MLXWorker

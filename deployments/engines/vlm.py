@@ -207,7 +207,7 @@ class VLMEngine(Engine):
                 emit(("step", r.text, n_prompt, r.generation_tokens, r.finish_reason))
                 if cancel.is_set():
                     return
-        except Exception as e:  # noqa: BLE001 - every failure belongs to this request only
+        except Exception as e:  # every failure belongs to this request only
             emit(("error", e))
         finally:
             self._kv_tokens = 0

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
+
+# isort: split
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama

@@ -101,7 +101,7 @@ def _split(out: dict, hf_names: list[str], ct2: dict, key: str) -> None:
     """A fused projection (rows stacked Q|K|V or K|V) -> one Linear each; K has no bias."""
     weights = np.split(ct2[f"{key}/weight"], len(hf_names))
     biases = np.split(ct2[f"{key}/bias"], len(hf_names))
-    for hf, w, b in zip(hf_names, weights, biases):
+    for hf, w, b in zip(hf_names, weights, biases, strict=True):
         out[f"{hf}.weight"] = w
         if not hf.endswith("k_proj"):
             out[f"{hf}.bias"] = b
@@ -171,7 +171,7 @@ def write_tokenizer(src: Path, dest: Path, vocab_size: int) -> None:
     if tok.token_to_id("<|0.00|>") != first or tok.get_vocab_size(with_added_tokens=True) != vocab_size:
         raise ValueError(f"timestamp tokens do not line up with the model's {vocab_size}-token vocabulary")
     tok.save(str(dest / "tokenizer.json"))
-    specials = {k: "<|endoftext|>" for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    specials = dict.fromkeys(("bos_token", "eos_token", "unk_token", "pad_token"), "<|endoftext|>")
     (dest / "tokenizer_config.json").write_text(
         json.dumps({"tokenizer_class": "WhisperTokenizer", **specials, "model_max_length": 448, "processor_class": "WhisperProcessor"}, indent=2)
         + "\n"

@@ -15,8 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.errors import OrchardError
-from router.protocols import anthropic as anth
-from router.protocols import openai as oai
+from router.protocols import anthropic as anth, openai as oai
 
 Protocol = Literal["openai", "anthropic"]
 log = logging.getLogger("orchard.ingress")

@@ -22,7 +22,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from router.protocols.openai import ENGINE_STATUS, MAX_STOP, ProtocolError, parse_body, reject as _reject
 from router.protocols.events import (
     Finish,
     OutputEvent,
@@ -32,6 +31,7 @@ from router.protocols.events import (
     ToolCallEnd,
     ToolCallStart,
 )
+from router.protocols.openai import ENGINE_STATUS, MAX_STOP, ProtocolError, parse_body, reject as _reject
 
 # ---- errors ------------------------------------------------------------------------------------
 
@@ -129,7 +129,7 @@ class ImageSource(_Part):
     file_id: str | None = None
 
     @model_validator(mode="after")
-    def _complete(self) -> "ImageSource":
+    def _complete(self) -> ImageSource:
         if self.type == "file":
             raise _reject("file sources (the Files API) are not supported; send base64 data or a URL", "type")
         if self.type == "base64" and (not self.data or self.media_type is None):
@@ -176,7 +176,7 @@ class ContentBlock(_Part):
     name: str | None = None
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None  # tool_result
-    content: list["ContentBlock"] | None = None  # tool_result (a string becomes one text block)
+    content: list[ContentBlock] | None = None  # tool_result (a string becomes one text block)
     is_error: bool | None = None
     thinking: str | None = None  # thinking (history only: dropped, see to_chat_request)
     signature: str | None = None
@@ -199,7 +199,7 @@ class ContentBlock(_Part):
         return v
 
     @model_validator(mode="after")
-    def _by_type(self) -> "ContentBlock":
+    def _by_type(self) -> ContentBlock:
         need = {"text": ("text",), "image": ("source",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
         for name in need.get(self.type, ()):
             if getattr(self, name) is None:
@@ -223,7 +223,7 @@ class Message(_Part):
         return [{"type": "text", "text": v}] if isinstance(v, str) else v
 
     @model_validator(mode="after")
-    def _by_role(self) -> "Message":
+    def _by_role(self) -> Message:
         allowed = _BLOCKS_BY_ROLE[self.role]
         for j, block in enumerate(self.content):
             if block.type not in allowed:
@@ -242,7 +242,7 @@ class Tool(_Part):
     strict: bool | None = None
 
     @model_validator(mode="after")
-    def _client_tool(self) -> "Tool":
+    def _client_tool(self) -> Tool:
         if self.type not in (None, "custom"):
             raise _reject(f"server tools are not supported (type '{self.type}'); define a client tool with name and input_schema", "type")
         if self.input_schema is None:
@@ -256,7 +256,7 @@ class ToolChoice(_Part):
     disable_parallel_tool_use: bool | None = None
 
     @model_validator(mode="after")
-    def _named(self) -> "ToolChoice":
+    def _named(self) -> ToolChoice:
         if self.type == "tool" and not self.name:
             raise _reject("Field required", "name", "missing")
         return self
@@ -272,7 +272,7 @@ class Thinking(_Part):
     display: str | None = None
 
     @model_validator(mode="after")
-    def _budget(self) -> "Thinking":
+    def _budget(self) -> Thinking:
         if self.type == "enabled" and self.budget_tokens is None:
             raise _reject("Field required", "budget_tokens", "missing")
         return self
@@ -341,7 +341,7 @@ class CountTokensRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _tool_choice(self) -> "CountTokensRequest":
+    def _tool_choice(self) -> CountTokensRequest:
         choice, names = self.tool_choice, {t.name for t in self.tools or ()}
         if choice is not None and choice.type in ("any", "tool") and not names:
             raise _reject(f"tool_choice '{choice.type}' needs tools", "tool_choice.type", "invalid_value")
@@ -566,7 +566,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
 def _sse(data: Mapping[str, Any]) -> bytes:
     """One event as Anthropic sends it: `event: <type>` and the JSON data (the SDK reads both)."""
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {data['type']}\ndata: {payload}\n\n".encode("utf-8")
+    return f"event: {data['type']}\ndata: {payload}\n\n".encode()
 
 
 class MessageStreamEncoder:

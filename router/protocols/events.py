@@ -5,7 +5,7 @@ protocol (OpenAI chat, OpenAI Responses, Anthropic Messages) encodes the same ev
 That is what keeps protocol translation separate from model execution: every protocol reaches every
 engine through one lease-and-stream path and one parser chain."""
 
-from typing import Literal, Union
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -67,4 +67,4 @@ class Finish(_Event):
     error_code: str | None = None
 
 
-OutputEvent = Union[TextDelta, ReasoningDelta, ToolCallStart, ToolCallArguments, ToolCallEnd, Finish]
+OutputEvent = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArguments | ToolCallEnd | Finish

@@ -210,7 +210,7 @@ class ContentPart(_Part):
         return {"url": v} if isinstance(v, str) else v  # some clients send the URL bare
 
     @model_validator(mode="after")
-    def _payload(self) -> "ContentPart":
+    def _payload(self) -> ContentPart:
         if self.type == "input_audio":
             raise _unsupported("audio input is not supported", at="type")
         if self.type == "file":
@@ -251,7 +251,7 @@ class ChatMessage(_Part):
         raise _invalid("content must be a string or an array of content parts", code="invalid_type")
 
     @model_validator(mode="after")
-    def _by_role(self) -> "ChatMessage":
+    def _by_role(self) -> ChatMessage:
         if self.audio is not None:
             raise _unsupported("audio messages are not supported", at="audio", code="unsupported_parameter")
         if self.content is None:
@@ -292,7 +292,7 @@ class ResponseFormat(_Part):
     json_schema: JSONSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_given(self) -> "ResponseFormat":
+    def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise _invalid(
                 "response_format json_schema needs a 'json_schema' object with a 'schema'", at="json_schema", code="missing_required_parameter"
@@ -464,7 +464,7 @@ class ChatCompletionRequest(_Sampling):
         raise _invalid("must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
 
     @model_validator(mode="after")
-    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
         names = [t.function.name for t in self.tools or ()]
         if isinstance(self.tool_choice, dict) and self.tool_choice["function"]["name"] not in names:
             raise _invalid(f"tool_choice names {self.tool_choice['function']['name']!r}, which is not in tools", at="tool_choice")
@@ -508,7 +508,7 @@ class ChatCompletionRequest(_Sampling):
         return v
 
     @model_validator(mode="after")
-    def _logprobs_pair(self) -> "ChatCompletionRequest":
+    def _logprobs_pair(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise _invalid("top_logprobs needs logprobs set to true", at="top_logprobs")
         return self
@@ -726,7 +726,7 @@ def generation_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[st
     return out
 
 
-def to_generation_request(req: ChatCompletionRequest | CompletionRequest) -> "GenerationRequest":
+def to_generation_request(req: ChatCompletionRequest | CompletionRequest) -> GenerationRequest:
     """The engine's GenerationRequest (imports the LLM engine module, hence MLX, on first use; the
     ingress can send `generation_fields(req)` instead, which the model actor validates the same)."""
     from deployments.engines.llm import GenerationRequest

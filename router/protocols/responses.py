@@ -28,7 +28,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from router.protocols.openai import ENGINE_STATUS, ProtocolError, error_type, parse_body, reject as _reject
 from router.protocols.events import (
     Finish,
     OutputEvent,
@@ -38,7 +37,7 @@ from router.protocols.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-
+from router.protocols.openai import ENGINE_STATUS, ProtocolError, error_type, parse_body, reject as _reject
 
 # ---- request models ------------------------------------------------------------------------------
 
@@ -75,7 +74,7 @@ class ContentPart(_Part):
         return v
 
     @model_validator(mode="after")
-    def _payload(self) -> "ContentPart":
+    def _payload(self) -> ContentPart:
         if self.type == "input_image":
             if self.image_url is None:
                 msg = "image file_id (the Files API) is not supported; send image_url" if self.file_id else "an input_image part needs 'image_url'"
@@ -135,7 +134,7 @@ class InputItem(_Part):
         return v
 
     @model_validator(mode="after")
-    def _complete(self) -> "InputItem":
+    def _complete(self) -> InputItem:
         need = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"), "function_call_output": ("call_id", "output")}
         for name in need.get(self.type, ()):
             if getattr(self, name) is None:
@@ -178,7 +177,7 @@ class TextFormat(_Part):
     strict: bool | None = None
 
     @model_validator(mode="after")
-    def _schema(self) -> "TextFormat":
+    def _schema(self) -> TextFormat:
         for name in ("name", "schema_") if self.type == "json_schema" else ():
             if getattr(self, name) is None:
                 key = name.rstrip("_")
@@ -285,7 +284,7 @@ class ResponsesRequest(BaseModel):
         raise _reject("tool_choice must be 'none', 'auto', 'required', {'type': 'function', 'name': ...} or allowed_tools", code="invalid_value")
 
     @model_validator(mode="after")
-    def _choice_names_a_tool(self) -> "ResponsesRequest":
+    def _choice_names_a_tool(self) -> ResponsesRequest:
         names = {t.name for t in self.tools or ()}
         choice = self.tool_choice
         wanted = (
@@ -470,7 +469,7 @@ def _failure_code(status: int) -> str:
 
 def _sse(data: Mapping[str, Any]) -> bytes:
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {data['type']}\ndata: {payload}\n\n".encode("utf-8")
+    return f"event: {data['type']}\ndata: {payload}\n\n".encode()
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:

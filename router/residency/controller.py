@@ -11,8 +11,8 @@ ingress streams straight from it, and `release` ends the lease."""
 
 import asyncio
 import itertools
-from dataclasses import dataclass
 from collections import deque
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from pydantic import Field
@@ -35,12 +35,12 @@ from policy import (
 )
 from policy._frozen import Frozen
 from policy.cluster_state import LoadFailureReason
-from router.errors import OrchardError
+from policy.failures import reject_marked
 from policy.memory import gib
 from policy.placement import place_from_plan, plan_placement
 from policy.specs import DeviceKind
-from policy.failures import reject_marked
 from policy.transitions import apply_place, clear_failed, finish_request, mark_failed, mark_loaded, remove_instance, start_request
+from router.errors import OrchardError
 
 EventKind = Literal[
     "placed",
@@ -532,7 +532,7 @@ class ResidencyController:
     async def _wait_for_change(self, timeout_s: float) -> None:
         try:
             await asyncio.wait_for(self._changed.wait(), timeout=timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     async def settle(self) -> None:

@@ -9,7 +9,6 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-
 from cluster.placement import actor_name, create_model_server, kill_model_server, new_incarnation
 from deployments.manifest import ManifestEntry, model_location
 from deployments.model_server import unwrap

@@ -18,8 +18,8 @@ from cluster.node_agent import alive_nodes, collect_reports, ensure_agents
 from cluster.placement import death_cause, find_model_servers, live_model_server_names, parse_actor_name
 from policy import InstanceRef, PolicyConfig
 from policy.failures import backoff_left
-from router.residency import metrics as metrics
 from router.errors import OrchardError
+from router.residency import metrics as metrics
 from router.residency.controller import ResidencyController
 from router.residency.effects import RayEffects
 from router.residency.registry import from_config

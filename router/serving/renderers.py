@@ -9,9 +9,7 @@ leave in the same protocol's error format (mid-stream; before the stream, router
 from typing import Any, Literal
 
 from router.errors import STATUS as HTTP_STATUS
-from router.protocols import anthropic as anth
-from router.protocols import openai as oai
-from router.protocols import responses as resp
+from router.protocols import anthropic as anth, openai as oai, responses as resp
 from router.serving.output.parsing import OutputParser
 
 Protocol = Literal["openai", "anthropic"]

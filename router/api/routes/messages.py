@@ -5,8 +5,7 @@ from fastapi import APIRouter, Depends
 
 from router.api.generate import generate
 from router.api.ingress import Ingress, current
-from router.protocols import anthropic as anth
-from router.protocols import openai as oai
+from router.protocols import anthropic as anth, openai as oai
 from router.serving.generation import call, prepare
 from router.serving.renderers import AnthropicRenderer
 

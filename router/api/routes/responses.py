@@ -4,8 +4,7 @@ from fastapi import APIRouter, Depends
 
 from router.api.generate import generate
 from router.api.ingress import Ingress, current
-from router.protocols import openai as oai
-from router.protocols import responses as resp
+from router.protocols import openai as oai, responses as resp
 from router.serving.renderers import ResponsesRenderer
 
 router = APIRouter(tags=["openai"])

@@ -58,9 +58,7 @@ def tools_enabled(tools: list | None, tool_choice: Any = None) -> bool:
     (OpenAI's string, or an object of type "none" as Anthropic spells it)."""
     if not tools:
         return False
-    if tool_choice == "none" or (isinstance(tool_choice, Mapping) and tool_choice.get("type") == "none"):
-        return False
-    return True
+    return not (tool_choice == "none" or (isinstance(tool_choice, Mapping) and tool_choice.get("type") == "none"))
 
 
 def _field(delta: Any, key: str) -> Any:
