@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 
@@ -283,7 +284,7 @@ def start(
     (temp_root / "logs").mkdir(parents=True, exist_ok=True)
     env = ray_env(temp_root)
     address = f"{ip}:{port}"
-    state = {
+    state: dict[str, Any] = {
         "address": address,
         "ip": ip,
         "temp_root": str(temp_root),
@@ -514,11 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "tmpdir":
         print(_absolute(a.dir))
     elif a.cmd == "address":
-        state = read_state(a.dir)
-        if state is None:
+        running = read_state(a.dir)
+        if running is None:
             print("no local cluster is running", file=sys.stderr)
             return 1
-        print(state["address"])
+        print(running["address"])
     else:
         for row in status(a.dir):
             labels = ",".join(f"{k}={v}" for k, v in sorted(row["labels"].items()))

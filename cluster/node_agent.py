@@ -95,7 +95,7 @@ class NodeAgent:
 
     def __init__(self) -> None:
         ctx = ray.get_runtime_context()
-        self._ident = identity_from_labels(ctx.get_node_id(), dict(ctx.get_node_labels()))
+        self._ident = identity_from_labels(ctx.get_node_id(), dict(ctx.get_node_labels()))  # type: ignore[arg-type]  # str values (Ray's annotation says lists)
 
     def identity(self) -> dict:
         return self._ident.model_dump()
@@ -119,7 +119,7 @@ class NodeAgent:
 
 
 def _start_agent(ident: NodeIdentity):
-    return NodeAgent.options(
+    return NodeAgent.options(  # type: ignore[attr-defined]  # @ray.remote made it an ActorClass; mypy keeps the class
         name=agent_name(ident.node_id),
         namespace=NAMESPACE,
         lifetime="detached",

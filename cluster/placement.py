@@ -146,9 +146,9 @@ async def kill_model_server(
     Returns how many requests still ran at the end; None if the server was already gone. Async:
     the router calls it from its event loop and a drain takes seconds."""
     name = server if isinstance(server, str) else None
-    if name is not None:
+    if isinstance(server, str):
         try:
-            handle = ray.get_actor(name, namespace=NAMESPACE)
+            handle = ray.get_actor(server, namespace=NAMESPACE)
         except ValueError:
             return None
     else:

@@ -29,7 +29,7 @@ def weights_dtype(folder: Path) -> str | None:
         for name, info in header.items():
             if name != "__metadata__" and info["dtype"] in DTYPE_BYTES:
                 counts[info["dtype"]] = counts.get(info["dtype"], 0) + 1
-    return max(counts, key=counts.get) if counts else None
+    return max(counts, key=counts.__getitem__) if counts else None
 
 
 def kv_bytes_per_token(config: dict, weights_dtype: str | None = None) -> int:

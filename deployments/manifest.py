@@ -44,7 +44,7 @@ class Manifest(Frozen):
         raise KeyError(f"no model {name!r} in the manifest")
 
 
-def read_manifest(models_dir: Path) -> Manifest:
+def read_manifest(models_dir: str | Path) -> Manifest:
     return Manifest.model_validate_json((Path(models_dir) / MANIFEST_NAME).read_text())
 
 
@@ -52,5 +52,5 @@ def write_manifest(models_dir: Path, manifest: Manifest) -> None:
     (Path(models_dir) / MANIFEST_NAME).write_text(json.dumps(manifest.model_dump(), indent=2) + "\n")
 
 
-def safetensors_bytes(folder: Path) -> int:
+def safetensors_bytes(folder: str | Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))

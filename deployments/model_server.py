@@ -251,7 +251,7 @@ class _Delivery:
         if self.task is not None:
             self.task.cancel()
         if self.engine_id is not None:
-            self.server.engine.cancel(self.engine_id)
+            self.server.engine.cancel(self.engine_id)  # type: ignore[attr-defined]  # an LLM/VLM engine's own
 
     def watch(self, task: asyncio.Task) -> None:
         """`task` starts or feeds this generation. A cancelled task ends it (also one cancelled before
@@ -528,13 +528,13 @@ class ModelServer:
 
     def _start(self, delivery: _Delivery, request: Any, grammar: Any) -> None:
         try:
-            delivery.engine_id = self.engine.start(request, delivery, grammar)
+            delivery.engine_id = self.engine.start(request, delivery, grammar)  # type: ignore[attr-defined]  # an LLM/VLM engine's own
         except Exception as e:
             delivery.fail(unwrap(e))
 
     async def _start_constrained(self, delivery: _Delivery, request: Any) -> None:
         try:
-            grammar = await self.engine.compile(request)
+            grammar = await self.engine.compile(request)  # type: ignore[attr-defined]  # an LLM/VLM engine's own
         except Exception as e:
             delivery.fail(unwrap(e))
             return
@@ -554,7 +554,7 @@ class ModelServer:
 
     async def _feed(self, delivery: _Delivery, request: dict) -> None:
         """A VLM generation: its engine's delta stream -> the delivery."""
-        stream = self.engine.generate(
+        stream = self.engine.generate(  # type: ignore[attr-defined]  # an LLM/VLM engine's own
             request["messages"], images=request.get("images") or [], **{k: v for k, v in request.items() if k not in ("messages", "images")}
         )
         try:
@@ -576,7 +576,7 @@ class ModelServer:
             self._engine_for("generate")
             if self.entry.kind != "llm":
                 raise ModelServerError("unsupported", f"model {self.entry.name} ({self.entry.kind}) does not count tokens", "model")
-            return len(await asyncio.to_thread(self.engine.tokenize, self._parse_generation(request)))
+            return len(await asyncio.to_thread(self.engine.tokenize, self._parse_generation(request)))  # type: ignore[attr-defined]  # an LLM/VLM engine's own
 
     async def embed(self, texts: list[str] | str, dimensions: int | None = None) -> dict:
         """EmbeddingResult as a dict: vectors, prompt_tokens, dimensions."""

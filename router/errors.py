@@ -85,7 +85,7 @@ class OrchardError(Exception):
         return {"code": self.code, "message": self.message, "param": self.param, "retry_after_s": self.retry_after_s}
 
 
-def _rebuild(cls: type, code: str, message: str, param: str | None, retry_after_s: float | None, status: int | None) -> OrchardError:
+def _rebuild(cls: type[OrchardError], code: str, message: str, param: str | None, retry_after_s: float | None, status: int | None) -> OrchardError:
     error = OrchardError.__new__(cls)
     OrchardError.__init__(error, code, message, param, retry_after_s=retry_after_s, status=status)
     return error

@@ -9,6 +9,7 @@ import json
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 
@@ -20,6 +21,7 @@ from mlx_lm.generate import BatchGenerator
 from deployments.engines.llm import GenerationRequest, LLMEngine
 from deployments.models import prepare
 
+MLX_VERSION: str = mx.__version__  # type: ignore[attr-defined]  # not in mlx's stubs
 TOPICS = ["the sea", "a city at night", "bread", "mountains", "a small robot", "rain", "music", "the moon"]
 
 
@@ -29,7 +31,7 @@ def prompts(n: int) -> list[str]:
 
 def direct(path: str, texts: list[str], max_tokens: int) -> tuple[int, float]:
     """Tokens generated and seconds, mlx-lm alone: insert everything, step until done."""
-    model, tokenizer = mlx_lm.load(path)
+    model, tokenizer = mlx_lm.load(path)  # type: ignore[misc]  # a 2-tuple without return_config
     eos = [[t] for t in tokenizer.eos_token_ids]
     tokens = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
     gen = BatchGenerator(model, stop_tokens=eos, completion_batch_size=64, prefill_batch_size=8)
@@ -50,7 +52,7 @@ async def through_engine(engine: LLMEngine, texts: list[str], max_tokens: int) -
     requests = [GenerationRequest(messages=[{"role": "user", "content": t}], max_tokens=max_tokens, temperature=0) for t in texts]
     started = time.perf_counter()
     results = await asyncio.gather(*(engine.complete(r) for r in requests))
-    return sum(r.usage.completion_tokens for r in results), time.perf_counter() - started
+    return sum(r.usage.completion_tokens for r in results), time.perf_counter() - started  # type: ignore[union-attr, misc]  # complete() sets usage
 
 
 def measure(name: str, path: str, concurrencies: list[int], max_tokens: int) -> list[dict]:
@@ -64,7 +66,7 @@ def measure(name: str, path: str, concurrencies: list[int], max_tokens: int) -> 
         texts = prompts(c)
         d_tokens, d_s = direct(path, texts, max_tokens)
         e_tokens, e_s = asyncio.run(through_engine(engine, texts, max_tokens))
-        row = {
+        row: dict[str, Any] = {
             "model": name,
             "concurrency": c,
             "max_tokens": max_tokens,
@@ -94,16 +96,16 @@ def main() -> None:
     print(header)
     rows = measure("llama-10m", str(models / "llama-10m"), concurrencies, 128)
     rows += measure("smollm2-135m-instruct", str(models / "smollm2-135m-instruct"), concurrencies, 48)
-    result = {
+    result: dict[str, Any] = {
         "rows": rows,
-        "machine": {"python": platform.python_version(), "processor": platform.machine(), "mlx": mx.__version__, "device": str(mx.default_device())},
+        "machine": {"python": platform.python_version(), "processor": platform.machine(), "mlx": MLX_VERSION, "device": str(mx.default_device())},
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.json}")
     if args.markdown:
         lines = [f"| {r['model']} | {r['concurrency']} | {r['direct_tok_s']} | {r['engine_tok_s']} | {r['ratio']:.2f} |" for r in rows]
-        Path(args.markdown).write_text(MARKDOWN.format(table="\n".join([header, *lines]), device=result["machine"]["device"], mlx=mx.__version__))
+        Path(args.markdown).write_text(MARKDOWN.format(table="\n".join([header, *lines]), device=result["machine"]["device"], mlx=MLX_VERSION))
         print(f"wrote {args.markdown}")
 
 

@@ -70,7 +70,7 @@ ONE_MAC = [("mac-64", 64, 48)]
 
 
 def empty_cluster(specs: list[ModelSpec], nodes: list[tuple[str, int, int]] = NODES) -> ClusterState:
-    nodes = tuple(
+    states = tuple(
         NodeState(node_id=n, labels={"chip": "apple"}, devices=("metal", "cpu"), total_bytes=t * GIB, usable_bytes=u * GIB) for n, t, u in nodes
     )
-    return ClusterState(nodes=nodes, catalog={s.name: s for s in specs})
+    return ClusterState(nodes=states, catalog={s.name: s for s in specs})

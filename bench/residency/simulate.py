@@ -8,6 +8,7 @@ import heapq
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from bench.residency.traces import Request
 from policy import ClusterState, InstanceRef, Place, PolicyConfig, Reject, Use, Wait, count_only_lru, ensure
@@ -96,10 +97,10 @@ def overcommitted(state: ClusterState, node_id: str) -> bool:
 
 def simulate(trace: list[Request], state: ClusterState, decide: Decider, config: PolicyConfig) -> Tally:
     tally = Tally(requests=len(trace))
-    events: list[tuple[float, int, str, object]] = []
+    events: list[tuple[float, int, str, Any]] = []  # payload by kind: ask i, loaded (ref, s), done (i, ref)
     seq = 0
 
-    def push(t: float, kind: str, payload: object) -> None:
+    def push(t: float, kind: str, payload: Any) -> None:
         nonlocal seq
         seq += 1
         heapq.heappush(events, (t, seq, kind, payload))

@@ -103,7 +103,7 @@ class SDKClient:
         started = time.perf_counter()
         first = None
         tokens = 0
-        stream = await self.client.chat.completions.create(
+        stream = await self.client.chat.completions.create(  # type: ignore[call-overload]  # plain dict messages, as a client sends them
             model=model, messages=messages(i), max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}
         )
         async for chunk in stream:

@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray
@@ -42,9 +43,9 @@ def main() -> None:
     entry = read_manifest(models_dir).entry(args.model)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     node = ray.get_runtime_context().get_node_id()
-    variants = {}
+    variants: dict[str, Any] = {}
     for v in args.gil_switch_ms.split(","):
-        options = {"coalesce_tokens": 8, "coalesce_ms": 50, "coalesce_max_ms": 100}
+        options: dict[str, float] = {"coalesce_tokens": 8, "coalesce_ms": 50, "coalesce_max_ms": 100}
         if v != "default":
             options["gil_switch_ms"] = float(v)
         actor = create_model_server(entry, f"paths-{v}", ray_node_id=node, models_dir=str(models_dir), options=options)
@@ -91,8 +92,8 @@ def main() -> None:
         for c in concurrencies:
             got: dict[str, list] = {name: [] for name in sides}
             for _ in range(args.rounds):
-                for name, (read, one) in sides.items():
-                    tokens, seconds, steps = await with_steps(read, closed_loop(one, c, args.seconds))
+                for name, (counters, one) in sides.items():
+                    tokens, seconds, steps = await with_steps(counters, closed_loop(one, c, args.seconds))
                     got[name].append((tokens / seconds, steps))
             base = statistics.median(r for r, _ in got["in-process"])
             for name, runs in got.items():

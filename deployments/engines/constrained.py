@@ -15,7 +15,7 @@ cannot loop on whitespace, and the output stays close to the JSON models are tra
 
 import threading
 import warnings
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
 import llguidance.hf
@@ -25,10 +25,13 @@ from pydantic import model_validator
 
 from deployments.engine import Frozen, RequestError
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stub only
+
 PARAM = "response_format"
 
 # JSON whitespace for json_object / json_schema: fixed separators, nothing flexible.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: "JsonCompileOptions" = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 _MAX_ERROR_CHARS = 2000
 
@@ -61,11 +64,12 @@ def grammar_source(constraint: Constraint) -> str:
     if constraint.type == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
     if constraint.type == "json_schema":
-        options = dict(JSON_OPTIONS, lenient=not constraint.strict)
-        return llguidance.LLMatcher.grammar_from_json_schema(constraint.schema, overrides=options)
+        # schema, pattern and grammar are present for their types (Constraint._needs_its_field)
+        options: JsonCompileOptions = {**JSON_OPTIONS, "lenient": not constraint.strict}
+        return llguidance.LLMatcher.grammar_from_json_schema(constraint.schema, overrides=options)  # type: ignore[arg-type]
     if constraint.type == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(constraint.pattern)
-    return llguidance.LLMatcher.grammar_from_lark(constraint.grammar)
+        return llguidance.LLMatcher.grammar_from_regex(constraint.pattern)  # type: ignore[arg-type]
+    return llguidance.LLMatcher.grammar_from_lark(constraint.grammar)  # type: ignore[arg-type]
 
 
 _WHAT = {"json_object": "JSON object grammar", "json_schema": "JSON schema", "regex": "regex", "lark": "Lark grammar"}
@@ -130,7 +134,7 @@ class GrammarProcessor:
         width = logits.shape[-1]
         try:
             if self._started:
-                token = int(tokens[-1].item())
+                token = int(tokens[-1].item())  # type: ignore[arg-type]  # a token id: mlx types item() as any scalar
                 if not self.matcher.consume_token(token) and self.error is None:
                     self.error = f"the grammar rejected token {token}: {self.matcher.get_error()}"
             self._started = True

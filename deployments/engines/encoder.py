@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 
@@ -19,6 +20,8 @@ from deployments.worker import MLXWorker
 
 
 class EncoderEngine(Engine):
+    model: Any  # set on the worker by _load_model (an mlx-embeddings model), None once unloaded
+    tokenizer: Any
     """What the encoder engines (embeddings, rerank) share: a worker thread, a sequence-length limit
     from the folder, batched forward passes, and no KV cache. Subclasses set `self.model` and
     `self.tokenizer` in `_load_model` (on the worker)."""
@@ -51,6 +54,7 @@ class EncoderEngine(Engine):
 
     async def _run(self, fn: Callable, *args):
         """fn(*args) on the worker, counted as a running request."""
+        assert self._worker is not None  # set by _load; callers checked the engine is ready
         self._running += 1
         try:
             return await self._worker.run(fn, *args)

@@ -15,7 +15,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 
@@ -27,7 +27,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 from pydantic import Field, field_validator, model_validator
 
-from deployments.engine import Engine, Frozen, MemoryReport, RequestError
+from deployments.engine import Engine, Frozen, MemoryReport, RequestError, RequestErrorCode
 from deployments.engines.chat_format import chat_inputs, template_supports_tools
 from deployments.engines.constrained import Constraint, GrammarCompiler, GrammarProcessor
 from deployments.engines.text_stream import StopStringFilter
@@ -200,7 +200,7 @@ class LLMEngine(Engine):
         self._loop_done = self._worker.submit(self._run_loop)
 
     def _load_on_worker(self) -> None:
-        self.model, self.tokenizer, config = mlx_lm.load(self.path, return_config=True)
+        self.model, self.tokenizer, config = mlx_lm.load(self.path, return_config=True)  # type: ignore[misc]  # a 3-tuple with return_config
         self.weight_bytes = safetensors_bytes(self.path)
         self.context_length = self._context_length or int(config.get("max_position_embeddings") or 4096)
         self.kv_bytes_per_token = kv_bytes_per_token(config)
@@ -313,7 +313,7 @@ class LLMEngine(Engine):
             logprobs.extend(delta.logprobs or [])
             last = delta
         if last.finish_reason == "error":
-            raise RequestError(last.error_code or "internal", last.error or "generation failed")
+            raise RequestError(cast(RequestErrorCode, last.error_code or "internal"), last.error or "generation failed")
         return Delta(
             text="".join(text),
             token_ids=tokens,
@@ -373,8 +373,8 @@ class LLMEngine(Engine):
         try:
             _, responses = self.generator.next()
         except Exception as e:  # a broken step must not kill the engine: fail this batch, go on
-            for rid in list(streams):
-                stream = streams.pop(rid)
+            for running in list(streams):
+                stream = streams.pop(running)
                 self._finish(stream, "error", error=f"{type(e).__name__}: {e}", code="internal")
                 outbox.append(stream)
             by_uid.clear()
@@ -410,13 +410,13 @@ class LLMEngine(Engine):
             streams[rid] = stream
             by_uid[stream.uid] = rid
         elif kind == "cancel":
-            stream = streams.pop(payload, None)
-            if stream is not None:
-                by_uid.pop(stream.uid, None)
-                self.generator.remove([stream.uid])  # drops its KV cache now
+            cancelled = streams.pop(payload, None)
+            if cancelled is not None:
+                by_uid.pop(cancelled.uid, None)
+                self.generator.remove([cancelled.uid])  # drops its KV cache now
                 mx.synchronize()
-                self._finish(stream, "cancelled")
-                outbox.append(stream)
+                self._finish(cancelled, "cancelled")
+                outbox.append(cancelled)
 
     def _admit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, out: DeltaSink, grammar: GrammarProcessor | None = None) -> _Stream:
         tokens = self._tokenize(request)
@@ -513,7 +513,7 @@ class LLMEngine(Engine):
         if request.top_logprobs:
             ids = mx.argpartition(-row, request.top_logprobs - 1)[: request.top_logprobs]
             values = row[ids]
-            pairs = sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda p: -p[1])
+            pairs = sorted(zip(cast(list[int], ids.tolist()), cast(list[float], values.tolist()), strict=True), key=lambda p: -p[1])
             # a grammar leaves some tokens at -inf: they are not alternatives (nor valid JSON)
             top = [(i, self.tokenizer.decode([i]), v) for i, v in pairs if v != -math.inf]
         return [TokenLogprob(token_id=r.token, token=self.tokenizer.decode([r.token]), logprob=row[r.token].item(), top=top)]

@@ -8,7 +8,7 @@ on the engine's MLXWorker thread, one request at a time."""
 import asyncio
 import io
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 
@@ -82,7 +82,7 @@ class STTEngine(Engine):
         super().__init__(name, path)
         self.max_seconds = max_seconds
         self._worker: MLXWorker | None = None
-        self._model = None
+        self._model: Any = None  # mlx-audio's Whisper, once loaded
         self._weight_bytes = safetensors_bytes(Path(path))
         self._in_flight = 0
 
@@ -155,6 +155,7 @@ class STTEngine(Engine):
         if not 0.0 <= temperature <= 1.0:
             raise RequestError("invalid_request", "temperature must be between 0 and 1", param="temperature")
         code = self._check_language(language)
+        assert self._worker is not None  # set by _load; callers checked the engine is ready
         self._in_flight += 1
         try:
             samples = await asyncio.to_thread(decode_audio, audio, self.max_seconds)

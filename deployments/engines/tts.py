@@ -10,6 +10,7 @@ import re
 import wave
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -86,7 +87,7 @@ class TTSEngine(Engine):
         self.max_chars = max_chars
         self.voices = voices
         self._worker: MLXWorker | None = None
-        self._model = None
+        self._model: Any = None  # mlx-audio's model, once loaded
         self._running = 0
 
     async def _load(self) -> None:
@@ -120,6 +121,7 @@ class TTSEngine(Engine):
     async def speak(self, text: str, *, voice: str | None = None, speed: float = 1.0) -> Speech:
         self._check_ready()
         voice = self._validate(text, voice, speed)
+        assert self._worker is not None  # set by _load; callers checked the engine is ready
         self._running += 1
         try:
             samples = await self._worker.run(self._synthesize, text, voice)

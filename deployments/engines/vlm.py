@@ -11,6 +11,7 @@ import io
 import re
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
 
@@ -246,8 +247,14 @@ class VLMEngine(Engine):
         opts = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
         self._running += 1
         self._cancels.add(cancel)
+        assert self._worker is not None  # set by _load; callers checked the engine is ready
         job = self._worker.submit(self._run, chat, refs, opts, cancel, emit)
-        job.add_done_callback(lambda f: f.cancelled() and emit(("end",)))  # dropped by a shutdown
+
+        def ended_by_shutdown(f: Future) -> None:  # a job a shutdown dropped never ran
+            if f.cancelled():
+                emit(("end",))
+
+        job.add_done_callback(ended_by_shutdown)
         usage = Usage(prompt_tokens=0, completion_tokens=0)
         try:
             while True:

@@ -7,6 +7,7 @@ Linux CPU build only float32 matmuls go through BLAS. KV per token = 2 x 8 layer
 
 import json
 from pathlib import Path
+from typing import Any
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 
@@ -25,7 +26,7 @@ KIND = "llm"
 VERSION = "1"
 SEED = 10
 
-CONFIG = {
+CONFIG: dict[str, Any] = {
     "model_type": "llama",
     "architectures": ["LlamaForCausalLM"],
     "hidden_size": 256,

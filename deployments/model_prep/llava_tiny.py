@@ -48,7 +48,7 @@ def _tokenizer(dest: Path) -> tuple[int, int, int]:
     cfg["chat_template"] = CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(cfg, indent=2))
     (dest / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    return tok.get_vocab_size(), tok.token_to_id(IMAGE_TOKEN), tok.token_to_id("<|im_end|>")
+    return tok.get_vocab_size(), tok.token_to_id(IMAGE_TOKEN), tok.token_to_id("<|im_end|>")  # type: ignore[return-value]  # both are in the vocabulary
 
 
 def _config(vocab: int, image_id: int, eos_id: int) -> dict:

@@ -24,6 +24,7 @@ Choices (facts in ../shared/models/README.md):
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 from deployments.estimate import kv_bytes_per_token
@@ -237,7 +238,7 @@ def build(dest: Path) -> ManifestEntry:
 
     import mlx.core as mx
 
-    tensors, meta = mx.load(str(gguf_path()), return_metadata=True)
+    tensors, meta = cast(tuple[dict[str, mx.array], dict[str, Any]], mx.load(str(gguf_path()), return_metadata=True))
     if meta.get("general.architecture") != "llama":
         raise ValueError(f"expected a llama GGUF, got {meta.get('general.architecture')!r}")
     config = hf_config(meta, tied_embeddings="output.weight" not in tensors)

@@ -82,7 +82,8 @@ def build_app(args: dict) -> serve.Application:
         "coalesce_max_ms": a.coalesce_max_ms,
         "gil_switch_ms": a.gil_switch_ms,
     }
-    residency = ResidencyService.bind(models, a.policy, models_dir, a.watch_period_s, server_options)
-    return IngressDeployment.bind(
+    # mypy keeps a decorated class's own type: @serve.deployment made these Deployments, which have bind()
+    residency = ResidencyService.bind(models, a.policy, models_dir, a.watch_period_s, server_options)  # type: ignore[attr-defined]
+    return IngressDeployment.bind(  # type: ignore[attr-defined]
         residency, a.chunk_timeout_s, a.api_keys, allow_remote_images=a.allow_remote_images, max_audio_bytes=a.max_audio_bytes
     )

@@ -412,7 +412,7 @@ def _user_turn(blocks: list[ContentBlock], tool_names: Mapping[str, str]) -> lis
             if block.is_error:
                 text = f"Error: {text}" if text else "Error"
             msg: dict[str, Any] = {"role": "tool", "tool_call_id": block.tool_use_id, "content": text}
-            if block.tool_use_id in tool_names:
+            if block.tool_use_id is not None and block.tool_use_id in tool_names:
                 msg["name"] = tool_names[block.tool_use_id]
             tools.append(msg)
             images += [_image(b) for b in inner if b.type == "image"]
@@ -659,10 +659,10 @@ class MessageStreamEncoder:
             out += self._open_block(("tool", event.index), {"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
             self.content[-1]["arguments"] = ""
         elif isinstance(event, ToolCallArguments):
-            index = self._open.get(("tool", event.index))
-            if index is not None and event.arguments:
-                self.content[index]["arguments"] += event.arguments
-                out.append({"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta", "partial_json": event.arguments}})
+            open_at = self._open.get(("tool", event.index))
+            if open_at is not None and event.arguments:
+                self.content[open_at]["arguments"] += event.arguments
+                out.append({"type": "content_block_delta", "index": open_at, "delta": {"type": "input_json_delta", "partial_json": event.arguments}})
         elif isinstance(event, ToolCallEnd):
             out += self._close(("tool", event.index))
         elif isinstance(event, Finish):

@@ -266,7 +266,8 @@ class ChatMessage(_Part):
 
     def text(self) -> str:
         """The text parts joined by newlines (as vLLM does: parts are usually separate passages)."""
-        return "\n".join(p.text if p.type == "text" else p.refusal for p in self.content or () if p.type in ("text", "refusal"))
+        # the part validator (_payload) guarantees the field its type names
+        return "\n".join(p.text if p.type == "text" else p.refusal for p in self.content or () if p.type in ("text", "refusal"))  # type: ignore[misc]
 
     def has_images(self) -> bool:
         return any(p.type == "image_url" for p in self.content or ())
@@ -303,8 +304,8 @@ class ResponseFormat(_Part):
         """The engine's Constraint (deployments.engines.constrained) as a dict, or None for text."""
         if self.type == "json_object":
             return {"type": "json_object"}
-        if self.type == "json_schema":
-            return {"type": "json_schema", "schema": self.json_schema.schema_, "strict": bool(self.json_schema.strict)}
+        if self.type == "json_schema" and (schema := self.json_schema) is not None:  # not None: _schema_given
+            return {"type": "json_schema", "schema": schema.schema_, "strict": bool(schema.strict)}
         return None
 
 
@@ -664,9 +665,9 @@ def split_images(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list
         for p in m.content or ():
             if p.type == "image_url":
                 parts.append({"type": "image"})
-                images.append(p.image_url.url)
+                images.append(p.image_url.url)  # type: ignore[union-attr]  # an image_url part has one (_payload)
             else:
-                parts.append({"type": "text", "text": p.text if p.type == "text" else p.refusal})
+                parts.append({"type": "text", "text": p.text if p.type == "text" else p.refusal})  # type: ignore[dict-item]
         messages.append({"role": _ENGINE_ROLE.get(m.role, m.role), "content": parts})
     return messages, images
 
@@ -678,7 +679,7 @@ def check_image_urls(req: ChatCompletionRequest, allow_remote: bool) -> None:
     allowed = "a data: URL or an http(s) URL" if allow_remote else "a data: URL (this server does not fetch remote images)"
     for i, m in enumerate(req.messages):
         for j, part in enumerate(m.content or ()):
-            if part.type == "image_url" and not part.image_url.url.startswith(schemes):
+            if part.type == "image_url" and not part.image_url.url.startswith(schemes):  # type: ignore[union-attr]
                 raise ProtocolError(400, "invalid_image_url", f"an image must be {allowed}", f"messages[{i}].content[{j}].image_url.url")
 
 
@@ -778,7 +779,10 @@ def _as_dict(delta: Any) -> dict[str, Any]:
 def join_deltas(deltas: Iterable[Any]) -> dict[str, Any]:
     """A whole stream as one delta dict: text, token ids and logprobs joined; finish_reason, usage
     and error from the last delta that has them (for a non-streaming response)."""
-    text, tokens, logprobs, seen_logprobs = [], [], [], False
+    text: list[str] = []
+    tokens: list[int] = []
+    logprobs: list[Any] = []
+    seen_logprobs = False
     reasoning: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
     last: dict[str, Any] = {}

@@ -600,6 +600,8 @@ class ResponseStreamEncoder:
         other = "reasoning" if key == "message" else "message"
         out = self._close(other)
         if key not in self._open:
+            part: dict[str, Any]
+            item: dict[str, Any]
             if key == "message":
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
                 item = {"id": self._item_id("msg"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}

@@ -20,6 +20,7 @@ from pydantic import Field
 from policy import (
     ClusterState,
     InstanceRef,
+    InstanceState,
     LoadFailure,
     ModelSpec,
     NodeState,
@@ -268,7 +269,8 @@ class ResidencyController:
             self._begin_place(decision)
         if isinstance(decision, Use):
             self.state = start_request(self.state, decision.instance, now)
-            inst = self.state.node(decision.instance.node_id).instance(model)
+            inst = self._instance(decision.instance.node_id, model)
+            assert inst is not None  # a Use names an instance the state holds
             lease = Lease(
                 lease_id=f"L{next(self._lease_ids)}", model=model, node_id=decision.instance.node_id, acquired_at=now, loaded_at=inst.loaded_at
             )
@@ -358,7 +360,7 @@ class ResidencyController:
             if mark is not None and mark.at >= started:
                 raise _error_for(reject_marked(mark, self.effects.now(), self.config))
             if node_id is not None:
-                if self.state.node(node_id).instance(model) is None:
+                if self._instance(node_id, model) is None:
                     raise OrchardError("model_unloaded", f"model {model} left {node_id} before it was ready")
                 await self._wait_for_change(self.config.retry_poll_s)
                 continue
@@ -380,7 +382,6 @@ class ResidencyController:
             return
         if self._copies(spec.name) >= spec.max_copies:
             raise OrchardError(
-                409,
                 "model_already_loaded",
                 f"model {spec.name} already has {self._copies(spec.name)} copies (max_copies={spec.max_copies}): unload it first",
             )
@@ -422,7 +423,7 @@ class ResidencyController:
         """Apply the decision to the state now (so the next decision sees it), then carry it out."""
         now = self.effects.now()
         for victim in place.evict:
-            inst = self.state.node(victim.node_id).instance(victim.model)
+            inst = self._instance(victim.node_id, victim.model)
             self._record(
                 "evicted",
                 model=victim.model,
@@ -506,6 +507,10 @@ class ResidencyController:
 
     def _copies(self, model: str) -> int:
         return sum(1 for n in self.state.nodes if n.alive and n.instance(model) is not None)
+
+    def _instance(self, node_id: str, model: str) -> InstanceState | None:
+        node = self.state.node(node_id)
+        return node.instance(model) if node is not None else None
 
     def _record(self, kind: EventKind, **fields) -> None:
         event = ClusterEvent(seq=next(self._seq), at=self.effects.now(), kind=kind, **fields)

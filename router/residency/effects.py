@@ -81,7 +81,7 @@ class RayEffects:
             incarnation=incarnation,
         )
         try:
-            report = await asyncio.wait_for(handle.load.remote(), self.load_timeout_s)
+            report: dict[str, Any] = await asyncio.wait_for(handle.load.remote(), self.load_timeout_s)
         except Exception as e:
             error = unwrap(e)
             reason = load_failure_reason(error.code, error.message)

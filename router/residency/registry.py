@@ -75,7 +75,8 @@ def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, M
     entries: dict[str, ManifestEntry] = {}
     for model in parse_entries(models):
         folder = Path(model.path) if model.path and Path(model.path).is_absolute() else models_dir / (model.path or model.name)
-        weight, kv = model.weight_bytes, model.kv_bytes_per_token
+        weight: int | None = model.weight_bytes
+        kv: int | None = model.kv_bytes_per_token
         if (weight is None or kv is None) and not model.hub_id and folder.is_dir():
             size = estimate(folder, model.kind)
             weight = size.weight_bytes if weight is None else weight

@@ -7,7 +7,7 @@ parser a chat protocol runs over the deltas; `open_stream` submits it on this re
 the actor and yields its coalesced deltas. Other kinds (embeddings, rerank, audio) are one call."""
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from deployments.model_server import ModelServerError, unwrap
@@ -53,13 +53,14 @@ def prepare(lease: Lease, body: ChatOrCompletion, *, allow_remote_images: bool) 
     if body.has_images():
         raise OrchardError("unsupported_content", f"model {model} takes no images; use a vision model", "messages")
     generation = oai.generation_fields(body)
-    if body.uses_tools and config.tool_parser is None:
-        raise OrchardError("tools_not_supported", f"model {model} has no tool-call parser configured (registry: tool_parser)", "tools")
-    if body.forced_tool is not None:
-        grammar = forced_call_grammar(
-            config.tool_parser, generation["tools"], body.forced_tool, parallel=body.parallel_tool_calls is True, reasoning=config.reasoning
-        )
-        generation["constraint"] = {"type": "lark", "grammar": grammar}
+    if body.uses_tools:  # forced_tool is None unless uses_tools
+        if config.tool_parser is None:
+            raise OrchardError("tools_not_supported", f"model {model} has no tool-call parser configured (registry: tool_parser)", "tools")
+        if body.forced_tool is not None:
+            grammar = forced_call_grammar(
+                config.tool_parser, generation["tools"], body.forced_tool, parallel=body.parallel_tool_calls is True, reasoning=config.reasoning
+            )
+            generation["constraint"] = {"type": "lark", "grammar": grammar}
     return generation, parser
 
 
@@ -76,7 +77,7 @@ class DeltaStream:
         self.tokens = 0
         self._deltas = self._run(mux, request, chunk_timeout_s)
 
-    async def _run(self, mux: StreamMux, request: dict, chunk_timeout_s: float) -> AsyncIterator[dict]:
+    async def _run(self, mux: StreamMux, request: dict, chunk_timeout_s: float) -> AsyncGenerator[dict, None]:
         stream = None
         try:
             stream = mux.open(self.lease.actor(), self.lease.label, request)
@@ -87,8 +88,8 @@ class DeltaStream:
                     self.lease.report_unavailable(str(e))
                     raise
                 if "failure" in delta:
-                    e = delta["failure"]
-                    raise ModelServerError(e["code"], e["message"], e.get("param"))
+                    failure = delta["failure"]
+                    raise ModelServerError(failure["code"], failure["message"], failure.get("param"))
                 self.tokens += len(delta.get("token_ids") or ())
                 yield delta
                 if delta.get("finish_reason"):

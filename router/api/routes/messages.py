@@ -15,7 +15,7 @@ router = APIRouter(tags=["anthropic"])
 @router.post("/v1/messages")
 async def messages(body: anth.MessagesRequest, ingress: Ingress = Depends(current)):
     chat = oai.parse_chat_request(anth.to_chat_request(body))
-    return await generate(ingress, chat, lambda parser: AnthropicRenderer(body, parser), stream=bool(body.stream))
+    return await generate(ingress, chat, lambda parser: AnthropicRenderer(body, parser), stream=bool(body.stream))  # type: ignore[arg-type]  # a chat request always gets a parser
 
 
 @router.post("/v1/messages/count_tokens")

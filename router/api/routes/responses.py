@@ -13,4 +13,4 @@ router = APIRouter(tags=["openai"])
 @router.post("/v1/responses")
 async def responses(body: resp.ResponsesRequest, ingress: Ingress = Depends(current)):
     chat = oai.parse_chat_request(resp.to_chat_request(body))
-    return await generate(ingress, chat, lambda parser: ResponsesRenderer(body, parser), stream=bool(body.stream))
+    return await generate(ingress, chat, lambda parser: ResponsesRenderer(body, parser), stream=bool(body.stream))  # type: ignore[arg-type]  # a chat request always gets a parser

@@ -13,7 +13,7 @@ stays "length"."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -130,10 +130,10 @@ class OutputParser:
     def _text(self, text: str) -> list[OutputEvent]:
         if not text:
             return []
-        events: list[OutputEvent] = self._reasoning.feed(text) if self._reasoning else [TextDelta(text=text)]
+        events: Iterable[OutputEvent] = self._reasoning.feed(text) if self._reasoning else [TextDelta(text=text)]
         return self._calls(events)
 
-    def _calls(self, events: list) -> list[OutputEvent]:
+    def _calls(self, events: Iterable[OutputEvent]) -> list[OutputEvent]:
         if not self._tools:
             return list(events)
         out: list[OutputEvent] = []

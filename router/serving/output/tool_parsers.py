@@ -292,8 +292,8 @@ class MistralParser(_MarkedParser):
             calls = _load(body[:end])
             parsed = [_as_call(c, ("arguments", "parameters")) for c in calls] if isinstance(calls, list) else [None]
             if parsed and all(parsed):
-                for call in parsed:
-                    self._call(*call)
+                for name_args in filter(None, parsed):
+                    self._call(*name_args)
             else:
                 self._text(self.marker + buf[: lead + end])
             self._buf = buf[lead + end :]
