@@ -316,6 +316,19 @@ def test_idle_timeout_and_operator_actions():
     assert [e.kind for e in c.events()].count("unloaded") == 2
 
 
+def test_an_operator_load_past_max_copies_is_a_409_naming_the_limit():
+    async def scenario():
+        c, _ = make([spec("p", gb=1)])
+        await c.load("p", node_id="n1")
+        with pytest.raises(OrchardError) as info:
+            await c.load("p", node_id="n2")
+        return info.value
+
+    err = run(scenario())
+    assert (err.status, err.code, err.param) == (409, "model_already_loaded", None)
+    assert "already has 1 copies (max_copies=1)" in err.message
+
+
 def test_forgotten_leases_expire():
     async def scenario():
         c, fx = make([spec("a", gb=3)])
