@@ -3,8 +3,8 @@ real MLX models, through HTTP with the official openai client: placement by head
 with the policy's reason, eviction, pinning, cluster operations, node death and re-placement."""
 
 import socket
-import urllib.parse
 import time
+import urllib.parse
 
 import pytest
 import requests
@@ -56,7 +56,14 @@ def orchard(models_dir):
     ray.init(address=cluster.address, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    policy = {"safety_margin_bytes": 16 * MIB, "safety_margin_fraction": 0, "instance_overhead_bytes": 64 * MIB, "min_residency_s": 0, "contention": "fail", "wait_timeout_s": 5}
+    policy = {
+        "safety_margin_bytes": 16 * MIB,
+        "safety_margin_fraction": 0,
+        "instance_overhead_bytes": 64 * MIB,
+        "min_residency_s": 0,
+        "contention": "fail",
+        "wait_timeout_s": 5,
+    }
     overrides = {
         "llama-10m": {"reserve_context_tokens": 2048},
         "smollm2-135m-instruct": {"reserve_context_tokens": 1024},
@@ -87,16 +94,25 @@ def test_models_lists_the_registry_with_residency(orchard):
 
 def test_first_request_loads_where_it_fits_and_answers(orchard):
     client = orchard["client"]
-    reply = client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16, temperature=0)
+    reply = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16, temperature=0
+    )
     assert "Paris" in reply.choices[0].message.content
     assert reply.usage.completion_tokens > 0 and reply.choices[0].finish_reason in ("stop", "length")
     assert where(orchard, "smollm2-135m-instruct") == ["head"]  # only the head's budget holds it
 
 
 def test_streaming_with_usage(orchard):
-    chunks = list(orchard["client"].chat.completions.create(
-        model="llama-10m", messages=[{"role": "user", "content": "hi"}], max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}
-    ))
+    chunks = list(
+        orchard["client"].chat.completions.create(
+            model="llama-10m",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and chunks[-1].usage.completion_tokens == 20
 
@@ -104,7 +120,7 @@ def test_streaming_with_usage(orchard):
 def test_embeddings(orchard):
     r = orchard["client"].embeddings.create(model="all-minilm-l6-v2", input=["A man is eating food.", "A man is eating a piece of bread."])
     a, b = (d.embedding for d in r.data)
-    assert len(a) == 384 and abs(sum(x * y for x, y in zip(a, b)) - 0.7553) < 1e-3
+    assert len(a) == 384 and abs(sum(x * y for x, y in zip(a, b, strict=True)) - 0.7553) < 1e-3
 
 
 def test_a_model_larger_than_any_node_is_rejected_with_the_reason(orchard):
