@@ -145,3 +145,17 @@ def test_config_errors_fail_the_build_naming_the_field(args, field):
     with pytest.raises(ValueError) as info:
         validate_args(args)
     assert field in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [  # found by schemathesis: a list where a block type goes was an unhashable-type 500
+        ("/v1/messages", {"max_tokens": 1, "messages": [{"content": [{"type": []}], "role": "user"}], "model": "m", "system": [{"type": []}]}),
+        ("/v1/responses", {"model": "m", "input": [{"type": []}], "tools": [{"type": []}], "tool_choice": {"type": []}}),
+        ("/v1/responses", {"model": "m", "input": [{"role": "user", "content": [{"type": {}}]}], "text": {"format": {"type": []}}}),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [{"type": []}]}], "tools": [{"type": []}]}),
+    ],
+)
+def test_malformed_type_fields_are_400s(client, path, body):
+    r = client.post(path, headers={"authorization": f"Bearer {KEY}"}, json=body)
+    assert_protocol_error(r, 400, path)

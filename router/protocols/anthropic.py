@@ -191,7 +191,7 @@ class ContentBlock(_Part):
     @classmethod
     def _known_type(cls, v: Any) -> Any:
         """The type first, so a block Orchard cannot serve is named as such, not by its fields."""
-        kind = v.get("type") if isinstance(v, dict) else None
+        kind = v.get("type") if isinstance(v, dict) and isinstance(v.get("type"), str) else None  # a list is unhashable
         if kind in _UNSUPPORTED_BLOCKS:
             raise _reject(_UNSUPPORTED_BLOCKS[kind], "type")
         if isinstance(kind, str) and kind not in _BLOCKS:

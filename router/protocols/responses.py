@@ -66,7 +66,7 @@ class ContentPart(_Part):
     @model_validator(mode="before")
     @classmethod
     def _known_type(cls, v: Any) -> Any:
-        kind = v.get("type") if isinstance(v, dict) else None
+        kind = v.get("type") if isinstance(v, dict) and isinstance(v.get("type"), str) else None  # a list is unhashable
         if kind in _UNSUPPORTED_PARTS:
             raise _reject(_UNSUPPORTED_PARTS[kind], "type")
         if isinstance(kind, str) and kind not in _PART_TYPES:
@@ -163,7 +163,7 @@ class FunctionTool(_Part):
     @model_validator(mode="before")
     @classmethod
     def _function_only(cls, v: Any) -> Any:
-        kind = v.get("type") if isinstance(v, dict) else None
+        kind = v.get("type") if isinstance(v, dict) and isinstance(v.get("type"), str) else None  # a list is unhashable
         if isinstance(kind, str) and kind != "function":
             raise _reject(f"built-in tools are not supported (type '{kind}'); define function tools", "type")
         return v
@@ -271,7 +271,7 @@ class ResponsesRequest(BaseModel):
     def _tool_choice(cls, v: Any) -> Any:
         if v is None or v in ("none", "auto", "required"):
             return v
-        kind = v.get("type") if isinstance(v, dict) else None
+        kind = v.get("type") if isinstance(v, dict) and isinstance(v.get("type"), str) else None  # a list is unhashable
         if kind == "function" and isinstance(v.get("name"), str):
             return {"type": "function", "name": v["name"]}
         if kind == "allowed_tools" and v.get("mode") in ("auto", "required") and isinstance(v.get("tools"), list):
