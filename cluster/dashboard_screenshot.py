@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import requests
+import yaml
 
 from cluster import local
 
@@ -38,7 +39,7 @@ def _chromium() -> str:
     raise SystemExit("no chromium on PATH: apt-get install chromium (Debian) to take the screenshot")
 
 
-def screenshot(url: str, out: Path, *, width: int = 1600, height: int = 900, wait_ms: int = 15000) -> None:
+def screenshot(url: str, out: Path, *, width: int = 1600, height: int = 1500, wait_ms: int = 15000) -> None:
     """A PNG of `url` from headless Chromium, after `wait_ms` of (virtual) time for the page's scripts."""
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run(
@@ -64,6 +65,11 @@ def screenshot(url: str, out: Path, *, width: int = 1600, height: int = 900, wai
         )
 
 
+def _ok(response: requests.Response) -> None:
+    if response.status_code != 200:
+        raise RuntimeError(f"{response.request.method} {response.url}: {response.status_code} {response.text}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "dashboard-actors.png")
@@ -73,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     temp_root = Path(tempfile.mkdtemp(prefix="orch-shot-", dir="/tmp"))
     dashboard_port, http_port = _free_port(), _free_port()
     state = local.start(
-        local.parse_nodes("head:1.0,mac-1:0.5"), temp_root=temp_root, port=_free_port(), dashboard_port=dashboard_port, http_port=http_port
+        local.parse_nodes("head:1.5,mac-1:0.8"), temp_root=temp_root, port=_free_port(), dashboard_port=dashboard_port, http_port=http_port
     )
     try:
         os.environ.update(local.ray_env(temp_root))
@@ -84,19 +90,23 @@ def main(argv: list[str] | None = None) -> int:
 
         ray.init(address=state["address"], log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        overrides = {"llama-10m": {"reserve_context_tokens": 1024}, "smollm2-135m-instruct": {"reserve_context_tokens": 1024}}
-        serve.run(build_app({"models_dir": str(args.models_dir), "overrides": overrides, "watch_period_s": 0.5}), name="orchard", route_prefix="/")
+        (app,) = yaml.safe_load((ROOT / "ray-config.yaml").read_text())["applications"]  # what `make run` serves
+        serve.run(build_app(app["args"] | {"models_dir": str(args.models_dir), "watch_period_s": 0.5}), name="orchard", route_prefix="/")
         base = f"http://127.0.0.1:{http_port}"
         for model, node in (("llama-10m", "mac-1"), ("all-minilm-l6-v2", "head"), ("smollm2-135m-instruct", "head")):
-            requests.post(f"{base}/v1/models/{model}/load", json={"node": node}, timeout=300).raise_for_status()
-        requests.post(f"{base}/v1/models/all-minilm-l6-v2/unload", timeout=60).raise_for_status()
+            _ok(requests.post(f"{base}/v1/models/{model}/load", json={"node": node}, timeout=300))
+        _ok(requests.post(f"{base}/v1/models/all-minilm-l6-v2/unload", timeout=60))
         time.sleep(3)  # the unloaded server ends itself; the dashboard polls the GCS
         args.out.parent.mkdir(parents=True, exist_ok=True)
         screenshot(f"http://127.0.0.1:{dashboard_port}/#/actors", args.out)
         print(f"wrote {args.out}")
         serve.shutdown()
-        ray.shutdown()
+    except Exception as e:  # said before the cluster goes: Ray aborts a driver whose GCS is gone
+        print(f"failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     finally:
+        if "ray" in sys.modules:
+            sys.modules["ray"].shutdown()
         local.stop(temp_root)
         shutil.rmtree(temp_root, ignore_errors=True)
     return 0

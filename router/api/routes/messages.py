@@ -1,4 +1,4 @@
-"""Anthropic Messages and count_tokens, translated to a chat request (router/protocols/anthropic.py).
+"""Anthropic Messages and count_tokens, translated to a chat request (router/protocols/anthropic/).
 Errors under these paths are Anthropic's (router/api/errors.py)."""
 
 from fastapi import APIRouter, Depends

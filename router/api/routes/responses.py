@@ -1,4 +1,4 @@
-"""OpenAI Responses, stateless (router/protocols/responses.py)."""
+"""OpenAI Responses, stateless (router/protocols/responses/)."""
 
 from fastapi import APIRouter, Depends
 
