@@ -1,7 +1,7 @@
 import sys
 from pathlib import Path
 
-# Test helpers (builders.py, oracles) live beside the tests.
+# Test helpers live in tests/support/ (builders, the policy oracle, cluster set-up), imported as `support.*`.
 sys.path.insert(0, str(Path(__file__).parent))
 
 import os

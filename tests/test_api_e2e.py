@@ -22,10 +22,10 @@ anthropic = pytest.importorskip("anthropic")
 import openai  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
+from support.cluster import free_port, node_args  # noqa: E402
 
 from router.api.builder import build_app  # noqa: E402
 from router.residency.registry import from_manifest  # noqa: E402
-from tests.test_cluster_e2e import free_port, node_args  # noqa: E402
 from tests.test_engine_stt import REFERENCE, words  # noqa: E402
 from tests.test_structured_output import random_schemas  # noqa: E402
 

@@ -3,7 +3,6 @@ real MLX models, through HTTP with the official openai client: placement by head
 with the policy's reason, eviction, pinning, cluster operations, node death and re-placement."""
 
 import collections
-import socket
 import time
 import urllib.parse
 import zlib
@@ -19,35 +18,12 @@ ray = pytest.importorskip("ray")
 from openai import OpenAI  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
+from support.cluster import HEALTH, Http, free_port, node_args  # noqa: E402
 
 from cluster.placement import find_model_server  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
 
 MIB = 1024**2
-HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
-
-
-class Http:
-    """requests with a base URL, for the cluster routes the openai client does not know."""
-
-    def __init__(self, base: str):
-        self.base = base
-
-    def get(self, path: str, **kw):
-        return requests.get(self.base + path, timeout=120, **kw)
-
-    def post(self, path: str, **kw):
-        return requests.post(self.base + path, timeout=120, **kw)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def node_args(name: str, budget_gib: float, cpus: int) -> dict:
-    return {"num_cpus": cpus, "labels": {"orchard.node": name, "orchard.budget_gib": str(budget_gib)}, "object_store_memory": 80 * MIB}
 
 
 @pytest.fixture(scope="module")

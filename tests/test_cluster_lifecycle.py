@@ -19,10 +19,10 @@ ray = pytest.importorskip("ray")
 import openai  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
+from support.cluster import HEALTH, free_port, node_args, wait_for  # noqa: E402
 
 from cluster.placement import find_model_server  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
-from tests.test_cluster_e2e import HEALTH, free_port, node_args  # noqa: E402
 
 MIB = 1024**2
 KEY = "sk-orchard-test"
@@ -105,16 +105,6 @@ def events(orchard, model: str) -> list[dict]:
 
 def actor(model: str, node_id: str):
     return find_model_server(model, node_id)
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def test_every_endpoint_requires_the_key_on_a_running_cluster(orchard):

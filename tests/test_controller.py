@@ -5,7 +5,7 @@ import asyncio
 import time
 
 import pytest
-from builders import spec
+from support.builders import spec
 
 from policy import InstanceRef, Place, PolicyConfig
 from policy.config import GIB

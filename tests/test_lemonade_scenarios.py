@@ -1,7 +1,7 @@
 """The four scenarios of the Lemonade residency discussion (../shared/reference), each showing what
 a count-only slot policy does (policy.count_only_lru, today's anchor) and what Orchard does."""
 
-from builders import cluster, inst, node, spec
+from support.builders import cluster, inst, node, spec
 
 from policy import ClusterState, Place, PolicyConfig, Reject, Wait, count_only_lru, ensure
 from policy.config import GIB

@@ -1,8 +1,8 @@
 """Property-based tests: random clusters, configs and requests; every decision is checked against
-the brute-force oracle of the spec (tests/policy_oracle.py)."""
+the brute-force oracle of the spec (tests/support/policy_oracle.py)."""
 
 from hypothesis import HealthCheck, given, settings, strategies as st
-from policy_oracle import backoff_left, backoff_s, eligible, evictable, feasible_after, need_bytes, protection
+from support.policy_oracle import all_refs, backoff_left, backoff_s, eligible, evictable, feasible_after, need_bytes, protection
 
 from policy import (
     ClusterState,
@@ -228,7 +228,7 @@ def test_every_decision_obeys_the_spec(request):
         assert isinstance(decision, Reject) and decision.code == "no_eligible_node"
         return
     if isinstance(decision, Reject) and decision.code == "too_large":
-        everything = {r for _, r in __import__("policy_oracle").all_refs(state)}
+        everything = {r for _, r in all_refs(state)}
         assert not any(feasible_after(state, spec, n.node_id, everything, config, memory_only=True) for n in nodes)
         return
     waiting_helps = any(feasible_after(state, spec, n.node_id, evictable(state, NOW, config, passing_too=True), config) for n in nodes)

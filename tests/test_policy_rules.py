@@ -1,7 +1,7 @@
 """Example tests, one or more per numbered rule of docs/residency.md."""
 
 import pytest
-from builders import PLAIN, cluster, failed, inst, node, spec
+from support.builders import PLAIN, cluster, failed, inst, node, spec
 
 from policy import (
     ClusterState,

@@ -1,0 +1,46 @@
+"""What the end-to-end modules share to set up a local Ray cluster and talk to Orchard over HTTP."""
+
+import socket
+import time
+
+import requests
+
+MIB = 1024**2
+# Ray notices a dead node in ~1.5 s instead of ~14 s (shared/ray/README.md)
+HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_args(name: str, budget_gib: float, cpus: int) -> dict:
+    """cluster_utils node arguments: Orchard's node name and memory budget as labels, a small object store."""
+    return {"num_cpus": cpus, "labels": {"orchard.node": name, "orchard.budget_gib": str(budget_gib)}, "object_store_memory": 80 * MIB}
+
+
+class Http:
+    """requests with a base URL, for the cluster routes the openai client does not know."""
+
+    def __init__(self, base: str, headers: dict[str, str] | None = None):
+        self.base = base
+        self.headers = headers or {}
+
+    def get(self, path: str, **kw):
+        return requests.get(self.base + path, timeout=120, headers=self.headers, **kw)
+
+    def post(self, path: str, **kw):
+        return requests.post(self.base + path, timeout=120, headers=self.headers, **kw)
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    """The first truthy value of `condition()`, polled every 0.3 s; AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
