@@ -134,6 +134,56 @@ def test_seed_reproduces_even_inside_a_batch(engine):
     assert other.token_ids != alone.token_ids
 
 
+def test_any_int_seed_samples(engine):
+    """OpenAI seeds may be negative or past 64 bits: each is a seed (modulo 2**64), not a 500."""
+
+    def sample(seed):
+        return run(engine.complete(GenerationRequest(prompt="Once upon", max_tokens=8, temperature=1.0, seed=seed))).token_ids
+
+    assert sample(-1) == sample(-1) == sample(2**64 - 1)
+    assert sample(2**64 + 7) == sample(7)
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token_and_spoils_nothing(engine):
+    """top_k >= the vocabulary is no top-k. mlx-lm's apply_top_k raised there inside an mx.compile
+    trace: the whole batch failed, and the trace's placeholder stayed in the MLX thread's RNG, so every
+    later unseeded sampled request failed with "[eval] Attempting to eval an array without a
+    primitive" (a fuzzed POST /v1/completions {"prompt": "0"} was a 500 that way)."""
+    vocab = engine.model.args.vocab_size
+
+    def request(**kw):
+        return GenerationRequest(**{"prompt": "0", "max_tokens": 6, "temperature": 1.0} | kw)
+
+    async def scenario():
+        wide = await asyncio.gather(
+            engine.complete(request(top_k=vocab)),
+            engine.complete(request(top_k=vocab + 100, seed=3)),
+            engine.complete(greedy(PROMPTS[0], 6)),
+        )
+        return wide, await engine.complete(request(seed=3)), await engine.complete(request(max_tokens=32))
+
+    wide, no_top_k, after = run(scenario())  # complete() raises on an error delta
+    assert all(d.finish_reason in ("length", "stop") for d in (*wide, after))
+    assert wide[1].token_ids == no_top_k.token_ids
+
+
+def test_a_broken_sampling_step_leaves_the_rng_sound(engine, monkeypatch):
+    """A sampler that raises while mlx-lm's mx.compile traces it (as apply_top_k did for top_k >=
+    the vocabulary) leaves the trace's placeholder in the MLX thread's mx.random.state: the engine
+    reseeds after a broken step, so only that step's requests fail, not every later sampled one."""
+    from mlx_lm.sample_utils import apply_top_k
+
+    import deployments.engines.llm as llm
+
+    sampled = GenerationRequest(prompt="0", max_tokens=4, temperature=1.0)
+    with monkeypatch.context() as patch:
+        patch.setattr(llm, "_sampler", lambda *_: lambda logprobs: apply_top_k(logprobs, logprobs.shape[-1]))
+        with pytest.raises(RequestError, match="top_k"):
+            run(engine.complete(sampled))
+    for request in (sampled, sampled.model_copy(update={"top_p": 0.9, "min_p": 0.05})):
+        assert run(engine.complete(request)).finish_reason in ("length", "stop")  # not an error
+
+
 def test_max_tokens_usage_and_logprobs(engine):
     d = run(engine.complete(greedy("Hello there", 7, logprobs=True, top_logprobs=3)))
     prompt_tokens = len(engine.tokenizer.encode("Hello there", add_special_tokens=False))

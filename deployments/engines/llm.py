@@ -12,6 +12,7 @@ import itertools
 import logging
 import math
 import queue
+import secrets
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
@@ -125,7 +126,7 @@ def seeded_sampler(temp: float, top_p: float, min_p: float, top_k: int, seed: in
         methods.append(lambda x: apply_min_p(x, min_p))
     if top_k > 0:
         methods.append(lambda x: apply_top_k(x, top_k))
-    key = [mx.random.key(seed)]
+    key = [mx.random.key(seed % 2**64)]  # any int: OpenAI seeds may be negative, MLX keys are uint64
 
     def sampler(logprobs: mx.array) -> mx.array:
         for method in methods:
@@ -379,6 +380,7 @@ class LLMEngine(Engine):
                 outbox.append(stream)
             by_uid.clear()
             self.generator = self._new_generator()
+            _reseed_rng()  # a sampler that raised in its trace left a tracer in mx.random.state
             return
         for r in responses:
             rid = by_uid.get(r.uid)
@@ -455,7 +457,7 @@ class LLMEngine(Engine):
             max_tokens=[request.max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[tokens[:cached]],
-            samplers=[_sampler(request)],
+            samplers=[_sampler(request, vocab)],
             logits_processors=[_processors(request) + ([grammar] if grammar is not None else [])],  # the mask last
             stop_sequences=[StopSequences([[t] for t in self.eos_ids])],
         )
@@ -584,12 +586,25 @@ def _stop_filter(stops: list[str]) -> _StopFilter | None:
     return _StopFilter(stops) if stops else None
 
 
-def _sampler(request: GenerationRequest):
+def _sampler(request: GenerationRequest, vocab: int | None = None):
     if request.temperature == 0:
         return None  # the generator's shared greedy sampler: one batched argmax for all greedy rows
+    # top_k >= the vocabulary keeps every token, i.e. no top-k: mlx-lm's apply_top_k raises there,
+    # inside a trace of mx.compile, which fails the whole step and poisons the RNG (_reseed_rng)
+    top_k = 0 if vocab and request.top_k >= vocab else request.top_k
     if request.seed is not None:
-        return seeded_sampler(request.temperature, request.top_p, request.min_p, request.top_k, request.seed)
-    return make_sampler(temp=request.temperature, top_p=request.top_p, min_p=request.min_p, top_k=request.top_k)
+        return seeded_sampler(request.temperature, request.top_p, request.min_p, top_k, request.seed)
+    return make_sampler(temp=request.temperature, top_p=request.top_p, min_p=request.min_p, top_k=top_k)
+
+
+def _reseed_rng() -> None:
+    """Give this thread's MLX RNG a fresh key. mlx-lm's samplers are compiled with
+    `inputs=mx.random.state, outputs=mx.random.state`; when one raises while it is being traced,
+    the compile tracer (an array without a primitive) stays in mx.random.state (the MLX thread's
+    own), and every later unseeded sampling step fails with "[eval] Attempting to eval an array
+    without a primitive". After a broken step the state may be such a tracer: a new key repairs it
+    (unseeded sampling promises no sequence, so nothing is lost)."""
+    mx.random.seed(secrets.randbits(64))
 
 
 def _processors(request: GenerationRequest):
