@@ -24,6 +24,7 @@ from cluster.placement import NAMESPACE, actor_name, create_model_server, find_m
 from deployments.engines.llm import GenerationRequest, LLMEngine
 from deployments.manifest import read_manifest
 from deployments.model_server import ModelServerError, open_channel, unwrap
+from router.errors import STATUS
 
 NODE = "node-1"  # Orchard's name for the one node of this cluster
 LLAMA = actor_name("llama-10m", NODE)
@@ -274,7 +275,7 @@ def test_embedding_server_returns_vectors(embedder):
 def test_failures_reach_the_caller_as_model_server_errors(llama, embedder):
     handle, _ = llama
     bad = _error(lambda: _stream(handle, {"prompt": "x", "max_tokens": 0}))
-    assert (bad.code, bad.param, bad.status) == ("invalid_request", "max_tokens", 400)
+    assert (bad.code, bad.param, STATUS[bad.code]) == ("invalid_request", "max_tokens", 400)  # the status is the router's (router/errors.py)
     too_long = _error(lambda: _stream(handle, {"prompt": "hi", "max_tokens": 5000}))
     assert too_long.code == "context_length_exceeded"
     assert _error(lambda: _stream(handle, {"prompt_tokens": [10**6], "max_tokens": 2})).code == "invalid_request"
