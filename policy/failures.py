@@ -41,16 +41,23 @@ def _times(n: int) -> str:
     return "once" if n == 1 else "twice" if n == 2 else f"{n} times in a row"
 
 
+def load_failed(model: str, said: str, again: str, retry_after_s: float | None) -> Reject:
+    """The `load_failed` refusal of P9 and P10: what happened, and when the model is tried again."""
+    return Reject(
+        model=model,
+        code="load_failed",
+        message=f"{said}; it is tried again {again}, or sooner when its files change or an operator loads it",
+        retry_after_s=retry_after_s,
+    )
+
+
+def failure_text(reason: LoadFailureReason, message: str) -> str:
+    return f"{reason}: {message}" if message else reason
+
+
 def reject_marked(mark: FailedLoad, now: float, config: PolicyConfig) -> Reject:
     """P10: the answer to a request for a model within its back-off. Call only while
     backoff_left(mark, now, config) > 0."""
     left = backoff_left(mark, now, config)
-    detail = f": {mark.message}" if mark.message else ""
-    return Reject(
-        model=mark.model,
-        code="load_failed",
-        message=f"model {mark.model} failed to load on {mark.node_id} ({mark.reason}{detail}), "
-        f"{_times(mark.failures)}, {now - mark.at:.0f} s ago; it is tried again in {left:.0f} s, "
-        "or sooner when its files change or an operator loads it",
-        retry_after_s=left,
-    )
+    said = f"model {mark.model} failed to load on {mark.node_id} ({failure_text(mark.reason, mark.message)}), {_times(mark.failures)}, {now - mark.at:.0f} s ago"
+    return load_failed(mark.model, said, f"in {left:.0f} s", left)

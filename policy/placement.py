@@ -9,7 +9,7 @@ from policy.cluster_state import ClusterState, InstanceRef, NodeState
 from policy.config import PolicyConfig
 from policy.decisions import PASSING_PROTECTIONS, Blocker, Decision, LoadFailure, Place, Reject, Use, Wait
 from policy.eviction import Candidate, Need, candidates, eviction_order_key, select_victims, set_cost
-from policy.failures import NOT_RETRIED_BECAUSE, backoff_left, failed_load_backoff, failures_after, reject_marked
+from policy.failures import NOT_RETRIED_BECAUSE, backoff_left, failed_load_backoff, failure_text, failures_after, load_failed, reject_marked
 from policy.memory import (
     estimated_load_seconds,
     ever_available_bytes,
@@ -335,15 +335,8 @@ def retry_after_failure(failure: LoadFailure, state: ClusterState, now: float, c
     backoff = failed_load_backoff(failures_after(state, failure.model), config)
 
     def refuse(why: str) -> Reject:
-        detail = f": {failure.message}" if failure.message else ""
-        return Reject(
-            model=failure.model,
-            code="load_failed",
-            message=f"loading model {failure.model} on {failure.node_id} failed ({failure.reason}{detail}) "
-            f"and {why}; it is tried again {f'in {backoff:.0f} s' if backoff > 0 else 'on the next request'}, "
-            "or sooner when its files change or an operator loads it",
-            retry_after_s=backoff if backoff > 0 else None,
-        )
+        said = f"loading model {failure.model} on {failure.node_id} failed ({failure_text(failure.reason, failure.message)}) and {why}"
+        return load_failed(failure.model, said, f"in {backoff:.0f} s" if backoff > 0 else "on the next request", backoff if backoff > 0 else None)
 
     if failure.reason != "out_of_memory":
         return refuse(f"is not retried: {NOT_RETRIED_BECAUSE[failure.reason]}, and more memory cannot fix that")

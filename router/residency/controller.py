@@ -200,17 +200,7 @@ class ResidencyController:
     def instance_died(self, ref: InstanceRef, cause: str) -> None:
         """An instance's actor is gone (killed, out of memory, crashed): drop it and its leases with
         a `died` event naming the cause; the next request for the model places it again."""
-        node = self.state.node(ref.node_id)
-        inst = node.instance(ref.model) if node is not None else None
-        if inst is None:
-            return
-        self.state = remove_instance(self.state, ref)
-        for lease_id, lease in list(self._leases.items()):
-            if lease.node_id == ref.node_id and lease.model == ref.model:
-                del self._leases[lease_id]
-        self._record("died", model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=cause)
-        self._spawn(self.effects.stop_instance(ref, f"died: {cause}"))
-        self._wake()
+        self._drop(ref, "died", cause, f"died: {cause}")
 
     def adopt_instance(self, node_id: str, model: str, device: DeviceKind, nbytes: int, load_seconds: float | None = None) -> None:
         """A running instance found after a restart (its actor outlived the old controller)."""
@@ -486,6 +476,10 @@ class ResidencyController:
             self._record("retrying", model=model, reason="its files changed since it failed to load")
 
     def _unload(self, ref: InstanceRef, reason: str) -> None:
+        self._drop(ref, "unloaded", reason, reason)
+
+    def _drop(self, ref: InstanceRef, kind: EventKind, reason: str, stop_reason: str) -> None:
+        """Remove an instance and its leases from the state, record why, and stop its actor."""
         node = self.state.node(ref.node_id)
         inst = node.instance(ref.model) if node is not None else None
         if inst is None:
@@ -494,8 +488,8 @@ class ResidencyController:
         for lease_id, lease in list(self._leases.items()):
             if lease.node_id == ref.node_id and lease.model == ref.model:
                 del self._leases[lease_id]
-        self._record("unloaded", model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=reason)
-        self._spawn(self.effects.stop_instance(ref, reason))
+        self._record(kind, model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=reason)
+        self._spawn(self.effects.stop_instance(ref, stop_reason))
         self._wake()
 
     # ---- plumbing -----------------------------------------------------------------------------
