@@ -180,7 +180,7 @@ def port_holder(host: str, port: int) -> str | None:
             p = psutil.Process(pid)
             name = p.name()
             try:
-                cmd = " ".join(p.cmdline())
+                cmd = " ".join(" ".join(p.cmdline()).split())  # process titles (Ray's) pad with spaces
             except (psutil.AccessDenied, psutil.ZombieProcess):
                 cmd = ""
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -496,19 +496,28 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("tmpdir", help="print this cluster's temp dir (RAY_TMPDIR, where its state file and logs are)")
     a = ap.parse_args(argv)
     if a.cmd == "start":
-        state = start(
-            parse_nodes(a.nodes),
-            temp_root=a.dir,
-            ip=a.ip,
-            port=a.port,
-            dashboard=not a.no_dashboard,
-            dashboard_port=a.dashboard_port,
-            http_port=a.http_port,
-            head_cpus=a.head_cpus,
-            worker_cpus=a.worker_cpus,
-            object_store_mib=a.object_store_mib,
-            timeout_s=a.timeout,
-        )
+        try:
+            nodes = parse_nodes(a.nodes)
+        except ValueError as e:
+            print(f"cluster.local start: {e}", file=sys.stderr)
+            return 2
+        try:
+            state = start(
+                nodes,
+                temp_root=a.dir,
+                ip=a.ip,
+                port=a.port,
+                dashboard=not a.no_dashboard,
+                dashboard_port=a.dashboard_port,
+                http_port=a.http_port,
+                head_cpus=a.head_cpus,
+                worker_cpus=a.worker_cpus,
+                object_store_mib=a.object_store_mib,
+                timeout_s=a.timeout,
+            )
+        except RuntimeError as e:  # a port taken, a dir too long, a node that did not come up: said, not a traceback
+            print(f"cluster.local start: {e}", file=sys.stderr)
+            return 1
         print(state["address"])
     elif a.cmd == "stop":
         stop(a.dir)
