@@ -21,7 +21,7 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from support.cluster import HEALTH, free_port, node_args, wait_for  # noqa: E402
 
-from cluster.placement import find_model_server  # noqa: E402
+from cluster.placement import create_model_server, find_model_server, live_model_server_names  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
 
 MIB = 1024**2
@@ -294,6 +294,10 @@ def test_a_restarted_controller_adopts_the_running_servers(orchard):
     orchard["client"].completions.create(model="llama-10m", prompt="Hello", max_tokens=2)
     node = instances(orchard)["llama-10m"]["node_id"]
     actor_id = actor("llama-10m", node)._actor_id.hex()
+    # a second incarnation nobody accounts for (what a controller killed mid-load leaves): stopped, not adopted
+    ray_node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Labels", {}).get("orchard.node") == node)
+    stale = create_model_server(("llm", "llama-10m", str(orchard["models_dir"] / "llama-10m")), node, ray_node_id=ray_node, incarnation="stale001")
+    ray.get(stale.load.remote(), timeout=60)
     replica = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "ResidencyService" in a["name"])
     ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
 
@@ -307,4 +311,6 @@ def test_a_restarted_controller_adopts_the_running_servers(orchard):
     assert not [e for e in events(orchard, "llama-10m") if e["kind"] == "placed"]  # adopted, not loaded again
     reply = orchard["client"].completions.create(model="llama-10m", prompt="Hello", max_tokens=3)
     assert reply.usage.completion_tokens == 3
-    assert instances(orchard)["llama-10m"]["node_id"] == node and actor("llama-10m", node)._actor_id.hex() == actor_id
+    assert instances(orchard)["llama-10m"]["node_id"] == node and instances(orchard)["llama-10m"]["actor"] != f"orchard:llama-10m@{node}#stale001"
+    wait_for(lambda: f"orchard:llama-10m@{node}#stale001" not in live_model_server_names(), 30, "the stale incarnation to be stopped")
+    assert actor("llama-10m", node)._actor_id.hex() == actor_id

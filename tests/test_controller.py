@@ -358,3 +358,21 @@ def test_adopted_instances_are_served_without_a_load():
 
     fx, lease = run(scenario())
     assert lease.node_id == "n1" and fx.started == []
+
+
+@pytest.mark.parametrize(
+    "code,message,reason",
+    [
+        ("not_found", "model folder of x not found on node n1", "not_found"),
+        ("load_failed", "SafetensorError: Error while deserializing header: incomplete metadata", "bad_files"),
+        ("load_failed", "ValueError: Model type qwen9 not supported.", "bad_files"),
+        ("load_failed", "RuntimeError: [metal::malloc] Resource limit exceeded; Insufficient Memory", "out_of_memory"),
+        ("load_failed", "MemoryError: ", "out_of_memory"),
+        ("unavailable", "the model server is unavailable: ActorDiedError: The actor died unexpectedly", "out_of_memory"),
+        ("internal", "TimeoutError: ", "error"),
+    ],
+)
+def test_load_failures_are_classified_by_what_more_memory_could_fix(code, message, reason):
+    from router.residency.effects import load_failure_reason
+
+    assert load_failure_reason(code, message) == reason

@@ -120,11 +120,12 @@ _OUT_OF_MEMORY = ("out of memory", "outofmemory", "insufficient memory", "bad_al
 
 
 def load_failure_reason(code: str, message: str) -> LoadFailureReason:
-    """not_found (no files), out_of_memory (more memory could fix it), else bad_files: the files
-    are there but do not load (truncated, unsupported architecture, a config that does not parse)."""
+    """not_found: no files. out_of_memory: the loader said so, or the server's process died while
+    loading (on a Mac that is the kernel's out-of-memory kill: a SIGKILL without a word). bad_files:
+    the engine raised while loading files that are there (truncated, unsupported architecture, a
+    config that does not parse). error: anything else (a timeout, an internal failure)."""
     if code == "not_found":
         return "not_found"
-    text = message.lower()
-    if any(marker in text for marker in _OUT_OF_MEMORY):
+    if code == "unavailable" or any(marker in message.lower() for marker in _OUT_OF_MEMORY):
         return "out_of_memory"
-    return "bad_files"
+    return "bad_files" if code == "load_failed" else "error"

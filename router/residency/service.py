@@ -15,7 +15,7 @@ from ray import serve
 from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 
 from cluster.node_agent import alive_nodes, collect_reports, ensure_agents
-from cluster.placement import death_cause, find_model_servers, live_model_server_names, parse_actor_name
+from cluster.placement import death_cause, find_model_servers, kill_model_server, live_model_server_names, parse_actor_name
 from policy import InstanceRef, PolicyConfig
 from policy.failures import backoff_left
 from router.errors import OrchardError
@@ -44,6 +44,7 @@ class ResidencyService:
         self.effects.listeners.append(metrics.on_event)
         self.controller = ResidencyController(catalog, PolicyConfig.model_validate(policy), self.effects)
         self.watch_period_s = watch_period_s
+        self._orphans: set[asyncio.Task] = set()
         await self._observe_nodes()
         await self._adopt_running_servers()
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
@@ -104,24 +105,32 @@ class ResidencyService:
             return
         self.controller.instance_died(ref, await asyncio.to_thread(death_cause, actor, message))
 
-    async def _adopt_running_servers(self) -> None:
+    async def _adopt_running_servers(self, answer_within_s: float = 5.0) -> None:
+        """Adopt the ready model servers an earlier controller left (one per model and node); stop
+        the others (still loading for a controller that is gone, failed, a second copy, a model no
+        longer in the registry), whose memory nobody would account for."""
         for name, handle in await asyncio.to_thread(find_model_servers):
             parsed = parse_actor_name(name)
-            if parsed is None:
-                continue
+            node = self.controller.state.node(parsed[1]) if parsed is not None else None
+            if parsed is None or node is None or not node.alive:
+                continue  # not ours, or on a node that is gone
             model, node_id, _ = parsed
-            node = self.controller.state.node(node_id)
-            if node is None or not node.alive or node.instance(model) is not None:
-                continue
+            health: dict[str, Any]
+            memory: dict[str, Any]
             try:
-                health = await handle.health.remote()
-                memory = await handle.memory.remote()
+                health = await asyncio.wait_for(handle.health.remote(), answer_within_s)
+                memory = await asyncio.wait_for(handle.memory.remote(), answer_within_s)
             except Exception:
-                continue
-            if health.get("status") == "ready":
+                health, memory = {}, {}
+            if health.get("status") == "ready" and model in self.controller.state.catalog and node.instance(model) is None:
                 self.effects.actors[(model, node_id)] = name
                 self.controller.adopt_instance(
                     node_id, model, node.devices[0], memory["weight_bytes"] + memory["kv_bytes_reserved"], memory["load_seconds"]
+                )
+            else:
+                log.info("stopping %s: not adopted (%s)", name, health.get("status") or "no answer")
+                self._orphans.add(
+                    asyncio.get_running_loop().create_task(kill_model_server(name, 0.0, reason="not adopted by a restarted controller"))
                 )
 
     # ---- what the ingress calls ----------------------------------------------------------------
