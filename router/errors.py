@@ -43,6 +43,8 @@ STATUS: dict[str, int] = {
     "tools_not_supported": 400,
     # the HTTP surface
     "invalid_api_key": 401,
+    "permission_denied": 403,
+    "not_ready": 503,
     "route_not_found": 404,
     "method_not_allowed": 405,
     "file_too_large": 413,

@@ -10,14 +10,28 @@ from fastapi.testclient import TestClient
 from router.api.app import app
 from router.api.builder import validate_args
 from router.api.ingress import Ingress
+from router.api.keys import KeyEntry, digest, resolve
 
 KEY = "sk-orchard"
+USER_KEY = "sk-team-a"
+
+
+def keys() -> list:
+    return resolve(
+        [
+            KeyEntry(name="ops", role="admin", key_sha256=digest(KEY)),
+            KeyEntry(name="team-a", role="user", key_env="TEAM_A_KEY", models=("llama-10m",)),
+        ],
+        environ={"TEAM_A_KEY": USER_KEY},
+    )
+
+
 BODY = {"model": "llama-10m", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "input": "hi", "max_tokens": 4}
 
 
 @pytest.fixture
 def client():
-    Ingress(None, api_keys=[KEY])  # installs itself as the routes' ingress
+    Ingress(None, principals=keys())  # installs itself as the routes' ingress
     return TestClient(app, raise_server_exceptions=False)
 
 
@@ -76,14 +90,61 @@ def test_every_route_wants_a_valid_key(client, key):
     }
     headers = {} if key is None else {"authorization": f"Bearer {key}"}
     for method, path in found:
+        if path in ("/health", "/ready"):  # for load balancers: no key
+            continue
         r = client.request(method, concrete(path), headers=headers, json=BODY if method == "POST" else None)
         assert_protocol_error(r, 401, path, openai_code="invalid_api_key", anthropic_type="authentication_error")
+
+
+ADMIN_ROUTES = ["/v1/models/llama-10m/load", "/v1/models/llama-10m/unload", "/v1/models/llama-10m/pin", "/v1/models/llama-10m/unpin"]
+
+
+def test_a_user_key_is_refused_on_every_admin_route(client):
+    user = {"authorization": f"Bearer {USER_KEY}"}
+    for path in ADMIN_ROUTES:
+        assert_protocol_error(client.post(path, headers=user), 403, path, openai_code="permission_denied")
+    for path in ("/v1/cluster", "/v1/cluster/events"):
+        assert_protocol_error(client.get(path, headers=user), 403, path, openai_code="permission_denied")
+    assert client.get("/v1/cluster", headers=user).json()["error"]["type"] == "permission_error"
+
+
+def test_a_user_key_limited_to_some_models_gets_a_404_for_the_others(client):
+    user = {"authorization": f"Bearer {USER_KEY}", "x-api-key": USER_KEY}
+    for path, body in [
+        ("/v1/chat/completions", {"model": "big-secret", "messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/completions", {"model": "big-secret", "prompt": "x"}),
+        ("/v1/embeddings", {"model": "big-secret", "input": "x"}),
+        ("/v1/messages", {"model": "big-secret", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}),
+    ]:
+        r = client.post(path, headers=user, json=body)
+        assert_protocol_error(r, 404, path, openai_code="model_not_found", anthropic_type="not_found_error")
+        assert "not in the registry" in (r.json()["error"]["message"])  # worded as for a model that does not exist
+    assert_protocol_error(client.get("/v1/models/big-secret", headers=user), 404, "/v1/models/big-secret", openai_code="model_not_found")
+
+
+def test_health_needs_no_key_and_ready_says_when_the_controller_is_gone(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    r = client.get("/ready")  # the residency handle here is None: the controller cannot answer
+    assert_protocol_error(r, 503, "/ready", openai_code="not_ready")
+    assert r.headers["retry-after"]
+
+
+def test_keys_are_never_plain_and_resolve_to_hashes():
+    with pytest.raises(ValueError, match="exactly one of key_env"):
+        KeyEntry(name="x")
+    with pytest.raises(ValueError):
+        KeyEntry(name="x", key_sha256="not-a-hash")
+    with pytest.raises(ValueError, match="TEAM_B_KEY is not set"):
+        resolve([KeyEntry(name="b", key_env="TEAM_B_KEY")], environ={})
+    principals = keys()
+    assert USER_KEY not in repr(principals) and KEY not in repr(principals)
+    assert [p.key_sha256 for p in principals] == [digest(KEY), digest(USER_KEY)]
 
 
 def test_anthropic_clients_send_x_api_key_and_no_keys_means_open(client):
     r = client.post("/v1/messages", headers={"x-api-key": KEY}, json={"model": "m"})
     assert_protocol_error(r, 400, "/v1/messages", anthropic_type="invalid_request_error")  # past the key check: the body is bad
-    Ingress(None, api_keys=[])
+    Ingress(None, principals=[])
     r = client.post("/v1/chat/completions", json={"model": "m"})
     assert_protocol_error(r, 400, "/v1/chat/completions", openai_code="missing_required_parameter")
     assert r.json()["error"]["param"] == "messages"
@@ -139,6 +200,8 @@ def test_openapi_declares_a_typed_body_for_every_post():
         ({"models": [], "chunk_timeout_s": -1}, "args.chunk_timeout_s"),
         ({"models": [], "coalesce_token": 4}, "args.coalesce_token"),
         ({"models": [], "overrides": {"ghost": {"pinned": True}}}, "overrides: no model ghost"),
+        ({"models": [], "api_keys": ["sk-plain"]}, "args.api_keys.0"),
+        ({"models": [], "api_keys": [{"name": "a", "key_sha256": "0" * 64, "models": ["ghost"]}]}, "api_keys[0] (a).models: no model ghost"),
     ],
 )
 def test_config_errors_fail_the_build_naming_the_field(args, field):

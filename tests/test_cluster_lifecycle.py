@@ -5,8 +5,10 @@ or SIGKILLed like an out-of-memory kill), a reload right after an unload, corrup
 not evict their neighbours, what the dashboard's Actors view says, and a restarted controller
 adopting the model servers that outlived it."""
 
+import hashlib
 import json
 import os
+import pathlib
 import shutil
 import signal
 import threading
@@ -27,6 +29,7 @@ from router.api.builder import build_app  # noqa: E402
 MIB = 1024**2
 KEY = "sk-orchard-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+USER_KEY = "sk-orchard-team-a"  # a user key for llama-10m only, read from the environment by the app builder
 CHUNK_TIMEOUT_S = 6.0
 NEVER_END = {str(t): -100 for t in range(4)}  # llama-10m's special tokens (EOS among them): streams run to max_tokens
 
@@ -78,8 +81,12 @@ def orchard(models_dir, broken_dir):
         "policy": policy,
         "watch_period_s": 0.5,
         "chunk_timeout_s": CHUNK_TIMEOUT_S,
-        "api_keys": [KEY],
+        "api_keys": [
+            {"name": "ops", "role": "admin", "key_sha256": hashlib.sha256(KEY.encode()).hexdigest()},
+            {"name": "team-a", "role": "user", "key_env": "ORCHARD_TEST_TEAM_A_KEY", "models": ["llama-10m"]},
+        ],
     }
+    os.environ["ORCHARD_TEST_TEAM_A_KEY"] = USER_KEY
     serve.run(build_app(args), name="orchard", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -120,6 +127,31 @@ def test_every_endpoint_requires_the_key_on_a_running_cluster(orchard):
     assert "llama-10m" not in instances(orchard)  # nothing was loaded by the refused calls
     reply = orchard["client"].completions.create(model="llama-10m", prompt="Once upon a time", max_tokens=4, temperature=0)
     assert reply.usage.completion_tokens == 4
+
+
+def test_a_user_key_serves_its_models_only_and_no_admin_route(orchard):
+    user = openai.OpenAI(base_url=orchard["base"] + "/v1", api_key=USER_KEY, max_retries=0, timeout=120)
+    assert [m.id for m in user.models.list()] == ["llama-10m"]  # the other models are not even named
+    reply = user.completions.create(model="llama-10m", prompt="Once upon a time", max_tokens=3, logit_bias=NEVER_END)
+    assert reply.usage.completion_tokens == 3
+    with pytest.raises(openai.NotFoundError):
+        user.completions.create(model="big-a", prompt="x", max_tokens=2)
+    for path in ("/v1/cluster", "/v1/cluster/events"):
+        r = requests.get(orchard["base"] + path, headers={"Authorization": f"Bearer {USER_KEY}"}, timeout=30)
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", r.text
+    r = requests.post(orchard["base"] + "/v1/models/llama-10m/unload", headers={"x-api-key": USER_KEY}, timeout=30)
+    assert r.status_code == 403
+    assert requests.get(orchard["base"] + "/ready", timeout=30).json()["status"] == "ready"
+
+
+def test_no_key_appears_in_the_ray_session_logs(orchard):
+    session = pathlib.Path(ray._private.worker._global_node.get_session_dir_path())
+    seen = [
+        str(f)
+        for f in session.rglob("*")
+        if f.is_file() and f.stat().st_size < 50 * 2**20 and (KEY.encode() in f.read_bytes() or USER_KEY.encode() in f.read_bytes())
+    ]
+    assert not seen, seen
 
 
 def test_idle_model_is_unloaded_after_its_ttl(orchard):

@@ -11,15 +11,16 @@ from fastapi import Depends, FastAPI
 from ray import serve
 
 from router.api import errors
-from router.api.auth import require_key
+from router.api.auth import principal
 from router.api.ingress import Ingress
-from router.api.routes import audio, chat, cluster, embeddings, messages, models, responses
+from router.api.routes import audio, chat, cluster, embeddings, health, messages, models, responses
 from router.residency.service import ON_HEAD
 
 app = FastAPI(title="Orchard", description="Many MLX models, one OpenAI- and Anthropic-compatible URL", version="0.1.0")
 errors.install(app)
 for family in (chat, messages, responses, embeddings, audio, models, cluster):
-    app.include_router(family.router, dependencies=[Depends(require_key)])
+    app.include_router(family.router, dependencies=[Depends(principal)])
+app.include_router(health.router)  # for load balancers: no key
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=500, ray_actor_options=ON_HEAD)

@@ -1,18 +1,29 @@
-"""API keys: one FastAPI dependency on every route. OpenAI clients send `Authorization: Bearer
-<key>`, Anthropic clients `x-api-key: <key>`; keys compare in constant time. No keys configured
-means the app is open (the embedded default, on 127.0.0.1)."""
+"""Who may call what: one dependency on every route (the key), one more on the operator's routes
+(the role). OpenAI clients send `Authorization: Bearer <key>`, Anthropic clients `x-api-key: <key>`.
+No keys configured means the app is open (the embedded default, on 127.0.0.1).
 
-import hmac
+A user key restricted to some models gets a 404 for any other model, exactly as for a model that
+does not exist, so model names do not leak (`Ingress.hold` and the model list check it)."""
 
 from fastapi import Depends, Request
 
 from router.api.ingress import Ingress, current
+from router.api.keys import OPEN, Principal, identify
 from router.errors import OrchardError
 
 
-def require_key(request: Request, ingress: Ingress = Depends(current)) -> None:
-    if not ingress.api_keys:
-        return
-    given = (request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")).strip().encode()
-    if not any(hmac.compare_digest(given, key) for key in ingress.api_keys):
+def principal(request: Request, ingress: Ingress = Depends(current)) -> Principal:
+    if not ingress.principals:
+        return OPEN
+    given = (request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")).strip()
+    found = identify(given, ingress.principals) if given else None
+    if found is None:
         raise OrchardError("invalid_api_key", "a valid API key is required (Authorization: Bearer ... or x-api-key)")
+    request.state.principal = found
+    return found
+
+
+def require_admin(who: Principal = Depends(principal)) -> Principal:
+    if not who.admin:
+        raise OrchardError("permission_denied", f"key {who.name!r} is a user key: this route needs an admin key")
+    return who

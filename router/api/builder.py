@@ -9,6 +9,7 @@ from ray import serve
 
 from policy import PolicyConfig
 from router.api.app import IngressDeployment
+from router.api.keys import KeyEntry, Principal, resolve
 from router.residency.registry import from_manifest, parse_entries
 from router.residency.service import ResidencyService
 from router.serving.output.parsing import OutputConfig
@@ -25,7 +26,8 @@ class AppArgs(BaseModel):
     overrides: dict[str, dict] = Field(default_factory=dict)
     policy: dict = Field(default_factory=dict)
     chunk_timeout_s: float = Field(default=60.0, gt=0)
-    api_keys: list[str] = Field(default_factory=list)
+    # Scoped keys (router/api/keys.py): {key_env | key_sha256, role, name, models, rpm, tpm, max_concurrent}
+    api_keys: list[KeyEntry] = Field(default_factory=list)
     watch_period_s: float = Field(default=1.0, gt=0)
     # Deltas per Ray item from a model server: the first at once, then every N tokens or M ms.
     # 8 / 50 ms measured better than 4 / 25 ms through the full path (docs/serve-benchmark.md).
@@ -47,8 +49,10 @@ def _field(e: ValidationError, prefix: str) -> str:
     return f"{prefix}{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
 
 
-def validate_args(args: dict) -> tuple[AppArgs, list[dict]]:
-    """The args and the registry's entries, or a ValueError naming the field that is wrong."""
+def validate_args(args: dict) -> tuple[AppArgs, list[dict], list[Principal]]:
+    """The args, the registry's entries and the API keys' principals (keys read from the
+    environment and hashed here: only hashes reach the replicas), or a ValueError naming the field
+    that is wrong."""
     try:
         a = AppArgs.model_validate(args)
     except ValidationError as e:
@@ -70,11 +74,20 @@ def validate_args(args: dict) -> tuple[AppArgs, list[dict]]:
             OutputConfig(tool_parser=m.tool_parser, reasoning=m.reasoning)
         except (ValueError, ValidationError) as e:
             raise ValueError(f"ray-config.yaml args: models[{i}] ({m.name}).tool_parser / reasoning: {e}") from None
-    return a, models
+    try:
+        principals = resolve(a.api_keys)
+    except ValueError as e:
+        raise ValueError(f"ray-config.yaml args.{e}") from None
+    names = {m.name for m in entries}
+    for i, key in enumerate(a.api_keys):
+        unknown = sorted(set(key.models or ()) - names)
+        if unknown:
+            raise ValueError(f"ray-config.yaml args.api_keys[{i}] ({key.name}).models: no model {', '.join(unknown)} in the registry")
+    return a, models, principals
 
 
 def build_app(args: dict) -> serve.Application:
-    a, models = validate_args(args)
+    a, models, principals = validate_args(args)
     models_dir = str(Path(a.models_dir).resolve())
     server_options = {
         "coalesce_tokens": a.coalesce_tokens,
@@ -85,5 +98,5 @@ def build_app(args: dict) -> serve.Application:
     # mypy keeps a decorated class's own type: @serve.deployment made these Deployments, which have bind()
     residency = ResidencyService.bind(models, a.policy, models_dir, a.watch_period_s, server_options)  # type: ignore[attr-defined]
     return IngressDeployment.bind(  # type: ignore[attr-defined]
-        residency, a.chunk_timeout_s, a.api_keys, allow_remote_images=a.allow_remote_images, max_audio_bytes=a.max_audio_bytes
+        residency, a.chunk_timeout_s, principals, allow_remote_images=a.allow_remote_images, max_audio_bytes=a.max_audio_bytes
     )

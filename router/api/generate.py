@@ -7,6 +7,7 @@ one that fails after some output ends its stream with the protocol's error event
 from collections.abc import Callable
 
 from router.api.ingress import Ingress
+from router.api.keys import Principal
 from router.api.sse import event_stream
 from router.errors import OrchardError
 from router.residency import metrics
@@ -16,8 +17,10 @@ from router.serving.renderers import Renderer
 from router.serving.stream_mux import Unavailable
 
 
-async def generate(ingress: Ingress, body: ChatOrCompletion, make_renderer: Callable[[OutputParser | None], Renderer], *, stream: bool):
-    async with ingress.leases.hold(body.model) as lease:
+async def generate(
+    ingress: Ingress, who: Principal, body: ChatOrCompletion, make_renderer: Callable[[OutputParser | None], Renderer], *, stream: bool
+):
+    async with ingress.hold(who, body.model) as lease:
         request, parser = prepare(lease, body, allow_remote_images=ingress.allow_remote_images)
         renderer = make_renderer(parser)
         deltas = DeltaStream(ingress.mux, lease, request, ingress.chunk_timeout_s)

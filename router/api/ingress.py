@@ -3,10 +3,13 @@ settings. Serve makes one per replica process (router/api/app.py); routes get it
 `current` dependency."""
 
 import contextlib
+import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
+from router.api.keys import Principal
 from router.errors import OrchardError
-from router.serving.lease import Leases
+from router.serving.lease import Lease, Leases
 from router.serving.stream_mux import StreamMux
 
 
@@ -15,7 +18,7 @@ class Ingress:
         self,
         residency: Any,
         chunk_timeout_s: float = 60.0,
-        api_keys: list[str] | None = None,
+        principals: list[Principal] | None = None,
         *,
         allow_remote_images: bool = False,
         max_audio_bytes: int = 25 * 1024**2,
@@ -24,10 +27,20 @@ class Ingress:
         self.leases = Leases(residency)
         self.mux = StreamMux()
         self.chunk_timeout_s = chunk_timeout_s
-        self.api_keys = [k.encode() for k in api_keys or []]
+        self.principals = list(principals or [])
+        if not self.principals:
+            logging.getLogger("orchard.ingress").warning("no API keys configured: every route is open to whoever reaches this address")
         self.allow_remote_images = allow_remote_images
         self.max_audio_bytes = max_audio_bytes
         install(self)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, who: Principal, model: str) -> AsyncIterator[Lease]:
+        """A lease on `model` for `who` (router.serving.lease); a model the key may not use is a 404."""
+        if not who.may_use(model):
+            raise OrchardError("model_not_found", f"model {model!r} is not in the registry", "model")
+        async with self.leases.hold(model) as lease:
+            yield lease
 
     def close(self) -> None:
         """The replica is shutting down: close every channel (each actor cancels what was open)."""

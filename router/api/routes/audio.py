@@ -5,7 +5,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from fastapi.responses import PlainTextResponse, Response
 
+from router.api.auth import principal
 from router.api.ingress import Ingress, current
+from router.api.keys import Principal
 from router.errors import OrchardError
 from router.protocols.rerank_audio import SpeechRequest, TranscriptionForm
 from router.serving.generation import call, require_kind
@@ -19,6 +21,7 @@ async def transcriptions(
     fields: Annotated[TranscriptionForm, Form()],
     file: Annotated[UploadFile, File(description="the audio (wav, mp3, flac, ...)")],
     ingress: Ingress = Depends(current),
+    who: Principal = Depends(principal),
 ):
     """OpenAI's multipart transcription: file, model, language, prompt, temperature,
     response_format json / text / verbose_json."""
@@ -29,7 +32,7 @@ async def transcriptions(
     audio = await file.read(limit + 1)
     if len(audio) > limit:
         raise too_big
-    async with ingress.leases.hold(fields.model) as lease:
+    async with ingress.hold(who, fields.model) as lease:
         require_kind(lease, ("stt",), "a speech-to-text model")
         result = await call(
             lease, lambda actor: actor.transcribe.remote(audio, fields.language, fields.temperature, fields.prompt, fields.response_format)
@@ -39,9 +42,9 @@ async def transcriptions(
 
 
 @router.post("/v1/audio/speech", response_class=Response)
-async def speech(body: SpeechRequest, ingress: Ingress = Depends(current)):
+async def speech(body: SpeechRequest, ingress: Ingress = Depends(current), who: Principal = Depends(principal)):
     """OpenAI's text-to-speech: model, input, voice, response_format (wav, pcm), speed."""
-    async with ingress.leases.hold(body.model) as lease:
+    async with ingress.hold(who, body.model) as lease:
         require_kind(lease, ("tts",), "a text-to-speech model")
         audio = await call(lease, lambda actor: actor.speak.remote(body.input, body.engine_voice(), body.speed, body.response_format))
     return Response(audio, media_type="audio/wav" if body.response_format == "wav" else "audio/pcm")

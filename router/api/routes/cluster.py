@@ -1,10 +1,11 @@
-"""The cluster view (nodes, memory, instances, leases) and the placement / eviction event log."""
+"""The cluster view (nodes, memory, instances, leases) and the placement / eviction event log (admin keys only)."""
 
 from fastapi import APIRouter, Depends, Query
 
+from router.api.auth import require_admin
 from router.api.ingress import Ingress, current
 
-router = APIRouter(tags=["cluster"])
+router = APIRouter(tags=["cluster"], dependencies=[Depends(require_admin)])
 
 
 @router.get("/v1/cluster")

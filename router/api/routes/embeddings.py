@@ -2,7 +2,9 @@
 
 from fastapi import APIRouter, Depends
 
+from router.api.auth import principal
 from router.api.ingress import Ingress, current
+from router.api.keys import Principal
 from router.protocols import openai as oai
 from router.protocols.rerank_audio import RerankRequest, rerank_response
 from router.serving.generation import call, require_kind
@@ -11,8 +13,8 @@ router = APIRouter(tags=["openai"])
 
 
 @router.post("/v1/embeddings")
-async def embeddings(body: oai.EmbeddingRequest, ingress: Ingress = Depends(current)):
-    async with ingress.leases.hold(body.model) as lease:
+async def embeddings(body: oai.EmbeddingRequest, ingress: Ingress = Depends(current), who: Principal = Depends(principal)):
+    async with ingress.hold(who, body.model) as lease:
         require_kind(lease, ("embedding",), "an embedding model")
         result = await call(lease, lambda actor: actor.embed.remote(body.texts(), body.dimensions))
     return oai.embedding_response(body.model, result["vectors"], result["prompt_tokens"], body.encoding_format)
@@ -21,9 +23,9 @@ async def embeddings(body: oai.EmbeddingRequest, ingress: Ingress = Depends(curr
 @router.post("/v1/rerank")
 @router.post("/rerank")
 @router.post("/v2/rerank")
-async def rerank(body: RerankRequest, ingress: Ingress = Depends(current)):
+async def rerank(body: RerankRequest, ingress: Ingress = Depends(current), who: Principal = Depends(principal)):
     """Cohere / Jina shape: query, documents (strings or {"text": ...}), top_n, return_documents."""
-    async with ingress.leases.hold(body.model) as lease:
+    async with ingress.hold(who, body.model) as lease:
         require_kind(lease, ("rerank",), "a rerank model")
         result = await call(lease, lambda actor: actor.rerank.remote(body.query, body.texts(), body.top_n))
     return rerank_response(body, result)

@@ -1,12 +1,14 @@
 """The model list (OpenAI's /v1/models and /v1/models/{id}, with Orchard's residency) and the
-operator's model actions: load, unload, pin, unpin."""
+operator's model actions (admin keys only): load, unload, pin, unpin."""
 
 from typing import Any
 
 from fastapi import APIRouter, Body, Depends
 from pydantic import BaseModel, ConfigDict
 
+from router.api.auth import principal, require_admin
 from router.api.ingress import Ingress, current
+from router.api.keys import Principal
 from router.errors import OrchardError
 
 router = APIRouter(tags=["models"])
@@ -31,35 +33,36 @@ async def _ask(ingress: Ingress, call) -> dict[str, Any]:
 
 
 @router.get("/v1/models")
-async def list_models(ingress: Ingress = Depends(current)):
+async def list_models(ingress: Ingress = Depends(current), who: Principal = Depends(principal)):
+    """Every model this key may use, with its residency under `orchard`."""
     models = await ingress.residency.models.remote()
-    return {"object": "list", "data": [_model_object(m) for m in models]}
+    return {"object": "list", "data": [_model_object(m) for m in models if who.may_use(m["id"])]}
 
 
 @router.get("/v1/models/{model:path}")
-async def retrieve_model(model: str, ingress: Ingress = Depends(current)):
+async def retrieve_model(model: str, ingress: Ingress = Depends(current), who: Principal = Depends(principal)):
     """OpenAI's model object (client.models.retrieve), with the residency under `orchard`."""
-    for m in await ingress.residency.models.remote():
+    for m in await ingress.residency.models.remote() if who.may_use(model) else ():
         if m["id"] == model:
             return _model_object(m)
     raise OrchardError("model_not_found", f"The model '{model}' does not exist", "model")
 
 
-@router.post("/v1/models/{model}/load")
+@router.post("/v1/models/{model}/load", dependencies=[Depends(require_admin)])
 async def load(model: str, body: LoadRequest | None = Body(default=None), ingress: Ingress = Depends(current)):
     return await _ask(ingress, ingress.residency.load.remote(model, body.node if body else None))
 
 
-@router.post("/v1/models/{model}/unload")
+@router.post("/v1/models/{model}/unload", dependencies=[Depends(require_admin)])
 async def unload(model: str, ingress: Ingress = Depends(current)):
     return await _ask(ingress, ingress.residency.unload.remote(model))
 
 
-@router.post("/v1/models/{model}/pin")
+@router.post("/v1/models/{model}/pin", dependencies=[Depends(require_admin)])
 async def pin(model: str, ingress: Ingress = Depends(current)):
     return await _ask(ingress, ingress.residency.pin.remote(model, True))
 
 
-@router.post("/v1/models/{model}/unpin")
+@router.post("/v1/models/{model}/unpin", dependencies=[Depends(require_admin)])
 async def unpin(model: str, ingress: Ingress = Depends(current)):
     return await _ask(ingress, ingress.residency.pin.remote(model, False))
