@@ -65,6 +65,7 @@ def orchard(models_dir, broken_dir):
         {"name": "big-a"} | big,
         {"name": "big-b"} | big,
         {"name": "doomed-llama"} | small,
+        {"name": "pinned-llama", "pinned": True} | small,  # never asked for: holds no memory
         {"name": "broken-llama", "kind": "llm", "path": str(broken_dir), "weight_bytes": "40MiB", "kv_bytes_per_token": "8KiB"},
     ]
     policy = {
@@ -322,7 +323,8 @@ def test_the_dashboard_shows_each_instances_state_size_and_why_it_ended(orchard)
     assert "ready" in dead["repr_name"], dead["repr_name"]
 
 
-def test_a_restarted_controller_adopts_the_running_servers(orchard):
+def test_a_restarted_controller_adopts_the_running_servers_and_keeps_the_operators_state(orchard):
+    """Adoption of running servers, and issue 13 item 3: pins, unpins and the event log survive."""
     orchard["client"].completions.create(model="llama-10m", prompt="Hello", max_tokens=2)
     node = instances(orchard)["llama-10m"]["node_id"]
     actor_id = actor("llama-10m", node)._actor_id.hex()
@@ -330,18 +332,28 @@ def test_a_restarted_controller_adopts_the_running_servers(orchard):
     ray_node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Labels", {}).get("orchard.node") == node)
     stale = create_model_server(("llm", "llama-10m", str(orchard["models_dir"] / "llama-10m")), node, ray_node_id=ray_node, incarnation="stale001")
     ray.get(stale.load.remote(), timeout=60)
+    for path in ("/v1/models/llama-10m/pin", "/v1/models/pinned-llama/unpin"):
+        assert requests.post(orchard["base"] + path, headers=AUTH, timeout=30).status_code == 200
+    before = get(orchard, "/v1/cluster/events")["data"]
     replica = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "ResidencyService" in a["name"])
     ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+    last_seq = before[-1]["seq"]
 
     def adopted():
         try:
-            return "llama-10m" in instances(orchard) and any(e["kind"] == "loaded" and "adopted" in e["reason"] for e in events(orchard, "llama-10m"))
+            later = [e for e in get(orchard, f"/v1/cluster/events?since={last_seq}")["data"] if e["model"] == "llama-10m"]
+            return "llama-10m" in instances(orchard) and any(e["kind"] == "loaded" and "adopted" in e["reason"] for e in later)
         except (AssertionError, requests.RequestException):
             return False  # the new controller is not up yet
 
     wait_for(adopted, 90, "a new controller that adopted llama-10m")
-    assert not [e for e in events(orchard, "llama-10m") if e["kind"] == "placed"]  # adopted, not loaded again
-    reply = orchard["client"].completions.create(model="llama-10m", prompt="Hello", max_tokens=3)
+    after = get(orchard, "/v1/cluster/events")["data"]
+    assert [e["seq"] for e in after[: len(before)]] == [e["seq"] for e in before]  # the log before the kill, still listed
+    assert min(e["seq"] for e in after[len(before) :]) > last_seq  # and numbered on after it
+    assert not [e for e in after[len(before) :] if e["model"] == "llama-10m" and e["kind"] == "placed"]  # adopted, not loaded again
+    models = {m["id"]: m["orchard"] for m in get(orchard, "/v1/models")["data"]}
+    assert models["llama-10m"]["pinned"] is True and models["pinned-llama"]["pinned"] is False  # the pin and the unpin in force
+    reply = orchard["client"].completions.create(model="llama-10m", prompt="Hello", max_tokens=3, logit_bias=NEVER_END)
     assert reply.usage.completion_tokens == 3
     assert instances(orchard)["llama-10m"]["node_id"] == node and instances(orchard)["llama-10m"]["actor"] != f"orchard:llama-10m@{node}#stale001"
     wait_for(lambda: f"orchard:llama-10m@{node}#stale001" not in live_model_server_names(), 30, "the stale incarnation to be stopped")

@@ -330,3 +330,24 @@ def test_found_again_then_drained_and_killed(llama):
         ray.get_actor(LLAMA, namespace=NAMESPACE)
     assert LLAMA not in dict(find_model_servers())
     assert asyncio.run(kill_model_server(LLAMA, 1.0)) is None  # already gone
+
+
+def test_the_operator_store_round_trips_through_the_gcs(ray_node):
+    """router.residency.store on a real GCS (this module's one-node cluster): what a restarted
+    controller reads back is what the last one wrote; the event window keeps the newest."""
+    from router.residency.controller import ClusterEvent
+    from router.residency.store import OperatorStore
+
+    store = OperatorStore(app="store-test", max_events=3)
+    store.set_pin("a", True)
+    store.set_pin("b", False)
+    store.add_load("a", "mac-1")
+    store.add_load("b", None)
+    store.drop_load("b")
+    for seq in range(1, 6):
+        store.on_event(ClusterEvent(seq=seq, at=float(seq), kind="pinned", model="a", reason=f"#{seq}"))
+    again = OperatorStore(app="store-test", max_events=3)
+    assert again.pins() == {"a": True, "b": False}
+    assert again.loads() == {"a": "mac-1"}
+    assert [e.seq for e in again.events()] == [3, 4, 5] and again.events()[-1].reason == "#5"
+    assert OperatorStore(app="another-app").pins() == {}

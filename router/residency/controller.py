@@ -401,6 +401,19 @@ class ResidencyController:
         self._wake()
         return spec
 
+    def restore(self, events: list[ClusterEvent], pins: dict[str, bool]) -> None:
+        """What a previous controller left in the operator's store: its event log (numbering goes on
+        after it) and the operator's pins and unpins (applied over the registry, quietly: their
+        events are in that log already)."""
+        self._events.extend(events)
+        if events:
+            self._seq = itertools.count(max(e.seq for e in events) + 1)
+        catalog = dict(self.state.catalog)
+        for model, pinned in pins.items():
+            if model in catalog:
+                catalog[model] = catalog[model].model_copy(update={"pinned": pinned})
+        self.state = self.state.model_copy(update={"catalog": catalog})
+
     # ---- views --------------------------------------------------------------------------------
     def events(self, since: int = 0) -> list[ClusterEvent]:
         return [e for e in self._events if e.seq > since]

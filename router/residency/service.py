@@ -23,6 +23,7 @@ from router.residency import metrics as metrics
 from router.residency.controller import ResidencyController
 from router.residency.effects import RayEffects
 from router.residency.registry import from_config
+from router.residency.store import OperatorStore
 
 log = logging.getLogger("orchard.residency")
 
@@ -43,10 +44,14 @@ class ResidencyService:
         self.effects = RayEffects(entries, models_dir, server_options=server_options)
         self.effects.listeners.append(metrics.on_event)
         self.controller = ResidencyController(catalog, PolicyConfig.model_validate(policy), self.effects)
+        self.store = OperatorStore()
+        self.controller.restore(await asyncio.to_thread(self.store.events), await asyncio.to_thread(self.store.pins))
+        self.effects.listeners.append(self.store.on_event)
         self.watch_period_s = watch_period_s
         self._orphans: set[asyncio.Task] = set()
         await self._observe_nodes()
         await self._adopt_running_servers()
+        await self._resume_operator_loads()
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     # ---- the watcher ---------------------------------------------------------------------------
@@ -105,6 +110,20 @@ class ResidencyService:
             return
         self.controller.instance_died(ref, await asyncio.to_thread(death_cause, actor, message))
 
+    async def _resume_operator_loads(self) -> None:
+        """Models an operator loaded stay loaded across controller restarts: load again what adoption
+        did not bring back (in the background; a failure is an event like any load's)."""
+        loaded = {i.model for n in self.controller.state.nodes if n.alive for i in n.instances}
+        for model, node_id in (await asyncio.to_thread(self.store.loads)).items():
+            if model in self.controller.state.catalog and model not in loaded:
+                self._orphans.add(asyncio.get_running_loop().create_task(self._quiet_load(model, node_id)))
+
+    async def _quiet_load(self, model: str, node_id: str | None) -> None:
+        try:
+            await self.controller.load(model, node_id)
+        except Exception as e:
+            log.warning("resuming the operator's load of %s failed: %s", model, e)
+
     async def _adopt_running_servers(self, answer_within_s: float = 5.0) -> None:
         """Adopt the ready model servers an earlier controller left (one per model and node); stop
         the others (still loading for a controller that is gone, failed, a second copy, a model no
@@ -151,6 +170,7 @@ class ResidencyService:
             ref = await self.controller.load(model, node_id)
         except OrchardError as e:
             return error_dict(e)
+        await asyncio.to_thread(self.store.add_load, model, node_id)
         return {"model": ref.model, "node_id": ref.node_id, "status": "loaded"}
 
     async def unload(self, model: str) -> dict[str, Any]:
@@ -158,6 +178,7 @@ class ResidencyService:
             refs = self.controller.unload(model)
         except OrchardError as e:
             return error_dict(e)
+        await asyncio.to_thread(self.store.drop_load, model)
         return {"model": model, "unloaded_from": [r.node_id for r in refs]}
 
     async def pin(self, model: str, pinned: bool) -> dict[str, Any]:
@@ -165,6 +186,7 @@ class ResidencyService:
             spec = self.controller.pin(model, pinned)
         except OrchardError as e:
             return error_dict(e)
+        await asyncio.to_thread(self.store.set_pin, model, pinned)
         return {"model": model, "pinned": spec.pinned}
 
     async def models(self) -> list[dict[str, Any]]:

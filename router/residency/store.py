@@ -1,0 +1,73 @@
+"""The operator's state that must outlive a residency controller: pins and unpins made at run time,
+operator loads, and the event log. Kept in Ray's GCS key-value store (what Ray Serve keeps its own
+checkpoints in), namespace "orchard", so a restarted controller replica, or a `serve deploy` of the
+same app, finds it again; with a fault-tolerant GCS (external Redis, docs/cluster.md) it also
+survives a head restart.
+
+Keys: `pin/<model>` -> true / false (the operator's word over the registry's), `load/<model>` ->
+the node asked for (or null), `event/<seq>` -> one ClusterEvent (the last `max_events` are kept).
+Every write is one small GCS call; events are placement decisions, never per token."""
+
+import json
+import logging
+from typing import Any
+
+from ray.experimental import internal_kv as kv
+
+from router.residency.controller import ClusterEvent
+
+NAMESPACE = "orchard"
+log = logging.getLogger("orchard.residency")
+
+
+class OperatorStore:
+    def __init__(self, app: str = "orchard", max_events: int = 2000):
+        self.prefix = f"{app}/"
+        self.max_events = max_events
+
+    # ---- raw ---------------------------------------------------------------------------------
+    def _key(self, kind: str, name: str) -> str:
+        return f"{self.prefix}{kind}/{name}"
+
+    def _put(self, kind: str, name: str, value: Any) -> None:
+        try:
+            kv._internal_kv_put(self._key(kind, name), json.dumps(value), overwrite=True, namespace=NAMESPACE)
+        except Exception:  # the GCS unreachable for a moment: the state in memory still holds
+            log.exception("could not store %s/%s", kind, name)
+
+    def _all(self, kind: str) -> dict[str, Any]:
+        start = self._key(kind, "")
+        out: dict[str, Any] = {}
+        for key in kv._internal_kv_list(start, namespace=NAMESPACE):
+            raw = kv._internal_kv_get(key, namespace=NAMESPACE)
+            if raw is not None:
+                out[key.decode()[len(start) :]] = json.loads(raw)
+        return out
+
+    # ---- pins --------------------------------------------------------------------------------
+    def set_pin(self, model: str, pinned: bool) -> None:
+        self._put("pin", model, pinned)
+
+    def pins(self) -> dict[str, bool]:
+        return {model: bool(v) for model, v in self._all("pin").items()}
+
+    # ---- operator loads ----------------------------------------------------------------------
+    def add_load(self, model: str, node_id: str | None) -> None:
+        self._put("load", model, node_id)
+
+    def drop_load(self, model: str) -> None:
+        kv._internal_kv_del(self._key("load", model), namespace=NAMESPACE)
+
+    def loads(self) -> dict[str, str | None]:
+        return self._all("load")
+
+    # ---- the event log -----------------------------------------------------------------------
+    def on_event(self, event: ClusterEvent) -> None:
+        """RayEffects' listener: store the event and drop the one that fell out of the window."""
+        self._put("event", f"{event.seq:012d}", event.model_dump(mode="json"))
+        if event.seq > self.max_events:
+            kv._internal_kv_del(self._key("event", f"{event.seq - self.max_events:012d}"), namespace=NAMESPACE)
+
+    def events(self) -> list[ClusterEvent]:
+        found = [ClusterEvent.model_validate(v) for v in self._all("event").values()]
+        return sorted(found, key=lambda e: e.seq)[-self.max_events :]
