@@ -44,6 +44,7 @@ STATUS: dict[str, int] = {
     # the HTTP surface
     "invalid_api_key": 401,
     "permission_denied": 403,
+    "rate_limited": 429,
     "not_ready": 503,
     "route_not_found": 404,
     "method_not_allowed": 405,

@@ -30,6 +30,7 @@ MIB = 1024**2
 KEY = "sk-orchard-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 USER_KEY = "sk-orchard-team-a"  # a user key for llama-10m only, read from the environment by the app builder
+LIMITED_KEY = "sk-orchard-team-b"  # rpm 6, tpm 5000, one request at a time
 CHUNK_TIMEOUT_S = 6.0
 NEVER_END = {str(t): -100 for t in range(4)}  # llama-10m's special tokens (EOS among them): streams run to max_tokens
 
@@ -85,7 +86,16 @@ def orchard(models_dir, broken_dir):
         "api_keys": [
             {"name": "ops", "role": "admin", "key_sha256": hashlib.sha256(KEY.encode()).hexdigest()},
             {"name": "team-a", "role": "user", "key_env": "ORCHARD_TEST_TEAM_A_KEY", "models": ["llama-10m"]},
+            {
+                "name": "team-b",
+                "role": "user",
+                "key_sha256": hashlib.sha256(LIMITED_KEY.encode()).hexdigest(),
+                "rpm": 6,
+                "tpm": 5000,
+                "max_concurrent": 1,
+            },
         ],
+        "ingress_replicas": 2,  # the keys' limits must hold across replicas
     }
     os.environ["ORCHARD_TEST_TEAM_A_KEY"] = USER_KEY
     serve.run(build_app(args), name="orchard", route_prefix="/")
@@ -143,6 +153,39 @@ def test_a_user_key_serves_its_models_only_and_no_admin_route(orchard):
     r = requests.post(orchard["base"] + "/v1/models/llama-10m/unload", headers={"x-api-key": USER_KEY}, timeout=30)
     assert r.status_code == 403
     assert requests.get(orchard["base"] + "/ready", timeout=30).json()["status"] == "ready"
+
+
+def test_a_keys_limits_hold_across_two_ingress_replicas_with_429s_and_headers(orchard):
+    """Issue 13 item 2 over HTTP (recovery after the window: tests/test_limits.py)."""
+    auth = {"Authorization": f"Bearer {LIMITED_KEY}"}
+    body = {"model": "llama-10m", "prompt": "Go on", "max_tokens": 4000, "logit_bias": NEVER_END, "stream": True}
+    r = requests.post(orchard["base"] + "/v1/completions", json=body, headers=auth, stream=True, timeout=120)
+    assert r.status_code == 200 and r.headers["x-ratelimit-limit-requests"] == "6", r.headers
+    lines = (line for line in r.iter_lines() if line)  # held: a dropped line iterator closes the connection (a disconnect)
+    first = [next(lines) for _ in range(2)]  # in flight
+    assert all(b"error" not in line and b"[DONE]" not in line for line in first), first
+    blocked = []
+    for _ in range(4):  # whichever replica each lands on: the count is the residency service's
+        b = requests.post(orchard["base"] + "/v1/completions", json={"model": "llama-10m", "prompt": "x", "max_tokens": 2}, headers=auth, timeout=60)
+        assert b.status_code == 429, (b.status_code, b.text[:300])
+        blocked.append(
+            (b.status_code, b.json()["error"]["type"], "max_concurrent" in b.json()["error"]["message"], bool(b.headers.get("retry-after")))
+        )
+    assert blocked == [(429, "rate_limit_error", True, True)] * 4, blocked
+    r.close()
+    time.sleep(1.5)  # the stream's lease ends
+    statuses = []
+    for _ in range(3):
+        b = requests.post(orchard["base"] + "/v1/completions", json={"model": "llama-10m", "prompt": "x", "max_tokens": 2}, headers=auth, timeout=60)
+        statuses.append(b.status_code)
+    # 1 stream + 4 refused + 3 here = 8 requests: the refused ones were never admitted, so rpm 6 allows these
+    assert statuses == [200, 200, 200], statuses
+    assert int(b.headers["x-ratelimit-remaining-requests"]) == 2 and int(b.headers["x-ratelimit-remaining-tokens"]) < 5000
+    b = requests.post(orchard["base"] + "/v1/completions", json={"model": "llama-10m", "prompt": "x", "max_tokens": 4500}, headers=auth, timeout=60)
+    assert b.status_code == 429 and "tpm is 5000" in b.json()["error"]["message"]  # 4500 reserved would pass the minute's budget
+    m = requests.post(orchard["base"] + "/v1/messages", json={"model": "llama-10m", "max_tokens": 4500, "messages": [{"role": "user", "content": "x"}]},
+                      headers={"x-api-key": LIMITED_KEY}, timeout=60)  # fmt: skip
+    assert m.status_code == 429 and m.json()["error"]["type"] == "rate_limit_error"  # Anthropic's format
 
 
 def test_no_key_appears_in_the_ray_session_logs(orchard):

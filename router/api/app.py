@@ -13,6 +13,7 @@ from ray import serve
 from router.api import errors
 from router.api.auth import principal
 from router.api.ingress import Ingress
+from router.api.limits import RateLimitHeaders
 from router.api.routes import audio, chat, cluster, embeddings, health, messages, models, responses
 from router.residency.service import ON_HEAD
 
@@ -21,6 +22,7 @@ errors.install(app)
 for family in (chat, messages, responses, embeddings, audio, models, cluster):
     app.include_router(family.router, dependencies=[Depends(principal)])
 app.include_router(health.router)  # for load balancers: no key
+app.add_middleware(RateLimitHeaders)
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=500, ray_actor_options=ON_HEAD)

@@ -26,6 +26,7 @@ class AppArgs(BaseModel):
     overrides: dict[str, dict] = Field(default_factory=dict)
     policy: dict = Field(default_factory=dict)
     chunk_timeout_s: float = Field(default=60.0, gt=0)
+    ingress_replicas: int = Field(default=1, ge=1)  # more than one: keys' limits still hold (counted by the residency service)
     # Scoped keys (router/api/keys.py): {key_env | key_sha256, role, name, models, rpm, tpm, max_concurrent}
     api_keys: list[KeyEntry] = Field(default_factory=list)
     watch_period_s: float = Field(default=1.0, gt=0)
@@ -97,6 +98,6 @@ def build_app(args: dict) -> serve.Application:
     }
     # mypy keeps a decorated class's own type: @serve.deployment made these Deployments, which have bind()
     residency = ResidencyService.bind(models, a.policy, models_dir, a.watch_period_s, server_options)  # type: ignore[attr-defined]
-    return IngressDeployment.bind(  # type: ignore[attr-defined]
+    return IngressDeployment.options(num_replicas=a.ingress_replicas).bind(  # type: ignore[attr-defined]
         residency, a.chunk_timeout_s, principals, allow_remote_images=a.allow_remote_images, max_audio_bytes=a.max_audio_bytes
     )

@@ -10,6 +10,7 @@ from router.api.ingress import Ingress
 from router.api.keys import Principal
 from router.api.sse import event_stream
 from router.errors import OrchardError
+from router.protocols.openai import DEFAULT_MAX_TOKENS
 from router.residency import metrics
 from router.serving.generation import ChatOrCompletion, DeltaStream, prepare
 from router.serving.output.parsing import OutputParser
@@ -20,7 +21,8 @@ from router.serving.stream_mux import Unavailable
 async def generate(
     ingress: Ingress, who: Principal, body: ChatOrCompletion, make_renderer: Callable[[OutputParser | None], Renderer], *, stream: bool
 ):
-    async with ingress.hold(who, body.model) as lease:
+    reserve = body.max_tokens or getattr(body, "max_completion_tokens", None) or DEFAULT_MAX_TOKENS  # the key's tpm holds it
+    async with ingress.hold(who, body.model, reserve) as lease:
         request, parser = prepare(lease, body, allow_remote_images=ingress.allow_remote_images)
         renderer = make_renderer(parser)
         deltas = DeltaStream(ingress.mux, lease, request, ingress.chunk_timeout_s)

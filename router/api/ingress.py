@@ -35,11 +35,12 @@ class Ingress:
         install(self)
 
     @contextlib.asynccontextmanager
-    async def hold(self, who: Principal, model: str) -> AsyncIterator[Lease]:
-        """A lease on `model` for `who` (router.serving.lease); a model the key may not use is a 404."""
+    async def hold(self, who: Principal, model: str, reserve_tokens: int = 0) -> AsyncIterator[Lease]:
+        """A lease on `model` for `who` (router.serving.lease), counted against the key's limits with
+        `reserve_tokens` held until it ends; a model the key may not use is a 404."""
         if not who.may_use(model):
             raise OrchardError("model_not_found", f"model {model!r} is not in the registry", "model")
-        async with self.leases.hold(model) as lease:
+        async with self.leases.hold(model, who.tenant(), reserve_tokens) as lease:
             yield lease
 
     def close(self) -> None:

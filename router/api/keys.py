@@ -20,8 +20,8 @@ Role = Literal["admin", "user"]
 
 
 class KeyEntry(BaseModel):
-    """One `api_keys:` entry. rpm / tpm / max_concurrent are the key's limits (issue 13; accepted
-    and validated here, enforced once the limiter lands)."""
+    """One `api_keys:` entry. rpm / tpm / max_concurrent are the key's limits, counted across every
+    ingress replica by the residency service (router/residency/limits.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -50,6 +50,9 @@ class Principal(BaseModel):
     role: Role
     models: frozenset[str] | None = None
     key_sha256: str = ""
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
 
     @property
     def admin(self) -> bool:
@@ -57,6 +60,12 @@ class Principal(BaseModel):
 
     def may_use(self, model: str) -> bool:
         return self.admin or self.models is None or model in self.models
+
+    def tenant(self) -> dict | None:
+        """What the residency service counts this key's requests by (router/residency/limits.py)."""
+        if self.rpm is None and self.tpm is None and self.max_concurrent is None:
+            return None
+        return {"name": self.name, "rpm": self.rpm, "tpm": self.tpm, "max_concurrent": self.max_concurrent}
 
 
 OPEN = Principal(name="anonymous", role="admin")  # no keys configured: the embedded default, on 127.0.0.1
@@ -82,7 +91,8 @@ def resolve(entries: list[KeyEntry], environ: dict[str, str] | None = None) -> l
             sha = e.key_sha256.lower()
         if any(p.name == e.name for p in out):
             raise ValueError(f"api_keys[{i}]: the name {e.name!r} is listed twice")
-        out.append(Principal(name=e.name, role=e.role, models=frozenset(e.models) if e.models is not None else None, key_sha256=sha))
+        models = frozenset(e.models) if e.models is not None else None
+        out.append(Principal(name=e.name, role=e.role, models=models, key_sha256=sha, rpm=e.rpm, tpm=e.tpm, max_concurrent=e.max_concurrent))
     return out
 
 

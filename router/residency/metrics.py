@@ -39,6 +39,7 @@ def _m():
             tag_keys=("model",),
         ),
         "tokens": metrics.Counter("orchard_generated_tokens_total", "Completion tokens streamed", tag_keys=("model",)),
+        "limit_hits": metrics.Counter("orchard_rate_limited_total", "Requests refused by a key's limit", tag_keys=("limit", "key")),
     }
 
 
@@ -77,3 +78,8 @@ def on_request(model: str, ttft_s: float | None, tokens: int) -> None:
         m["ttft"].observe(ttft_s, tags={"model": _tag(model)})
     if tokens:
         m["tokens"].inc(tokens, tags={"model": _tag(model)})
+
+
+def on_limit(limit: str, key: str) -> None:
+    """A request refused by its key's `limit` (rpm, tpm, max_concurrent); `key` is the key's name."""
+    _m()["limit_hits"].inc(tags={"limit": limit, "key": _tag(key)})

@@ -9,6 +9,7 @@ dicts (`{"error": {...}}`) so the ingress can answer them in OpenAI's format."""
 
 import asyncio
 import logging
+import uuid
 from typing import Any
 
 from ray import serve
@@ -22,6 +23,7 @@ from router.errors import OrchardError
 from router.residency import metrics as metrics
 from router.residency.controller import ResidencyController
 from router.residency.effects import RayEffects
+from router.residency.limits import Limiter, RateLimited, Tenant
 from router.residency.registry import from_config
 from router.residency.store import OperatorStore
 
@@ -45,6 +47,8 @@ class ResidencyService:
         self.effects.listeners.append(metrics.on_event)
         self.controller = ResidencyController(catalog, PolicyConfig.model_validate(policy), self.effects)
         self.store = OperatorStore()
+        self.limiter = Limiter()
+        self._tickets: dict[str, str] = {}  # lease id -> the limiter's ticket
         self.controller.restore(await asyncio.to_thread(self.store.events), await asyncio.to_thread(self.store.pins))
         self.effects.listeners.append(self.store.on_event)
         self.watch_period_s = watch_period_s
@@ -62,6 +66,7 @@ class ResidencyService:
                 await self._observe_nodes()
                 await self._observe_instances()
                 self.controller.tick()
+                self._reap_tickets()
                 metrics.on_nodes(self.controller.state.nodes)
             except Exception:  # a failed round must not end the watcher
                 log.exception("node watch round failed")
@@ -153,17 +158,46 @@ class ResidencyService:
                 )
 
     # ---- what the ingress calls ----------------------------------------------------------------
-    async def acquire(self, model: str) -> dict[str, Any]:
+    async def acquire(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0) -> dict[str, Any]:
+        """A lease on `model` (router.serving.lease reads the grant), counted against the key's
+        limits when `tenant` names some (router/residency/limits.py)."""
+        who = Tenant.model_validate(tenant) if tenant else None
+        ticket = uuid.uuid4().hex
+        granted = False
         try:
+            if who is not None:
+                self.limiter.admit(who, ticket, reserve_tokens, self.effects.now())
             lease = await self.controller.acquire(model)
+            granted = True
         except OrchardError as e:
-            return error_dict(e)
+            if isinstance(e, RateLimited):
+                metrics.on_limit(e.limit, who.name if who else "")
+            return error_dict(e) | {"ratelimit": self.limiter.headers(who, self.effects.now()) if who else {}}
+        finally:
+            if not granted:  # refused, failed or cancelled (the client left while it waited)
+                self.limiter.finish(ticket, 0, self.effects.now())
+        self._tickets[lease.lease_id] = ticket
         entry = self.effects.entries[model]
         actor = self.effects.actor_of(InstanceRef(node_id=lease.node_id, model=model))
-        return lease.model_dump() | {"kind": entry.kind, "tool_parser": entry.tool_parser, "reasoning": entry.reasoning, "actor_name": actor}
+        return lease.model_dump() | {
+            "kind": entry.kind,
+            "tool_parser": entry.tool_parser,
+            "reasoning": entry.reasoning,
+            "actor_name": actor,
+            "ratelimit": self.limiter.headers(who, self.effects.now()) if who else {},
+        }
 
-    async def release(self, lease_id: str) -> None:
+    async def release(self, lease_id: str, used_tokens: int | None = None) -> None:
+        ticket = self._tickets.pop(lease_id, None)
+        if ticket is not None:
+            self.limiter.finish(ticket, used_tokens, self.effects.now())
         self.controller.release(lease_id)
+
+    def _reap_tickets(self) -> None:
+        """Leases the controller ended itself (expired, their instance gone) free their key's count."""
+        live = {lease.lease_id for lease in self.controller.leases()}
+        for lease_id in [lid for lid in self._tickets if lid not in live]:
+            self.limiter.finish(self._tickets.pop(lease_id), None, self.effects.now())
 
     async def load(self, model: str, node_id: str | None = None) -> dict[str, Any]:
         try:

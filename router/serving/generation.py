@@ -75,6 +75,7 @@ class DeltaStream:
         self.started = time.monotonic()
         self.ttft_s: float | None = None
         self.tokens = 0
+        self.used_tokens: int | None = None  # prompt + completion, from the final delta's usage
         self._deltas = self._run(mux, request, chunk_timeout_s)
 
     async def _run(self, mux: StreamMux, request: dict, chunk_timeout_s: float) -> AsyncGenerator[dict, None]:
@@ -91,13 +92,16 @@ class DeltaStream:
                     failure = delta["failure"]
                     raise ModelServerError(failure["code"], failure["message"], failure.get("param"))
                 self.tokens += len(delta.get("token_ids") or ())
+                usage = delta.get("usage")
+                if usage:
+                    self.used_tokens = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
                 yield delta
                 if delta.get("finish_reason"):
                     return
         finally:
             if stream is not None:
                 stream.close()
-            self.lease.release()
+            self.lease.release(self.used_tokens)
 
     async def first(self) -> dict:
         try:

@@ -21,6 +21,17 @@ import ray
 from cluster.placement import NAMESPACE
 from router.errors import OrchardError
 
+# The x-ratelimit-* headers of the current request, filled from the residency service's answer (a
+# grant or a 429) and written on the response by router/api's middleware, which sets a fresh dict
+# per request (a mutable dict: the streaming response's task sees it through its copied context).
+RATE_LIMIT_HEADERS: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("orchard_rate_limit_headers", default=None)
+
+
+def _note_rate_limit(headers: dict[str, str] | None) -> None:
+    holder = RATE_LIMIT_HEADERS.get()
+    if holder is not None and headers:
+        holder.update(headers)
+
 
 class Lease:
     """A granted lease: the instance (model, node, actor name, incarnation) and what the model is
@@ -59,10 +70,11 @@ class Lease:
         self.handed_off = True
         return self
 
-    def release(self) -> None:
+    def release(self, used_tokens: int | None = None) -> None:
+        """End the lease; `used_tokens` (prompt + completion, when known) corrects the key's token count."""
         if not self.released:
             self.released = True
-            self.owner.release(self.lease_id)
+            self.owner.release(self.lease_id, used_tokens)
 
 
 class Leases:
@@ -73,24 +85,27 @@ class Leases:
         self._releases: set[asyncio.Task] = set()
         self._handles: dict[tuple[str, str], tuple[float, Any]] = {}  # (model, node) -> (loaded_at, actor)
 
-    async def acquire(self, model: str) -> Lease:
-        """A lease on a ready instance of `model`, or the residency service's OrchardError."""
-        grant = await self.residency.acquire.remote(model)
+    async def acquire(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0) -> Lease:
+        """A lease on a ready instance of `model`, counted against `tenant`'s limits (a key's name,
+        rpm, tpm, max_concurrent) with `reserve_tokens` held until it ends; or the residency
+        service's OrchardError (a 429 when a limit says no)."""
+        grant = await self.residency.acquire.remote(model, tenant, reserve_tokens)
+        _note_rate_limit(grant.get("ratelimit"))
         if "error" in grant:
             raise OrchardError(**grant["error"])
         return Lease(self, grant)
 
     @contextlib.asynccontextmanager
-    async def hold(self, model: str) -> AsyncIterator[Lease]:
-        lease = await self.acquire(model)
+    async def hold(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0) -> AsyncIterator[Lease]:
+        lease = await self.acquire(model, tenant, reserve_tokens)
         try:
             yield lease
         finally:
             if not lease.handed_off:
                 lease.release()
 
-    def release(self, lease_id: str) -> None:
-        self.send(self.residency.release, lease_id)
+    def release(self, lease_id: str, used_tokens: int | None = None) -> None:
+        self.send(self.residency.release, lease_id, used_tokens)
 
     def send(self, method: Any, *args: Any) -> None:
         """Call a residency-service method from a task of its own, in an empty context (see above)."""
