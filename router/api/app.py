@@ -14,12 +14,12 @@ from router.api import errors
 from router.api.auth import principal
 from router.api.ingress import Ingress
 from router.api.limits import RateLimitHeaders
-from router.api.routes import audio, chat, cluster, embeddings, health, messages, models, responses
+from router.api.routes import audio, chat, cluster, embeddings, health, messages, metrics, models, responses
 from router.residency.service import ON_HEAD
 
 app = FastAPI(title="Orchard", description="Many MLX models, one OpenAI- and Anthropic-compatible URL", version="0.1.0")
 errors.install(app)
-for family in (chat, messages, responses, embeddings, audio, models, cluster):
+for family in (chat, messages, responses, embeddings, audio, models, cluster, metrics):
     app.include_router(family.router, dependencies=[Depends(principal)])
 app.include_router(health.router)  # for load balancers: no key
 app.add_middleware(RateLimitHeaders)

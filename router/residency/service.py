@@ -21,7 +21,7 @@ from policy import InstanceRef, PolicyConfig
 from policy.failures import backoff_left
 from router.errors import OrchardError
 from router.residency import metrics as metrics
-from router.residency.controller import ResidencyController
+from router.residency.controller import ClusterEvent, ResidencyController
 from router.residency.effects import RayEffects
 from router.residency.limits import Limiter, RateLimited, Tenant
 from router.residency.registry import from_config
@@ -51,6 +51,8 @@ class ResidencyService:
         self._tickets: dict[str, str] = {}  # lease id -> the limiter's ticket
         self.controller.restore(await asyncio.to_thread(self.store.events), await asyncio.to_thread(self.store.pins))
         self.effects.listeners.append(self.store.on_event)
+        self._event_counts: dict[tuple[str, str, str], int] = {}  # (kind, model, node) -> events since start
+        self.effects.listeners.append(self._count_event)
         self.watch_period_s = watch_period_s
         self._orphans: set[asyncio.Task] = set()
         await self._observe_nodes()
@@ -284,6 +286,14 @@ class ResidencyService:
             ],
             "policy": self.controller.config.model_dump(mode="json"),
         }
+
+    def _count_event(self, event: ClusterEvent) -> None:
+        key = (event.kind, event.model or "", event.node_id or "")
+        self._event_counts[key] = self._event_counts.get(key, 0) + 1
+
+    async def event_counts(self) -> list[tuple[str, str, str, int]]:
+        """Events by (kind, model, node) since this controller started: /metrics' counters."""
+        return [(*key, n) for key, n in sorted(self._event_counts.items())]
 
     async def events(self, since: int = 0) -> list[dict[str, Any]]:
         return [e.model_dump() for e in self.controller.events(since)]
