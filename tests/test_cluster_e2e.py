@@ -225,14 +225,19 @@ def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard):
 def test_metrics_are_exported_by_ray(orchard):
     head = next(n for n in ray.nodes() if n["Alive"] and n["Labels"].get("orchard.node") == "head")
     url = f"http://{head['NodeManagerAddress']}:{head['MetricsExportPort']}/metrics"
+    wanted = [
+        "ray_orchard_loads_total", "ray_orchard_node_headroom_bytes", "ray_orchard_ttft_seconds", "ray_orchard_requests_total",
+        "ray_orchard_inter_token_seconds", "ray_orchard_queue_wait_seconds", "ray_orchard_instance_bytes", "ray_orchard_evictions_total",
+    ]  # fmt: skip
     deadline = time.time() + 40
     text = ""
     while time.time() < deadline:
         text = requests.get(url, timeout=10).text
-        if "ray_orchard_loads_total" in text and "ray_orchard_node_headroom_bytes" in text and "ray_orchard_ttft_seconds" in text:
+        if all(name in text for name in wanted):
             break
         time.sleep(2)
-    assert "ray_orchard_loads_total" in text and "ray_orchard_node_headroom_bytes" in text and "ray_orchard_ttft_seconds" in text
+    assert [name for name in wanted if name not in text] == []
+    assert 'reason="placement"' in text  # evictions by reason
 
 
 # ---- schemathesis against openapi.json (issue 10 item 6): no 5xx, every error in the protocol's format

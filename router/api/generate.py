@@ -36,5 +36,5 @@ async def generate(
                 collected.append(delta)
         except Unavailable as e:
             raise OrchardError("model_unavailable", str(e), retry_after_s=1) from None
-        metrics.on_request(body.model, deltas.ttft_s, deltas.tokens)
+        metrics.on_request(body.model, deltas.ttft_s, deltas.tokens, deltas.elapsed_s())
         return renderer.respond(collected)

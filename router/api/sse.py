@@ -20,7 +20,7 @@ async def _events(first: dict, deltas: DeltaStream, renderer: Renderer, model: s
         yield renderer.fail(503, "model_unavailable", str(e))
     finally:
         await deltas.aclose()
-        metrics.on_request(model, deltas.ttft_s, deltas.tokens)
+        metrics.on_request(model, deltas.ttft_s, deltas.tokens, deltas.elapsed_s())
     yield renderer.close()
 
 

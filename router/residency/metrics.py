@@ -26,8 +26,23 @@ def _m():
         "usable": metrics.Gauge("orchard_node_usable_bytes", "Memory Orchard may use on a node", tag_keys=("node",)),
         "loads": metrics.Counter("orchard_loads_total", "Model instances loaded", tag_keys=MODEL_NODE),
         "load_failures": metrics.Counter("orchard_load_failures_total", "Loads that failed", tag_keys=MODEL_NODE),
-        "evictions": metrics.Counter("orchard_evictions_total", "Instances evicted to make room", tag_keys=MODEL_NODE),
-        "unloads": metrics.Counter("orchard_unloads_total", "Instances unloaded (idle, operator, node death)", tag_keys=MODEL_NODE),
+        "evictions": metrics.Counter("orchard_evictions_total", "Instances evicted to make room", tag_keys=(*MODEL_NODE, "reason")),
+        "unloads": metrics.Counter("orchard_unloads_total", "Instances unloaded (idle, operator, node death)", tag_keys=(*MODEL_NODE, "reason")),
+        "deaths": metrics.Counter("orchard_instance_deaths_total", "Instances whose actor died on its own", tag_keys=MODEL_NODE),
+        "instance_bytes": metrics.Gauge("orchard_instance_bytes", "Memory a loaded instance holds (weights + KV reservation)", tag_keys=MODEL_NODE),
+        "requests": metrics.Counter("orchard_requests_total", "Generation requests served through the ingress", tag_keys=("model",)),
+        "inter_token": metrics.Histogram(
+            "orchard_inter_token_seconds",
+            "Mean time between tokens of a request after its first, through the ingress",
+            boundaries=[0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1],
+            tag_keys=("model",),
+        ),
+        "queue_wait": metrics.Histogram(
+            "orchard_queue_wait_seconds",
+            "Time a request waited for its lease (placement, loading, busy instances)",
+            boundaries=[0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120],
+            tag_keys=("model",),
+        ),
         "rejections": metrics.Counter("orchard_rejections_total", "Requests the policy could not place", tag_keys=("model",)),
         "load_seconds": metrics.Histogram(
             "orchard_load_seconds", "Seconds to load a model instance", boundaries=[0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300], tag_keys=("model",)
@@ -54,17 +69,29 @@ def on_event(event: ClusterEvent) -> None:
     elif event.kind == "load_failed":
         m["load_failures"].inc(tags=tags)
     elif event.kind == "evicted":
-        m["evictions"].inc(tags=tags)
+        m["evictions"].inc(tags=tags | {"reason": "retry" if event.reason.startswith("retrying") else "placement"})
     elif event.kind == "unloaded":
-        m["unloads"].inc(tags=tags)
+        m["unloads"].inc(tags=tags | {"reason": _unload_reason(event.reason)})
+    elif event.kind == "died":
+        m["deaths"].inc(tags=tags)
     elif event.kind == "rejected":
         m["rejections"].inc(tags={"model": tags["model"]})
+
+
+def _unload_reason(reason: str) -> str:
+    """A few values for the metric's tag (the event keeps the whole reason)."""
+    for word in ("idle", "operator", "node dead", "draining"):
+        if word in reason:
+            return word.replace(" ", "_")
+    return "other"
 
 
 def on_nodes(nodes) -> None:
     """Gauges from the controller's node view (policy NodeStates)."""
     m = _m()
     for n in nodes:
+        for inst in n.instances if n.alive else ():
+            m["instance_bytes"].set(inst.bytes, tags={"model": _tag(inst.model), "node": _tag(n.node_id)})
         tags = {"node": _tag(n.node_id)}
         m["instances"].set(len(n.instances) if n.alive else 0, tags=tags)
         m["usable"].set(n.usable_bytes if n.alive else 0, tags=tags)
@@ -72,8 +99,13 @@ def on_nodes(nodes) -> None:
             m["headroom"].set(max(0, n.reported_headroom_bytes) if n.alive else 0, tags=tags)
 
 
-def on_request(model: str, ttft_s: float | None, tokens: int) -> None:
+def on_request(model: str, ttft_s: float | None, tokens: int, seconds: float | None = None) -> None:
+    """A generation that ended: its time to first token, its tokens and (with `seconds`, its whole
+    time) the mean gap between its tokens after the first."""
     m = _m()
+    m["requests"].inc(tags={"model": _tag(model)})
+    if seconds is not None and ttft_s is not None and tokens > 1:
+        m["inter_token"].observe(max(0.0, seconds - ttft_s) / (tokens - 1), tags={"model": _tag(model)})
     if ttft_s is not None:
         m["ttft"].observe(ttft_s, tags={"model": _tag(model)})
     if tokens:
@@ -83,3 +115,7 @@ def on_request(model: str, ttft_s: float | None, tokens: int) -> None:
 def on_limit(limit: str, key: str) -> None:
     """A request refused by its key's `limit` (rpm, tpm, max_concurrent); `key` is the key's name."""
     _m()["limit_hits"].inc(tags={"limit": limit, "key": _tag(key)})
+
+
+def on_queue_wait(model: str, seconds: float) -> None:
+    _m()["queue_wait"].observe(seconds, tags={"model": _tag(model)})

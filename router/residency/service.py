@@ -166,11 +166,13 @@ class ResidencyService:
         who = Tenant.model_validate(tenant) if tenant else None
         ticket = uuid.uuid4().hex
         granted = False
+        asked = self.effects.now()
         try:
             if who is not None:
                 self.limiter.admit(who, ticket, reserve_tokens, self.effects.now())
             lease = await self.controller.acquire(model)
             granted = True
+            metrics.on_queue_wait(model, self.effects.now() - asked)
         except OrchardError as e:
             if isinstance(e, RateLimited):
                 metrics.on_limit(e.limit, who.name if who else "")

@@ -113,6 +113,9 @@ class DeltaStream:
         self.ttft_s = time.monotonic() - self.started
         return delta
 
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
     def __aiter__(self) -> AsyncIterator[dict]:
         return self._deltas
 
