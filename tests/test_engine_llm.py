@@ -178,10 +178,31 @@ def test_a_broken_sampling_step_leaves_the_rng_sound(engine, monkeypatch):
     sampled = GenerationRequest(prompt="0", max_tokens=4, temperature=1.0)
     with monkeypatch.context() as patch:
         patch.setattr(llm, "_sampler", lambda *_: lambda logprobs: apply_top_k(logprobs, logprobs.shape[-1]))
+        engine._samplers.clear()  # the engine shares one sampler per setting: make it build the raising one
         with pytest.raises(RequestError, match="top_k"):
             run(engine.complete(sampled))
     for request in (sampled, sampled.model_copy(update={"top_p": 0.9, "min_p": 0.05})):
         assert run(engine.complete(request)).finish_reason in ("length", "stop")  # not an error
+
+
+def test_requests_with_equal_sampling_settings_share_one_sampler(engine):
+    """BatchGenerator samples a batch in one call only when its rows hold one sampler object (issue
+    11): unseeded requests with equal settings share one, other settings and seeds get their own."""
+    engine._samplers.clear()
+    vocab = engine.model.args.vocab_size
+    a, b = (GenerationRequest(prompt=p, max_tokens=4, temperature=0.8, top_p=0.9) for p in ("x", "y"))
+    shared = engine._shared_sampler(a, vocab)
+    assert engine._shared_sampler(b, vocab) is shared
+    assert engine._shared_sampler(a.model_copy(update={"temperature": 0.7}), vocab) is not shared
+    seeded = a.model_copy(update={"seed": 3})
+    assert engine._shared_sampler(seeded, vocab) is not engine._shared_sampler(seeded, vocab)
+    assert engine._shared_sampler(a.model_copy(update={"temperature": 0}), vocab) is None  # the generator's greedy one
+
+    async def batch():
+        return await asyncio.gather(*(engine.complete(GenerationRequest(prompt=p, max_tokens=8, temperature=0.8, top_p=0.9)) for p in PROMPTS))
+
+    assert all(d.finish_reason in ("length", "stop") for d in run(batch()))
+    assert len(engine._samplers) == 2
 
 
 def test_max_tokens_usage_and_logprobs(engine):

@@ -193,6 +193,7 @@ class LLMEngine(Engine):
         self._loop_done: Any = None
         self._stopping = threading.Event()
         self._retired_counters: dict[str, float] = {}  # of generators replaced after a broken step
+        self._samplers: dict[tuple, Any] = {}  # unseeded sampling settings -> their one sampler (_shared_sampler)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def _load(self) -> None:
@@ -381,6 +382,7 @@ class LLMEngine(Engine):
             by_uid.clear()
             self.generator = self._new_generator()
             _reseed_rng()  # a sampler that raised in its trace left a tracer in mx.random.state
+            self._samplers.clear()  # and a shared one that broke must not serve the next request
             return
         for r in responses:
             rid = by_uid.get(r.uid)
@@ -457,11 +459,27 @@ class LLMEngine(Engine):
             max_tokens=[request.max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[tokens[:cached]],
-            samplers=[_sampler(request, vocab)],
+            samplers=[self._shared_sampler(request, vocab)],
             logits_processors=[_processors(request) + ([grammar] if grammar is not None else [])],  # the mask last
             stop_sequences=[StopSequences([[t] for t in self.eos_ids])],
         )
         return stream
+
+    def _shared_sampler(self, request: GenerationRequest, vocab: int | None) -> Any:
+        """One sampler object per distinct unseeded setting, on this engine's MLX thread: mlx-lm's
+        BatchGenerator samples the whole batch in one call only when every row holds the same sampler
+        object, and calls each row's own on a one-row slice otherwise (issue 11: 64 rows, 64 calls a
+        step). Seeded requests keep a sampler of their own (their own key). Per engine, because the
+        samplers are compiled over this thread's `mx.random.state`."""
+        if request.temperature == 0 or request.seed is not None:
+            return _sampler(request, vocab)
+        key = (request.temperature, request.top_p, request.min_p, request.top_k, vocab)
+        sampler = self._samplers.get(key)
+        if sampler is None:
+            if len(self._samplers) >= 256:  # settings a client made up: keep the table bounded
+                self._samplers.clear()
+            sampler = self._samplers[key] = _sampler(request, vocab)
+        return sampler
 
     def tokenize(self, request: GenerationRequest) -> list[int]:
         """The prompt tokens the engine would feed for `request` (chat template and tools applied),
