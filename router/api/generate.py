@@ -21,7 +21,7 @@ from router.serving.stream_mux import Unavailable
 async def generate(
     ingress: Ingress, who: Principal, body: ChatOrCompletion, make_renderer: Callable[[OutputParser | None], Renderer], *, stream: bool
 ):
-    reserve = body.max_tokens or getattr(body, "max_completion_tokens", None) or DEFAULT_MAX_TOKENS  # the key's tpm holds it
+    reserve = getattr(body, "max_completion_tokens", None) or body.max_tokens or DEFAULT_MAX_TOKENS  # what the key's tpm holds
     async with ingress.hold(who, body.model, reserve) as lease:
         request, parser = prepare(lease, body, allow_remote_images=ingress.allow_remote_images)
         renderer = make_renderer(parser)
