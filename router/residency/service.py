@@ -117,13 +117,19 @@ class ResidencyService:
             return
         self.controller.instance_died(ref, await asyncio.to_thread(death_cause, actor, message))
 
+    def _background(self, coro) -> None:
+        """Run `coro` as a task this service holds until it ends (stops of orphans, resumed loads)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+
     async def _resume_operator_loads(self) -> None:
         """Models an operator loaded stay loaded across controller restarts: load again what adoption
         did not bring back (in the background; a failure is an event like any load's)."""
         loaded = {i.model for n in self.controller.state.nodes if n.alive for i in n.instances}
         for model, node_id in (await asyncio.to_thread(self.store.loads)).items():
             if model in self.controller.state.catalog and model not in loaded:
-                self._orphans.add(asyncio.get_running_loop().create_task(self._quiet_load(model, node_id)))
+                self._background(self._quiet_load(model, node_id))
 
     async def _quiet_load(self, model: str, node_id: str | None) -> None:
         try:
@@ -155,9 +161,7 @@ class ResidencyService:
                 )
             else:
                 log.info("stopping %s: not adopted (%s)", name, health.get("status") or "no answer")
-                self._orphans.add(
-                    asyncio.get_running_loop().create_task(kill_model_server(name, 0.0, reason="not adopted by a restarted controller"))
-                )
+                self._background(kill_model_server(name, 0.0, reason="not adopted by a restarted controller"))
 
     # ---- what the ingress calls ----------------------------------------------------------------
     async def acquire(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0) -> dict[str, Any]:
