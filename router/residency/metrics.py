@@ -18,6 +18,11 @@ def _tag(value: str | None) -> str:
     return (value or "").encode("ascii", "backslashreplace").decode("ascii")
 
 
+def _seconds(name: str, description: str, boundaries: list[float]) -> metrics.Histogram:
+    """A histogram of seconds, per model."""
+    return metrics.Histogram(name, description, boundaries=boundaries, tag_keys=("model",))
+
+
 @cache
 def _m():
     return {
@@ -31,28 +36,19 @@ def _m():
         "deaths": metrics.Counter("orchard_instance_deaths_total", "Instances whose actor died on its own", tag_keys=MODEL_NODE),
         "instance_bytes": metrics.Gauge("orchard_instance_bytes", "Memory a loaded instance holds (weights + KV reservation)", tag_keys=MODEL_NODE),
         "requests": metrics.Counter("orchard_requests_total", "Generation requests served through the ingress", tag_keys=("model",)),
-        "inter_token": metrics.Histogram(
+        "inter_token": _seconds(
             "orchard_inter_token_seconds",
             "Mean time between tokens of a request after its first, through the ingress",
-            boundaries=[0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1],
-            tag_keys=("model",),
+            [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1],
         ),
-        "queue_wait": metrics.Histogram(
+        "queue_wait": _seconds(
             "orchard_queue_wait_seconds",
             "Time a request waited for its lease (placement, loading, busy instances)",
-            boundaries=[0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120],
-            tag_keys=("model",),
+            [0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120],
         ),
         "rejections": metrics.Counter("orchard_rejections_total", "Requests the policy could not place", tag_keys=("model",)),
-        "load_seconds": metrics.Histogram(
-            "orchard_load_seconds", "Seconds to load a model instance", boundaries=[0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300], tag_keys=("model",)
-        ),
-        "ttft": metrics.Histogram(
-            "orchard_ttft_seconds",
-            "Request to first token, through the ingress",
-            boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30],
-            tag_keys=("model",),
-        ),
+        "load_seconds": _seconds("orchard_load_seconds", "Seconds to load a model instance", [0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300]),
+        "ttft": _seconds("orchard_ttft_seconds", "Request to first token, through the ingress", [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30]),
         "tokens": metrics.Counter("orchard_generated_tokens_total", "Completion tokens streamed", tag_keys=("model",)),
         "limit_hits": metrics.Counter("orchard_rate_limited_total", "Requests refused by a key's limit", tag_keys=("limit", "key")),
     }
