@@ -223,6 +223,7 @@ def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard):
 
 
 def test_metrics_are_exported_by_ray(orchard):
+    """After the module's earlier tests (loads, streams, the eviction of test_filling_a_node_evicts)."""
     head = next(n for n in ray.nodes() if n["Alive"] and n["Labels"].get("orchard.node") == "head")
     url = f"http://{head['NodeManagerAddress']}:{head['MetricsExportPort']}/metrics"
     wanted = [
