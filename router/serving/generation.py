@@ -3,8 +3,8 @@ deltas (or the result) it answers with. Every failure leaves as an OrchardError.
 
 Text generation of every protocol runs here the same way: `prepare` turns the chat (or
 completion) request into the model server's request for the lease's model kind, plus the output
-parser a chat protocol runs over the deltas; `open_stream` submits it on this replica's channel to
-the actor and yields its coalesced deltas. Other kinds (embeddings, rerank, audio) are one call."""
+parser a chat protocol runs over the deltas; a `DeltaStream` submits it on this replica's channel
+to the actor and yields its coalesced deltas. Other kinds (embeddings, rerank, audio) are one call."""
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -67,11 +67,13 @@ def prepare(lease: Lease, body: ChatOrCompletion, *, allow_remote_images: bool) 
 class DeltaStream:
     """One generation's deltas from the instance: `first()` (raises the request's error when it
     failed before any output: nothing was sent to the client yet), then iterate for the rest.
-    Closing it (`aclose`, also on client disconnect) cancels the generation in the engine and
-    releases the lease. A failure after some output ends the iteration with `Unavailable`."""
+    Its end, or closing it (`aclose`, also on client disconnect), cancels what is left of the
+    generation in the engine and releases the lease with the tokens used (a streaming response
+    that takes the stream over hands the lease off first). A failure after some output ends the
+    iteration with `Unavailable`."""
 
     def __init__(self, mux: StreamMux, lease: Lease, request: dict, chunk_timeout_s: float):
-        self.lease = lease.hand_off()
+        self.lease = lease
         self.started = time.monotonic()
         self.ttft_s: float | None = None
         self.tokens = 0

@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from cluster.placement import NAMESPACE
-from router.errors import OrchardError
+from router.errors import OrchardError, raise_for_error
 
 # The x-ratelimit-* headers of the current request, filled from the residency service's answer (a
 # grant or a 429) and written on the response by router/api's middleware, which sets a fresh dict
@@ -91,9 +91,7 @@ class Leases:
         service's OrchardError (a 429 when a limit says no)."""
         grant = await self.residency.acquire.remote(model, tenant, reserve_tokens)
         _note_rate_limit(grant.get("ratelimit"))
-        if "error" in grant:
-            raise OrchardError(**grant["error"])
-        return Lease(self, grant)
+        return Lease(self, raise_for_error(grant))
 
     @contextlib.asynccontextmanager
     async def hold(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0) -> AsyncIterator[Lease]:

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict
 from router.api.auth import principal, require_admin
 from router.api.ingress import Ingress, current
 from router.api.keys import Principal
-from router.errors import OrchardError
+from router.errors import OrchardError, raise_for_error
 
 router = APIRouter(tags=["models"])
 
@@ -24,12 +24,9 @@ def _model_object(m: dict[str, Any]) -> dict[str, Any]:
     return {"id": m["id"], "object": "model", "created": 0, "owned_by": "orchard", "orchard": m}
 
 
-async def _ask(ingress: Ingress, call) -> dict[str, Any]:
+async def _ask(call) -> dict[str, Any]:
     """A residency-service call whose failure comes back as {"error": {...}} (it crosses Ray)."""
-    result = await call
-    if isinstance(result, dict) and "error" in result:
-        raise OrchardError(**result["error"])
-    return result
+    return raise_for_error(await call)
 
 
 @router.get("/v1/models")
@@ -50,19 +47,19 @@ async def retrieve_model(model: str, ingress: Ingress = Depends(current), who: P
 
 @router.post("/v1/models/{model}/load", dependencies=[Depends(require_admin)])
 async def load(model: str, body: LoadRequest | None = Body(default=None), ingress: Ingress = Depends(current)):
-    return await _ask(ingress, ingress.residency.load.remote(model, body.node if body else None))
+    return await _ask(ingress.residency.load.remote(model, body.node if body else None))
 
 
 @router.post("/v1/models/{model}/unload", dependencies=[Depends(require_admin)])
 async def unload(model: str, ingress: Ingress = Depends(current)):
-    return await _ask(ingress, ingress.residency.unload.remote(model))
+    return await _ask(ingress.residency.unload.remote(model))
 
 
 @router.post("/v1/models/{model}/pin", dependencies=[Depends(require_admin)])
 async def pin(model: str, ingress: Ingress = Depends(current)):
-    return await _ask(ingress, ingress.residency.pin.remote(model, True))
+    return await _ask(ingress.residency.pin.remote(model, True))
 
 
 @router.post("/v1/models/{model}/unpin", dependencies=[Depends(require_admin)])
 async def unpin(model: str, ingress: Ingress = Depends(current)):
-    return await _ask(ingress, ingress.residency.pin.remote(model, False))
+    return await _ask(ingress.residency.pin.remote(model, False))
