@@ -14,10 +14,11 @@ from anthropic.types import Message, RawMessageStreamEvent
 from hypothesis import HealthCheck, given, settings, strategies as st
 from openai.types.chat import completion_create_params
 from pydantic import TypeAdapter, ValidationError
+from support.chat_body import as_body
 
 from router.protocols import anthropic as ap
 from router.protocols.events import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
-from router.protocols.openai import MAX_STOP, ProtocolError, parse_chat_request
+from router.protocols.openai import MAX_STOP, ProtocolError
 
 STREAM_EVENT = TypeAdapter(RawMessageStreamEvent)
 CHAT_PARAMS = TypeAdapter(completion_create_params.CompletionCreateParamsNonStreaming)
@@ -35,7 +36,7 @@ def body(**kw: Any) -> dict[str, Any]:
 
 
 def chat(**kw: Any) -> dict[str, Any]:
-    return ap.to_chat_request(ap.parse_messages_request(body(**kw)))
+    return as_body(ap.to_chat_request(ap.parse_messages_request(body(**kw))))
 
 
 def _drain(v: Any) -> Any:
@@ -48,11 +49,9 @@ def _drain(v: Any) -> Any:
 
 
 def assert_chat_shape(chat_body: dict[str, Any]) -> None:
-    """The body is an OpenAI chat request as the openai SDK types it; without tools / formats it
-    also passes Orchard's own ChatCompletionRequest."""
+    """The body is an OpenAI chat request as the openai SDK types it (as_body checked that Orchard's
+    own ChatCompletionRequest gives back the built request)."""
     _drain(CHAT_PARAMS.validate_python(chat_body))
-    if not {"tools", "response_format"} & chat_body.keys():
-        parse_chat_request(chat_body)
 
 
 def rejected(request: dict[str, Any]) -> ProtocolError:
@@ -177,7 +176,7 @@ def test_sdk_request_round_trip(server: FakeServer) -> None:
         messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again"}],
     )
     assert message.content[0].text == "Hello" and message.stop_reason == "end_turn"
-    out = ap.to_chat_request(server.requests[0])
+    out = as_body(ap.to_chat_request(server.requests[0]))
     assert out == {
         "model": "qwen3-4b",
         "messages": [
@@ -334,16 +333,9 @@ def test_tool_choice_mapping(choice: dict, expected: Any, parallel: bool | None)
     assert_chat_shape(out)
 
 
-def test_chat_model_accepts_tool_bodies_once_it_supports_tools() -> None:
-    """Orchard's ChatCompletionRequest takes the translated tool body (skipped while chat still
-    answers 'tool calling is not supported yet')."""
-    out = chat(tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"})
-    try:
-        parse_chat_request(out)
-    except ProtocolError as e:
-        if "not supported yet" in e.message:
-            pytest.skip("chat tools not landed yet")
-        raise
+def test_a_final_empty_assistant_turn_is_accepted() -> None:
+    out = chat(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": []}])
+    assert out["messages"][-1] == {"role": "assistant", "content": ""}
 
 
 def test_thinking_output_format_and_effort() -> None:
@@ -370,7 +362,7 @@ def test_ignored_hints_are_accepted() -> None:
             messages=[{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}, "citations": None}]}],
         )
     )
-    assert ap.to_chat_request(req)["messages"] == [{"role": "user", "content": "Hi"}]
+    assert as_body(ap.to_chat_request(req))["messages"] == [{"role": "user", "content": "Hi"}]
 
 
 def test_response_message_sent_back_as_history_is_accepted(server: FakeServer) -> None:
@@ -394,7 +386,7 @@ def test_response_message_sent_back_as_history_is_accepted(server: FakeServer) -
             },
         ],
     )
-    out = ap.to_chat_request(server.requests[1])
+    out = as_body(ap.to_chat_request(server.requests[1]))
     assert [m["role"] for m in out["messages"]] == ["user", "assistant", "tool", "tool"]
     assert out["messages"][1]["tool_calls"][1]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert_chat_shape(out)
@@ -403,7 +395,7 @@ def test_response_message_sent_back_as_history_is_accepted(server: FakeServer) -
 def test_count_tokens(server: FakeServer) -> None:
     count = server.client.messages.count_tokens(model="m", system="s", messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER])
     assert count.input_tokens == 42
-    out = ap.to_chat_request(ap.parse_count_tokens_request({"model": "m", "messages": [{"role": "user", "content": "Hi"}]}))
+    out = as_body(ap.to_chat_request(ap.parse_count_tokens_request({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})))
     assert out == {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}  # no sampling, no max_tokens
 
 
@@ -462,6 +454,14 @@ def test_count_tokens(server: FakeServer) -> None:
         (body(stop_sequences=[f"s{i}" for i in range(MAX_STOP + 1)]), "stop_sequences: at most"),
         (body(container="c1"), "container: containers"),
         (body(mcp_servers=[{"type": "url", "url": "https://x", "name": "x"}]), "mcp_servers: MCP servers"),
+        # rules the chat request has too, checked here once, under the Messages field names
+        (body(tools=[{**WEATHER, "name": "get weather!"}]), "tools.0.name"),
+        (body(tools=[WEATHER, WEATHER]), "tools: tool names must be unique"),
+        (body(messages=[{"role": "user", "content": []}]), "messages.0.content: all messages must have non-empty content"),
+        (
+            body(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": []}, {"role": "user", "content": "?"}]),
+            "messages.1.content",
+        ),
     ],
 )
 def test_rejections_name_the_field(request_body: dict, where: str) -> None:
@@ -746,3 +746,93 @@ def test_request_models_are_frozen() -> None:
     req = ap.parse_messages_request(body())
     with pytest.raises(ValidationError):
         req.max_tokens = 5  # type: ignore[misc]
+
+
+# ---- any accepted request builds a valid chat request (one validation, tests/support/chat_body.py) ----
+
+_names = st.sampled_from(["get_weather", "f", "lookup-2", "x_y"])
+_text_block = st.builds(lambda t: {"type": "text", "text": t}, st.text(max_size=12))
+_image_block = st.sampled_from(
+    [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+    ]
+)
+_tool_use = st.builds(
+    lambda i, n, a: {"type": "tool_use", "id": f"t{i}", "name": n, "input": a},
+    st.integers(0, 3),
+    _names,
+    st.dictionaries(st.sampled_from("ab"), st.integers(), max_size=2),
+)
+_tool_result = st.builds(
+    lambda i, c, err: {"type": "tool_result", "tool_use_id": f"t{i}", "content": c, **({"is_error": err} if err is not None else {})},
+    st.integers(0, 3),
+    st.one_of(st.text(max_size=8), st.lists(st.one_of(_text_block, _image_block), max_size=2)),
+    st.one_of(st.none(), st.booleans()),
+)
+_user = st.builds(
+    lambda c: {"role": "user", "content": c}, st.one_of(st.text(max_size=8), st.lists(st.one_of(_text_block, _image_block, _tool_result), max_size=3))
+)
+_assistant = st.builds(
+    lambda c: {"role": "assistant", "content": c},
+    st.one_of(
+        st.text(max_size=8),
+        st.lists(st.one_of(_text_block, _tool_use, st.just({"type": "thinking", "thinking": "hm", "signature": "s"})), max_size=3),
+    ),
+)
+_tool = st.builds(
+    lambda n, d, strict: {
+        "name": n,
+        "input_schema": {"type": "object"},
+        **({"description": d} if d else {}),
+        **({"strict": strict} if strict is not None else {}),
+    },
+    _names,
+    st.one_of(st.none(), st.text(max_size=6)),
+    st.one_of(st.none(), st.booleans()),
+)
+_choice = st.one_of(
+    st.none(),
+    st.builds(
+        lambda t, n, p: {"type": t, **({"name": n} if t == "tool" else {}), **({"disable_parallel_tool_use": p} if p is not None else {})},
+        st.sampled_from(["auto", "any", "tool", "none"]),
+        _names,
+        st.one_of(st.none(), st.booleans()),
+    ),
+)
+
+
+@st.composite
+def messages_requests(draw: st.DrawFn) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": draw(st.integers(1, 100)),
+        "messages": draw(st.lists(st.one_of(_user, _assistant), min_size=1, max_size=4)),
+    }
+    optional = {
+        "system": st.one_of(st.text(max_size=8), st.lists(_text_block, max_size=2)),
+        "tools": st.lists(_tool, max_size=3, unique_by=lambda t: t["name"]),
+        "tool_choice": _choice,
+        "thinking": st.sampled_from([{"type": "enabled", "budget_tokens": 64}, {"type": "disabled"}, {"type": "adaptive"}]),
+        "output_config": st.sampled_from([{"format": {"type": "json_schema", "schema": {"type": "object"}}}, {"effort": "low"}]),
+        "stop_sequences": st.lists(st.text(max_size=4), max_size=3),
+        "temperature": st.floats(0, 1),
+        "top_p": st.floats(0, 1),
+        "top_k": st.integers(0, 50),
+        "stream": st.booleans(),
+    }
+    for key, strategy in optional.items():
+        if draw(st.booleans()):
+            out[key] = draw(strategy)
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages_requests())
+def test_any_accepted_messages_request_builds_the_chat_request_validation_would(request_body: dict[str, Any]) -> None:
+    try:
+        req = ap.parse_messages_request(request_body)
+    except ProtocolError:
+        return  # rejected under Anthropic's own field names (test_rejections_name_the_field)
+    chat_body = as_body(ap.to_chat_request(req))
+    assert_chat_shape({k: v for k, v in chat_body.items() if k != "stream"})  # CHAT_PARAMS is the non-streaming type

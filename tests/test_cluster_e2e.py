@@ -219,7 +219,8 @@ def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard):
         if running == 0 and instances["llama-10m"]["leases"] == 0:
             break
         time.sleep(0.3)
-    assert running == 0 and instances["llama-10m"]["leases"] == 0 and instances["llama-10m"]["in_flight"] == 0, (running, instances["llama-10m"])
+    left = {k: instances["llama-10m"][k] for k in ("leases", "in_flight")}
+    assert running == 0 and left == {"leases": 0, "in_flight": 0}, (running, left)
 
 
 def test_metrics_are_exported_by_ray(orchard):

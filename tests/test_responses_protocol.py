@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from openai.types.chat import completion_create_params
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
+from support.chat_body import as_body
 
 from router.protocols import responses as rp
 from router.protocols.events import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
-from router.protocols.openai import ProtocolError, error_body, parse_chat_request
+from router.protocols.openai import ProtocolError, error_body
 
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
 CHAT_PARAMS = TypeAdapter(completion_create_params.CompletionCreateParamsNonStreaming)
@@ -41,7 +42,7 @@ def request(**kw: Any) -> rp.ResponsesRequest:
 
 
 def chat(**kw: Any) -> dict[str, Any]:
-    return rp.to_chat_request(request(**kw))
+    return as_body(rp.to_chat_request(request(**kw)))
 
 
 def _drain(v: Any) -> Any:
@@ -54,11 +55,9 @@ def _drain(v: Any) -> Any:
 
 
 def assert_chat_shape(chat_body: dict[str, Any]) -> None:
-    """An OpenAI chat request as the openai SDK types it; without tools / formats it also passes
-    Orchard's own ChatCompletionRequest."""
+    """An OpenAI chat request as the openai SDK types it (as_body checked that Orchard's own
+    ChatCompletionRequest gives back the built request)."""
     _drain(CHAT_PARAMS.validate_python(chat_body))
-    if not {"tools", "response_format"} & chat_body.keys():
-        parse_chat_request(chat_body)
 
 
 def rejected(body: dict[str, Any]) -> ProtocolError:
@@ -196,7 +195,7 @@ def test_sdk_request_round_trip(server: FakeServer) -> None:
     )
     assert response.output_text == "Hello" and response.status == "completed"
     assert response.metadata == {"run": "1"}
-    out = rp.to_chat_request(server.requests[0])
+    out = as_body(rp.to_chat_request(server.requests[0]))
     assert out == {
         "model": "qwen3-4b",
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
@@ -337,18 +336,6 @@ def test_tool_without_parameters_gets_an_empty_object_schema() -> None:
     assert out["tools"] == [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}]
 
 
-def test_chat_model_accepts_tool_bodies_once_it_supports_tools() -> None:
-    """Orchard's ChatCompletionRequest takes the translated tool body (skipped while chat still
-    answers 'tool calling is not supported yet')."""
-    out = chat(tools=[WEATHER], tool_choice="required")
-    try:
-        parse_chat_request(out)
-    except ProtocolError as e:
-        if "not supported yet" in e.message:
-            pytest.skip("chat tools not landed yet")
-        raise
-
-
 def test_text_format_and_reasoning() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     out = chat(
@@ -418,6 +405,15 @@ def test_unknown_keys_are_ignored_and_listed() -> None:
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema", "Missing"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "Invalid"),
         ({"input": "x", "temperature": 3}, "temperature", "Invalid"),
+        # rules the chat request has too, checked here once, under the Responses field names
+        ({"input": "x", "tools": [{**WEATHER, "name": "get weather!"}]}, "tools[0].name", "pattern"),
+        ({"input": "x", "tools": [WEATHER, WEATHER]}, "tools", "unique"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "only reasoning"),
+        (
+            {"input": "x", "tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": []}},
+            "tool_choice",
+            "at least one tool",
+        ),
     ],
 )
 def test_rejections_name_the_field(body: dict, param: str, words: str) -> None:
@@ -673,3 +669,91 @@ def test_request_models_are_frozen() -> None:
     req = request()
     with pytest.raises(ValidationError):
         req.model = "other"  # type: ignore[misc]
+
+
+# ---- any accepted request builds a valid chat request (one validation, tests/support/chat_body.py) ----
+
+_fn = st.sampled_from(["get_weather", "f", "lookup.v2", "x-y"])
+_in_text = st.builds(lambda t: {"type": "input_text", "text": t}, st.text(max_size=8))
+_in_image = st.builds(
+    lambda d: {"type": "input_image", "image_url": "https://example.com/a.png", **({"detail": d} if d else {})},
+    st.sampled_from([None, "auto", "low", "high", "original"]),
+)
+_message = st.one_of(
+    st.builds(lambda c: {"role": "user", "content": c}, st.one_of(st.text(max_size=8), st.lists(st.one_of(_in_text, _in_image), max_size=3))),
+    st.builds(lambda r, c: {"type": "message", "role": r, "content": c}, st.sampled_from(["system", "developer"]), st.lists(_in_text, max_size=2)),
+    st.builds(
+        lambda c: {"role": "assistant", "content": c},
+        st.one_of(
+            st.text(max_size=8), st.lists(st.sampled_from([{"type": "output_text", "text": "ok"}, {"type": "refusal", "refusal": "no"}]), max_size=2)
+        ),
+    ),
+)
+_call = st.builds(lambda i, n: {"type": "function_call", "call_id": f"c{i}", "name": n, "arguments": "{}"}, st.integers(0, 3), _fn)
+_output = st.builds(
+    lambda i, o: {"type": "function_call_output", "call_id": f"c{i}", "output": o},
+    st.integers(0, 3),
+    st.one_of(st.text(max_size=8), st.lists(st.one_of(_in_text, _in_image), max_size=2)),
+)
+_reasoning = st.just({"type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]})
+_fn_tool = st.builds(
+    lambda n, p, strict: {
+        "type": "function",
+        "name": n,
+        **({"parameters": p} if p is not None else {}),
+        **({"strict": strict} if strict is not None else {}),
+    },
+    _fn,
+    st.one_of(st.none(), st.just({"type": "object", "properties": {"a": {"type": "string"}}})),
+    st.one_of(st.none(), st.booleans()),
+)
+_choice = st.one_of(
+    st.sampled_from(["none", "auto", "required"]),
+    st.builds(lambda n: {"type": "function", "name": n}, _fn),
+    st.builds(
+        lambda m, ns: {"type": "allowed_tools", "mode": m, "tools": [{"type": "function", "name": n} for n in ns]},
+        st.sampled_from(["auto", "required"]),
+        st.lists(_fn, max_size=2),
+    ),
+)
+_format = st.sampled_from(
+    [
+        {"type": "text"},
+        {"type": "json_object"},
+        {"type": "json_schema", "name": "out", "schema": {"type": "object"}, "strict": True, "description": "d"},
+    ]
+)
+
+
+@st.composite
+def responses_requests(draw: st.DrawFn) -> dict[str, Any]:
+    items = st.lists(st.one_of(_message, _call, _output, _reasoning), min_size=1, max_size=5)
+    out: dict[str, Any] = {"model": "m", "input": draw(st.one_of(st.text(max_size=8), items))}
+    optional = {
+        "instructions": st.text(max_size=8),
+        "tools": st.lists(_fn_tool, max_size=3, unique_by=lambda t: t["name"]),
+        "tool_choice": _choice,
+        "parallel_tool_calls": st.booleans(),
+        "text": st.builds(lambda f: {"format": f}, _format),
+        "reasoning": st.just({"effort": "low"}),
+        "max_output_tokens": st.integers(1, 100),
+        "temperature": st.floats(0, 2),
+        "top_p": st.floats(0, 1),
+        "top_k": st.integers(-1, 50),
+        "stream": st.booleans(),
+    }
+    for key, strategy in optional.items():
+        if draw(st.booleans()):
+            out[key] = draw(strategy)
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(responses_requests())
+def test_any_accepted_responses_request_builds_the_chat_request_validation_would(request_body: dict[str, Any]) -> None:
+    try:
+        req = rp.parse_responses_request(request_body)
+    except ProtocolError:
+        return  # rejected under the Responses field names (test_rejections_name_the_field)
+    chat_body = as_body(rp.to_chat_request(req))
+    assert_chat_shape({k: v for k, v in chat_body.items() if k != "stream"})  # CHAT_PARAMS is the non-streaming type

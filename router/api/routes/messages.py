@@ -7,7 +7,7 @@ from router.api.auth import principal
 from router.api.generate import generate
 from router.api.ingress import Ingress, current
 from router.api.keys import Principal
-from router.protocols import anthropic as anth, openai as oai
+from router.protocols import anthropic as anth
 from router.serving.generation import call, prepare
 from router.serving.renderers import AnthropicRenderer
 
@@ -16,13 +16,13 @@ router = APIRouter(tags=["anthropic"])
 
 @router.post("/v1/messages")
 async def messages(body: anth.MessagesRequest, ingress: Ingress = Depends(current), who: Principal = Depends(principal)):
-    chat = oai.parse_chat_request(anth.to_chat_request(body))
+    chat = anth.to_chat_request(body)
     return await generate(ingress, who, chat, lambda parser: AnthropicRenderer(body, parser), stream=bool(body.stream))  # type: ignore[arg-type]  # a chat request always gets a parser
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: anth.CountTokensRequest, ingress: Ingress = Depends(current), who: Principal = Depends(principal)):
-    chat = oai.parse_chat_request(anth.to_chat_request(body) | {"model": body.model})
+    chat = anth.to_chat_request(body)
     async with ingress.hold(who, chat.model) as lease:
         request, _ = prepare(lease, chat, allow_remote_images=ingress.allow_remote_images)
         count = await call(lease, lambda actor: actor.count_tokens.remote(request))

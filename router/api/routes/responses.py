@@ -6,7 +6,7 @@ from router.api.auth import principal
 from router.api.generate import generate
 from router.api.ingress import Ingress, current
 from router.api.keys import Principal
-from router.protocols import openai as oai, responses as resp
+from router.protocols import responses as resp
 from router.serving.renderers import ResponsesRenderer
 
 router = APIRouter(tags=["openai"])
@@ -14,5 +14,5 @@ router = APIRouter(tags=["openai"])
 
 @router.post("/v1/responses")
 async def responses(body: resp.ResponsesRequest, ingress: Ingress = Depends(current), who: Principal = Depends(principal)):
-    chat = oai.parse_chat_request(resp.to_chat_request(body))
+    chat = resp.to_chat_request(body)
     return await generate(ingress, who, chat, lambda parser: ResponsesRenderer(body, parser), stream=bool(body.stream))  # type: ignore[arg-type]  # a chat request always gets a parser

@@ -1,8 +1,8 @@
 """Anthropic's Messages API for Orchard: POST /v1/messages and /v1/messages/count_tokens.
 
-A request is translated into an OpenAI chat-completions body (`to_chat_request`), so Anthropic
-clients reach every chat model through the same validation, template and generation path as OpenAI
-clients; the output events of that generation (router.protocols.events) are encoded back into
+A request is validated once, by the Messages models (errors name Anthropic's fields), then built into
+the typed OpenAI chat request (`to_chat_request`, router.protocols.openai.build), so Anthropic clients
+reach every chat model through the same template and generation path as OpenAI clients; the output events of that generation (router.protocols.events) are encoded back into
 Anthropic's message object (`message_response`) or its SSE stream (`MessageStreamEncoder`). Pure
 (pydantic + stdlib): no Ray, no MLX, no web framework.
 

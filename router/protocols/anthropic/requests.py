@@ -138,7 +138,7 @@ class Tool(_Part):
     """A client tool. Server tools (bash, web search, code execution, ...) carry a versioned `type`
     and run on Anthropic's side: a 400 here."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # Anthropic's rule; within the chat request's
     input_schema: dict[str, Any] | None = None
     description: str | None = None
     type: str | None = None
@@ -244,8 +244,23 @@ class CountTokensRequest(BaseModel):
         return v
 
     @model_validator(mode="after")
+    def _turns_have_content(self) -> CountTokensRequest:
+        last = len(self.messages) - 1
+        for i, m in enumerate(self.messages):
+            if not m.content and not (i == last and m.role == "assistant"):
+                raise _reject(
+                    "all messages must have non-empty content except for the optional final assistant message",
+                    f"messages.{i}.content",
+                    "invalid_value",
+                )
+        return self
+
+    @model_validator(mode="after")
     def _tool_choice(self) -> CountTokensRequest:
-        choice, names = self.tool_choice, {t.name for t in self.tools or ()}
+        tools = [t.name for t in self.tools or ()]
+        if len(set(tools)) != len(tools):
+            raise _reject("tool names must be unique", "tools", "invalid_value")
+        choice, names = self.tool_choice, set(tools)
         if choice is not None and choice.type in ("any", "tool") and not names:
             raise _reject(f"tool_choice '{choice.type}' needs tools", "tool_choice.type", "invalid_value")
         if choice is not None and choice.type == "tool" and choice.name not in names:

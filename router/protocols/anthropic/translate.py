@@ -1,5 +1,7 @@
-"""A Messages (or count_tokens) request -> an OpenAI chat-completions body: turns become chat messages
-(tool results as role "tool"), tools and tool_choice the chat ones, thinking the template's switch."""
+"""A Messages (or count_tokens) request -> the OpenAI chat request (typed, not validated again: the
+Messages request's own validation holds every rule the chat request has, router.protocols.openai.build):
+turns become chat messages (tool results as role "tool"), tools and tool_choice the chat ones,
+thinking the template's switch."""
 
 from __future__ import annotations
 
@@ -8,54 +10,48 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from router.protocols.anthropic.requests import ContentBlock, CountTokensRequest, MessagesRequest
+from router.protocols.openai import ChatCompletionRequest, ChatMessage, ContentPart, build
 
 
 def _text(blocks: Iterable[ContentBlock]) -> str:
     return "\n".join(b.text or "" for b in blocks if b.type == "text")
 
 
-def _image(block: ContentBlock) -> dict[str, Any]:
+def _image(block: ContentBlock) -> ContentPart:
     assert block.source is not None
-    return {"type": "image_url", "image_url": {"url": block.source.url_for_chat()}}
+    return build.image(block.source.url_for_chat())
 
 
-def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-    """A lone text part as a plain string (what every chat template takes), else the parts."""
-    return parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
-
-
-def _user_turn(blocks: list[ContentBlock], tool_names: Mapping[str, str]) -> list[dict[str, Any]]:
+def _user_turn(blocks: list[ContentBlock], tool_names: Mapping[str, str]) -> list[ChatMessage]:
     """A user turn -> its tool_result blocks as role "tool" messages (in order), then one user
     message with the rest. Images inside a tool result go to that user message (chat tool messages
     carry text only), ahead of the turn's own blocks. Anthropic puts tool results first in a turn."""
-    tools, images, parts = [], [], []
+    out: list[ChatMessage] = []
+    images: list[ContentPart] = []
+    parts: list[ContentPart] = []
     for block in blocks:
         if block.type == "tool_result":
             inner = block.content or []
             text = _text(inner)
             if block.is_error:
                 text = f"Error: {text}" if text else "Error"
-            msg: dict[str, Any] = {"role": "tool", "tool_call_id": block.tool_use_id, "content": text}
-            if block.tool_use_id is not None and block.tool_use_id in tool_names:
-                msg["name"] = tool_names[block.tool_use_id]
-            tools.append(msg)
+            named = {"name": tool_names[block.tool_use_id]} if block.tool_use_id is not None and block.tool_use_id in tool_names else {}
+            out.append(build.message("tool", text, tool_call_id=block.tool_use_id, **named))
             images += [_image(b) for b in inner if b.type == "image"]
         elif block.type == "text":
-            parts.append({"type": "text", "text": block.text or ""})
+            parts.append(build.text(block.text or ""))
         else:
             parts.append(_image(block))
-    out = tools
     if images or parts:
-        out.append({"role": "user", "content": _content(images + parts)})
+        out.append(build.message("user", images + parts))
     return out
 
 
-def _assistant_turn(blocks: list[ContentBlock], tool_names: dict[str, str]) -> dict[str, Any]:
+def _assistant_turn(blocks: list[ContentBlock], tool_names: dict[str, str]) -> ChatMessage:
     """An assistant turn -> one assistant message: text, and tool_use blocks as tool_calls.
     Thinking blocks are dropped: open-model chat templates strip past reasoning themselves, and
     replaying it as visible text would teach the model answers it never gave."""
-    parts = [{"type": "text", "text": b.text or ""} for b in blocks if b.type == "text"]
-    msg: dict[str, Any] = {"role": "assistant", "content": _content(parts) if parts else None}
+    parts = [build.text(b.text or "") for b in blocks if b.type == "text"]
     calls = []
     for b in blocks:
         if b.type == "tool_use":
@@ -63,17 +59,15 @@ def _assistant_turn(blocks: list[ContentBlock], tool_names: dict[str, str]) -> d
             tool_names[b.id] = b.name
             calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input or {}, ensure_ascii=False)}})
     if calls:
-        msg["tool_calls"] = calls
-    elif msg["content"] is None:
-        msg["content"] = ""
-    return msg
+        return build.message("assistant", parts or None, tool_calls=calls)
+    return build.message("assistant", parts or "")
 
 
-def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
     """The conversation as OpenAI chat messages (system first)."""
-    out: list[dict[str, Any]] = []
+    out: list[ChatMessage] = []
     if req.system is not None:
-        out.append({"role": "system", "content": _text(req.system)})
+        out.append(build.message("system", _text(req.system)))
     tool_names: dict[str, str] = {}
     for m in req.messages:
         if m.role == "user":
@@ -81,50 +75,43 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
         elif m.role == "assistant":
             out.append(_assistant_turn(m.content, tool_names))
         else:
-            out.append({"role": "system", "content": _text(m.content)})
+            out.append(build.message("system", _text(m.content)))
     return out
 
 
-def to_chat_request(req: CountTokensRequest) -> dict[str, Any]:
-    """The OpenAI chat-completions body for a Messages (or count_tokens) request. tool_choice: auto
-    -> "auto", any -> "required", tool -> the named function, none -> "none";
-    disable_parallel_tool_use -> parallel_tool_calls false; stop_sequences -> stop; thinking ->
-    chat_template_kwargs.enable_thinking; output_config.format -> response_format json_schema."""
-    body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req)}
+def _tool_choice(req: CountTokensRequest) -> dict[str, Any]:
+    """tool_choice: auto -> "auto", any -> "required", tool -> the named function, none -> "none";
+    disable_parallel_tool_use -> parallel_tool_calls false."""
+    choice = req.tool_choice
+    if choice is None:
+        return {}
+    out: dict[str, Any] = {
+        "tool_choice": {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {"type": "function", "function": {"name": choice.name}}
+    }
+    if choice.disable_parallel_tool_use:
+        out["parallel_tool_calls"] = False
+    return out
+
+
+def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
+    """The OpenAI chat request for a Messages (or count_tokens) request: tools and tool_choice the
+    chat ones; stop_sequences -> stop; thinking -> chat_template_kwargs.enable_thinking;
+    output_config.format -> response_format json_schema; output_config.effort -> reasoning_effort."""
+    fields: dict[str, Any] = {}
     if req.tools:
-        body["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    **({"description": t.description} if t.description is not None else {}),
-                    "parameters": t.input_schema,
-                    **({"strict": t.strict} if t.strict is not None else {}),
-                },
-            }
-            for t in req.tools
-        ]
-        choice = req.tool_choice
-        if choice is not None:
-            body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
-                "type": "function",
-                "function": {"name": choice.name},
-            }
-            if choice.disable_parallel_tool_use:
-                body["parallel_tool_calls"] = False
+        fields["tools"] = [build.tool(t.name, t.input_schema or {}, t.description, t.strict) for t in req.tools]
+        fields |= _tool_choice(req)
     fmt = req.output_format or (req.output_config.format if req.output_config else None)
     if fmt is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
+        fields["response_format"] = build.json_schema_format("output", fmt.schema_)
     if req.output_config is not None and req.output_config.effort is not None:
-        body["reasoning_effort"] = req.output_config.effort
+        fields["reasoning_effort"] = req.output_config.effort
     if req.thinking is not None:
-        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+        fields["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     if isinstance(req, MessagesRequest):
-        body["max_tokens"] = req.max_tokens
-        for name in ("temperature", "top_p", "top_k"):
-            if getattr(req, name) is not None:
-                body[name] = getattr(req, name)
+        fields["max_tokens"] = req.max_tokens
+        fields |= {name: getattr(req, name) for name in ("temperature", "top_p", "top_k") if getattr(req, name) is not None}
         if req.stop_sequences:
-            body["stop"] = list(req.stop_sequences)
-        body["stream"] = bool(req.stream)
-    return body
+            fields["stop"] = list(req.stop_sequences)
+        fields["stream"] = bool(req.stream)
+    return build.chat_request(req.model, chat_messages(req), **fields)

@@ -3,9 +3,11 @@ response / SSE shapes built from the engine's Delta dicts. Pure (pydantic + stdl
 no web framework, so the ingress stays thin and everything here is tested without a cluster.
 
 errors (the error body, ProtocolError, validation errors) <- parts (messages, content parts, tools)
-<- requests (the request bodies, parse_*) <- translate (to engine requests) <- encoder (whole
-results) <- stream (SSE chunks, StreamEncoder). Every public name is re-exported here."""
+<- requests (the request bodies, parse_*) <- build (chat requests for the other protocols'
+adapters) and translate (to engine requests) <- encoder (whole results) <- stream (SSE chunks,
+StreamEncoder). Every public name is re-exported here."""
 
+from router.protocols.openai import build
 from router.protocols.openai.encoder import (
     MIN_LOGPROB,
     chat_completion_response,
@@ -85,6 +87,7 @@ __all__ = [
     "StreamOptions",
     "Tool",
     "UnsupportedParameter",
+    "build",
     "chat_chunk",
     "chat_completion_response",
     "chat_logprobs",

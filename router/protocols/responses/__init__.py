@@ -1,7 +1,8 @@
 """OpenAI's Responses API for Orchard: POST /v1/responses, stateless.
 
-A request is translated into an OpenAI chat-completions body (`to_chat_request`), so it reaches
-every chat model through the chat path's validation, template and generation; the generation's
+A request is validated once, by the Responses models (errors name its fields), then built into the
+typed OpenAI chat request (`to_chat_request`, router.protocols.openai.build), so it reaches every
+chat model through the chat path's template and generation; the generation's
 output events (router.protocols.events) are encoded back as a Response object (`response_object`) or
 the Responses SSE stream (`ResponseStreamEncoder`). Pure (pydantic + stdlib).
 

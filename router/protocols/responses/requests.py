@@ -130,7 +130,7 @@ class FunctionTool(_Part):
     """A function tool (the Responses API's flat shape). Built-in tools run on OpenAI's side."""
 
     type: Literal["function"]
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")  # as chat's FunctionDefinition
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -259,8 +259,17 @@ class ResponsesRequest(BaseModel):
         raise _reject("tool_choice must be 'none', 'auto', 'required', {'type': 'function', 'name': ...} or allowed_tools", code="invalid_value")
 
     @model_validator(mode="after")
+    def _something_to_answer(self) -> ResponsesRequest:
+        if self.instructions is None and all(item.type == "reasoning" for item in self.input):
+            raise _reject("input has only reasoning items: send a message or a function_call_output", "input", "invalid_value")
+        return self
+
+    @model_validator(mode="after")
     def _choice_names_a_tool(self) -> ResponsesRequest:
-        names = {t.name for t in self.tools or ()}
+        tools = [t.name for t in self.tools or ()]
+        if len(set(tools)) != len(tools):
+            raise _reject("tool names must be unique", "tools", "invalid_value")
+        names = set(tools)
         choice = self.tool_choice
         wanted = (
             [choice["name"]]
@@ -274,6 +283,8 @@ class ResponsesRequest(BaseModel):
                 raise _reject(f"tool '{name}' is not in tools", "tool_choice", "invalid_value")
         if choice == "required" and not names:
             raise _reject("tool_choice 'required' needs tools", "tool_choice", "invalid_value")
+        if isinstance(choice, dict) and choice["type"] == "allowed_tools" and choice["mode"] == "required" and not wanted:
+            raise _reject("allowed_tools in mode 'required' needs at least one tool", "tool_choice", "invalid_value")
         return self
 
     @property
