@@ -5,6 +5,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -28,3 +29,36 @@ def models_dir() -> Path:
     folder = Path(os.environ.get("ORCHARD_MODELS_DIR", ROOT / "models"))
     prepare(folder, log=lambda *_: None)
     return folder
+
+
+# ---- the shared Ray cluster (tests/support/shared_cluster.py) --------------------------------------
+
+SHARED_FIXTURE = "shared_ray"
+
+
+def _module_of(item: pytest.Item) -> pytest.Module | None:
+    return item.getparent(pytest.Module)
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules that share the Ray cluster run first, one after another (in their usual order),
+    so it is started once and gone before any module starts a cluster of its own."""
+    shared = [item for item in items if SHARED_FIXTURE in getattr(item, "fixturenames", ())]
+    modules = {_module_of(item) for item in shared}
+    items[:] = [item for item in items if _module_of(item) in modules] + [item for item in items if _module_of(item) not in modules]
+
+
+@pytest.fixture(scope="module")
+def shared_ray(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The shared cluster's head (its Ray node id), reset after each module and shut down after the last."""
+    from support.shared_cluster import SHARED
+
+    request.config.add_cleanup(SHARED.shutdown)  # also on -x or Ctrl-C (idempotent)
+    node = SHARED.acquire()
+    yield node
+    SHARED.reset()
+    items = request.session.items
+    mine = [i for i, item in enumerate(items) if _module_of(item) is request.node]
+    if not any(SHARED_FIXTURE in getattr(item, "fixturenames", ()) for item in items[max(mine) + 1 :]):
+        SHARED.shutdown()

@@ -21,13 +21,12 @@ ray = pytest.importorskip("ray")
 anthropic = pytest.importorskip("anthropic")
 import openai  # noqa: E402
 from ray import serve  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-from support.cluster import free_port, node_args  # noqa: E402
+from support.cluster import free_port  # noqa: E402
+from support.schemas import random_schemas  # noqa: E402
+from support.speech import REFERENCE, words  # noqa: E402
 
 from router.api.builder import build_app  # noqa: E402
 from router.residency.registry import from_manifest  # noqa: E402
-from tests.test_engine_stt import REFERENCE, words  # noqa: E402
-from tests.test_structured_output import random_schemas  # noqa: E402
 
 MIB = 1024**2
 WEATHER = {
@@ -48,11 +47,8 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def orchard(models_dir):
-    """One head node with room for every model; the Serve app with a few registry variants."""
-    cluster = Cluster(initialize_head=True, head_node_args=node_args("head", 6, 2) | {"include_dashboard": False})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+def orchard(models_dir, shared_ray):
+    """The shared one-node cluster (room for every model); the Serve app with a few registry variants."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     models = from_manifest(models_dir)
@@ -73,8 +69,6 @@ def orchard(models_dir):
         "anthropic": anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=180),
     }
     serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
 
 
 # ---- tools -------------------------------------------------------------------------------------

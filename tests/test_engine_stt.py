@@ -2,41 +2,18 @@
 transcribing speech synthesized by espeak-ng. Real MLX, no mocks."""
 
 import asyncio
-import io
-import re
 import shutil
-import subprocess
 import time
-import wave
 
 import pytest
+from support.speech import REFERENCE, silence_wav, speak, words
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 from deployments.engine import RequestError
 from deployments.engines.stt import STTEngine
 from deployments.model_prep import whisper_tiny
 
-REFERENCE = "The quick brown fox jumps over the lazy dog. Orchard serves many models."
 needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng is not on PATH (apt-get install espeak-ng)")
-
-
-def words(text: str) -> list[str]:
-    return re.findall(r"[a-z']+", text.lower())
-
-
-def speak(text: str, tmp_path) -> bytes:
-    """espeak-ng's default voice, slowed to 120 wpm: the tiny model hears it much better."""
-    out = tmp_path / "speech.wav"
-    subprocess.run(["espeak-ng", "-s", "120", "-w", str(out), text], check=True, capture_output=True)
-    return out.read_bytes()
-
-
-def silence_wav(seconds: float, rate: int = 22050) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate)
-        w.writeframes(b"\0\0" * int(seconds * rate))
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import asyncio
 import pickle
-import shutil
 import sys
-import tempfile
 import threading
 import time
 
@@ -26,35 +24,15 @@ from deployments.manifest import read_manifest
 from deployments.model_server import ModelServerError, open_channel, unwrap
 from router.errors import STATUS
 
-NODE = "node-1"  # Orchard's name for the one node of this cluster
+NODE = "head"  # Orchard's name for the one node of the shared cluster
 LLAMA = actor_name("llama-10m", NODE)
 PROMPT = "Once upon a time, in a land far away, there lived a"
 
 
 @pytest.fixture(scope="module")
-def ray_node():
-    """A one-node local cluster of its own (address="local", private temp dir: other sessions may
-    run Ray on this machine too)."""
-    temp = tempfile.mkdtemp(prefix="orchard-ms-", dir="/tmp")  # short: Ray's socket paths live here
-    before = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = temp
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=80 * 1024**2,
-        log_to_driver=False,
-        _temp_dir=temp,
-    )
-    try:
-        yield ray.get_runtime_context().get_node_id()
-    finally:
-        ray.shutdown()
-        if before is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = before
-        shutil.rmtree(temp, ignore_errors=True)
+def ray_node(shared_ray):
+    """The shared one-node cluster (tests/support/shared_cluster.py): its head's Ray node id."""
+    return shared_ray
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +102,15 @@ def _error(call) -> ModelServerError:
     with pytest.raises(Exception) as info:
         call()
     return unwrap(info.value)
+
+
+def test_the_shared_cluster_comes_clean(ray_node):
+    """Whatever module used the shared cluster before (test_api_e2e in `make test`) left no model
+    server and no operator state behind (conftest resets both between modules)."""
+    from ray.experimental import internal_kv as kv
+
+    assert [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE] == []
+    assert kv._internal_kv_list("", namespace=NAMESPACE) == []
 
 
 def test_load_reports_memory_and_health(llama, manifest):
