@@ -43,7 +43,7 @@ NODES ?= head:1.5,mac-1:0.8,mac-2:0.6
 # socket paths under it must stay under 107 bytes, whatever the checkout's path.
 RAY_ENV = RAY_AUTH_MODE=disabled RAY_TMPDIR=$$($(PY) -m cluster.local tmpdir) RAY_ADDRESS=$$($(PY) -m cluster.local address)
 run: models
-	$(PY) -m cluster.local start --nodes "$(NODES)" --prometheus-port 9090
+	$(PY) -m cluster.local start --nodes "$(NODES)" --prometheus-port 9090 --head-store models
 	@trap '$(PY) -m cluster.local stop' EXIT; trap 'exit 130' INT TERM; \
 	  $(RAY_ENV) $(VENV)/bin/serve run ray-config.yaml
 

@@ -38,6 +38,7 @@ from pydantic import Field
 
 from cluster import prometheus
 from cluster.node_agent import LABEL_BUDGET, LABEL_DEVICE, LABEL_NODE
+from cluster.store import ENV_STORE
 from policy._frozen import Frozen
 from policy.specs import DEVICE_KINDS
 
@@ -260,13 +261,17 @@ def start(
     object_store_mib: int = 80,
     timeout_s: float = 120.0,
     prometheus_port: int | None = None,
+    stores: Path | None = None,
+    head_store: Path | None = None,
     log=print,
 ) -> dict:
     """Start the head and one worker per further node, wait until all are alive, and return the state
     (also written to <temp_root>/orchard-local.json). On failure, stops whatever it started. Refuses before
     starting anything when this temp root's cluster runs, a port is taken (the GCS's, the dashboard's, or
     Serve's HTTP port: ray-config.yaml's http_options, http_port overriding its port), or temp_root is too
-    long for Ray's socket paths."""
+    long for Ray's socket paths. `stores`: each node's model store is <stores>/<name> (its
+    ORCHARD_STORE), the head's `head_store` if given (the demo: the prepared models folder, so only
+    the head holds the set and the others copy what is placed on them)."""
     temp_root = _absolute(temp_root)
     if len(str(temp_root).encode()) + len(_SOCKET_TAIL) > _SOCKET_MAX:
         raise RuntimeError(
@@ -305,9 +310,14 @@ def start(
         cmd = _ray_cli() + ["start", *args, *common, f"--labels={labels}"]
         # Fresh free ports per node: the default 52365 for the dashboard agent would collide between nodes.
         cmd += [f"--dashboard-agent-listen-port={_free_port(ip)}", f"--metrics-export-port={_free_port(ip)}"]
+        node_env = dict(env)
+        store = (head_store if node is nodes[0] and head_store is not None else stores / node.name) if stores is not None else None
+        if store is not None:
+            store.mkdir(parents=True, exist_ok=True)
+            node_env[ENV_STORE] = str(store.resolve())
         with open(logfile, "ab") as out:
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        state["nodes"].append({**node.model_dump(), "pid": proc.pid, "log": str(logfile)})
+            proc = subprocess.Popen(cmd, env=node_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        state["nodes"].append({**node.model_dump(), "pid": proc.pid, "log": str(logfile), "store": node_env.get(ENV_STORE)})
         _write_state(temp_root, state)
         while True:
             with open(logfile, "rb") as f:
@@ -501,6 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--worker-cpus", type=int, default=1)
     s.add_argument("--object-store-mib", type=int, default=80)
     s.add_argument("--timeout", type=float, default=120.0)
+    s.add_argument(
+        "--stores", type=Path, default=ROOT / ".stores", help="each node's model store is STORES/<name> (default: .stores/ in the checkout)"
+    )
+    s.add_argument("--head-store", type=Path, default=None, help="the head's store instead (make run: the prepared models/ folder)")
     sub.add_parser("stop")
     sub.add_parser("status")
     sub.add_parser("address", help="print the address drivers connect to (RAY_ADDRESS)")
@@ -526,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                 object_store_mib=a.object_store_mib,
                 timeout_s=a.timeout,
                 prometheus_port=a.prometheus_port,
+                stores=a.stores,
+                head_store=a.head_store,
             )
         except RuntimeError as e:  # a port taken, a dir too long, a node that did not come up: said, not a traceback
             print(f"cluster.local start: {e}", file=sys.stderr)

@@ -11,13 +11,17 @@ process `ray.get_runtime_context().get_node_labels()` gives its own node's.
 """
 
 import logging
+import os
+import threading
 import time
+from pathlib import Path
 
 import ray
 from pydantic import Field
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.node_report import NodeReport, gib_to_bytes, read_report
+from cluster.store import CHUNK_BYTES as CHUNK, ENV_STORE, Store, StoreError, StoreManifest, default_root
 from policy._frozen import Frozen
 from policy.specs import DEVICE_KINDS, DeviceKind
 
@@ -88,14 +92,43 @@ def alive_nodes() -> list[NodeIdentity]:
     return list(seen.values())
 
 
+class _Fetch:
+    """One copy into this node's store; every caller asking for the same folder waits on it."""
+
+    def __init__(self, manifest: StoreManifest, sources: list[str]):
+        self.manifest = manifest
+        self.sources = sources
+        self.started = time.time()
+        self.done_bytes = 0
+        self.source: str | None = None
+        self.finished = threading.Event()
+        self.result: dict = {}
+
+    def progress(self) -> dict:
+        elapsed = max(1e-6, time.time() - self.started)
+        total = self.manifest.total_bytes
+        rate = self.done_bytes / elapsed
+        return {
+            "done_bytes": self.done_bytes,
+            "total_bytes": total,
+            "source": self.source,
+            "bytes_per_s": round(rate),
+            "eta_s": round((total - self.done_bytes) / rate, 1) if rate > 0 else None,
+        }
+
+
 @ray.remote(num_cpus=0, max_restarts=0)
 class NodeAgent:
-    """Measures its own node. It reads identity from its node's labels, so a report always describes the
-    node the agent actually runs on."""
+    """Measures its own node and keeps its model store (cluster/store.py): it serves its complete
+    folders to peers in chunks, and copies a folder in from peers' agents. It reads identity from its
+    node's labels, so a report always describes the node the agent actually runs on."""
 
     def __init__(self) -> None:
         ctx = ray.get_runtime_context()
         self._ident = identity_from_labels(ctx.get_node_id(), dict(ctx.get_node_labels()))  # type: ignore[arg-type]  # str values (Ray's annotation says lists)
+        self.store = Store(Path(os.environ.get(ENV_STORE) or default_root()).expanduser())  # the raylet's environment
+        self._lock = threading.Lock()
+        self._fetches: dict[str, _Fetch] = {}
 
     def identity(self) -> dict:
         return self._ident.model_dump()
@@ -105,14 +138,87 @@ class NodeAgent:
         the caller importing this module's classes). used_by_orchard_bytes: what Orchard's instances on
         this node hold, as the caller knows it; it only matters under a declared budget."""
         i = self._ident
-        return read_report(
+        report = read_report(
             i.node_id,
             i.ray_node_id,
             i.labels,
             i.budget_bytes,
             used_by_orchard_bytes=used_by_orchard_bytes,
             device_override=i.device,
-        ).model_dump(mode="json")
+        )
+        return report.model_copy(update={"store": self.store_report()}).model_dump(mode="json")
+
+    def store_report(self) -> dict:
+        with self._lock:
+            fetching = {folder: f.progress() for folder, f in self._fetches.items()}
+        return self.store.inventory() | {"fetching": fetching}
+
+    # ---- the source side -------------------------------------------------------------------------
+    def manifest(self, folder: str) -> dict:
+        """The manifest of a folder this store holds, sealing it first if it came in by hand."""
+        return self.store.seal(folder).model_dump(mode="json")
+
+    def read_chunk(self, folder: str, path: str, offset: int) -> bytes:
+        return self.store.read(folder, path, offset, CHUNK)
+
+    def remove(self, folder: str) -> dict:
+        """Remove a stored folder (and its partial copy) unless a copy of it is running now."""
+        with self._lock:
+            if folder in self._fetches:
+                return {"removed": False, "reason": f"{folder} is being copied in"}
+            return {"removed": self.store.remove(folder), "reason": ""}
+
+    # ---- the copying side ------------------------------------------------------------------------
+    def fetch(self, manifest: dict, sources: list[str]) -> dict:
+        """Copy `manifest`'s folder into this store from the first source node (Orchard names) whose
+        agent serves it to the end, resuming from the partial files after a source fails. Callers for
+        the same folder share one copy. Returns {"ok": True, "bytes", "seconds", "source"} or
+        {"ok": False, "code", "message"}; never raises."""
+        wanted = StoreManifest.model_validate(manifest)
+        with self._lock:
+            flight = self._fetches.get(wanted.folder)
+            owner = flight is None
+            if flight is None:
+                flight = self._fetches[wanted.folder] = _Fetch(wanted, list(sources))
+        if not owner:
+            flight.finished.wait()
+            return flight.result
+        try:
+            flight.result = self._copy(flight)
+        finally:
+            with self._lock:
+                del self._fetches[wanted.folder]
+            flight.finished.set()
+        return flight.result
+
+    def _copy(self, flight: _Fetch) -> dict:
+        folder = flight.manifest.folder
+        tried: list[str] = []
+        for node in flight.sources:
+            source = get_agent(node)
+            if source is None:
+                tried.append(f"{node}: no agent")
+                continue
+            flight.source = node
+
+            def read(path: str, offset: int, source=source) -> bytes:
+                return ray.get(source.read_chunk.remote(folder, path, offset), timeout=120)
+
+            def progress(done: int) -> None:
+                flight.done_bytes = done
+
+            try:
+                copied = self.store.copy_in(flight.manifest, read, progress)
+            except StoreError as e:
+                if e.code in ("checksum", "disk_full", "io_error", "bad_request"):
+                    return {"ok": False, "code": e.code, "message": e.message}
+                tried.append(f"{node}: {e.message}")  # not_found: that source lacks it; try the next
+                continue
+            except (ray.exceptions.RayError, TimeoutError) as e:  # the source died or stalled: resume elsewhere
+                tried.append(f"{node}: {type(e).__name__}")
+                continue
+            return {"ok": True, "bytes": copied, "total_bytes": flight.manifest.total_bytes, "seconds": time.time() - flight.started, "source": node}
+        return {"ok": False, "code": "source_gone", "message": f"no source could serve {folder} ({'; '.join(tried) or 'no sources'})"}
 
     def __repr__(self) -> str:
         return f"NodeAgent({self._ident.node_id})"
@@ -124,6 +230,7 @@ def _start_agent(ident: NodeIdentity):
         namespace=NAMESPACE,
         lifetime="detached",
         get_if_exists=True,  # two callers racing end up with the same agent
+        max_concurrency=8,  # a thread pool: reports and chunk reads go on during a copy
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=ident.ray_node_id, soft=False),
     ).remote()
 

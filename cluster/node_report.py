@@ -63,6 +63,9 @@ class NodeReport(Frozen):
     free_bytes: int = Field(ge=0)
     budget_bytes: int | None = Field(default=None, gt=0)
     reported_at: float  # time.time() on the agent's machine
+    # The node's model store (cluster/store.py Store.inventory, plus copies in progress under
+    # "fetching"); None from an agent that has no store.
+    store: dict[str, Any] | None = None
 
     def node_state(self, instances: tuple[InstanceState, ...] = (), *, draining: bool = False) -> NodeState:
         """The policy's view of this node. The measured free memory becomes the reported headroom;

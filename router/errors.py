@@ -37,6 +37,11 @@ STATUS: dict[str, int] = {
     "model_unloaded": 503,
     "model_unavailable": 503,
     "model_gave_up": 503,
+    # the node stores (router/residency/effects.py, cluster/store.py)
+    "files_not_stored": 404,
+    "files_in_use": 409,
+    "last_stored_copy": 409,
+    "fetch_failed": 503,
     # what a model cannot do (router/serving)
     "model_not_supported": 400,
     "unsupported_content": 400,

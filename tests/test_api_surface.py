@@ -87,6 +87,8 @@ def test_every_route_wants_a_valid_key(client, key):
         "/v1/cluster/events",
         "/v1/models/{model}/load",
         "/v1/models/{model}/pin",
+        "/v1/models/{model}/pull",
+        "/v1/models/{model}/files",
     }
     headers = {} if key is None else {"authorization": f"Bearer {key}"}
     for method, path in found:
@@ -96,13 +98,20 @@ def test_every_route_wants_a_valid_key(client, key):
         assert_protocol_error(r, 401, path, openai_code="invalid_api_key", anthropic_type="authentication_error")
 
 
-ADMIN_ROUTES = ["/v1/models/llama-10m/load", "/v1/models/llama-10m/unload", "/v1/models/llama-10m/pin", "/v1/models/llama-10m/unpin"]
+ADMIN_ROUTES = [
+    ("POST", "/v1/models/llama-10m/load"),
+    ("POST", "/v1/models/llama-10m/unload"),
+    ("POST", "/v1/models/llama-10m/pin"),
+    ("POST", "/v1/models/llama-10m/unpin"),
+    ("POST", "/v1/models/llama-10m/pull"),
+    ("DELETE", "/v1/models/llama-10m/files?node=head"),
+]
 
 
 def test_a_user_key_is_refused_on_every_admin_route(client):
     user = {"authorization": f"Bearer {USER_KEY}"}
-    for path in ADMIN_ROUTES:
-        assert_protocol_error(client.post(path, headers=user), 403, path, openai_code="permission_denied")
+    for method, path in ADMIN_ROUTES:
+        assert_protocol_error(client.request(method, path, headers=user), 403, path, openai_code="permission_denied")
     for path in ("/v1/cluster", "/v1/cluster/events"):
         assert_protocol_error(client.get(path, headers=user), 403, path, openai_code="permission_denied")
     assert client.get("/v1/cluster", headers=user).json()["error"]["type"] == "permission_error"

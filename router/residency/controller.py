@@ -59,6 +59,10 @@ EventKind = Literal[
     "pinned",
     "unpinned",
     "lease_expired",
+    "fetching",
+    "fetched",
+    "fetch_failed",
+    "files_removed",
 ]
 
 
@@ -518,6 +522,10 @@ class ResidencyController:
     def _instance(self, node_id: str, model: str) -> InstanceState | None:
         node = self.state.node(node_id)
         return node.instance(model) if node is not None else None
+
+    def record(self, kind: EventKind, **fields) -> None:
+        """An event an effect reports while it works (a copy of weights starting, ending, failing)."""
+        self._record(kind, **fields)
 
     def _record(self, kind: EventKind, **fields) -> None:
         event = ClusterEvent(seq=next(self._seq), at=self.effects.now(), kind=kind, **fields)

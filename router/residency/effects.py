@@ -1,19 +1,22 @@
-"""The controller's effects on a real Ray cluster: model-server actors started on the chosen node
-and loaded, drained and killed; events logged (and, with issue 4's metrics, counted)."""
+"""The controller's effects on a real Ray cluster: the model's weights copied into the chosen node's
+store from a peer that holds them (cluster/store.py, through the node agents), model-server actors
+started there and loaded, drained and killed; events logged and counted."""
 
 import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from cluster.node_agent import get_agent
 from cluster.placement import actor_name, create_model_server, kill_model_server, new_incarnation
 from deployments.manifest import ManifestEntry, model_location
 from deployments.model_server import unwrap
 from policy import InstanceRef, ModelSpec, Place
 from policy.cluster_state import LoadFailureReason
+from router.errors import OrchardError
 from router.residency.controller import ClusterEvent, LoadError, LoadResult
 
 log = logging.getLogger("orchard.residency")
@@ -37,6 +40,8 @@ class RayEffects:
         self.listeners: list = []
         self.server_options = server_options or {}  # ModelServer options (coalescing)
         self.actors: dict[tuple[str, str], str] = {}  # (model, node) -> actor name of its current incarnation
+        self.stores: dict[str, dict] = {}  # Orchard node id -> its store's last report (NodeReport.store)
+        self.record: Callable[..., None] = lambda kind, **fields: None  # the controller's, for events while working
 
     def now(self) -> float:
         return time.monotonic()
@@ -69,14 +74,15 @@ class RayEffects:
                 "reserve_context_tokens": spec.reserve_context_tokens,
                 "reserve_concurrency": spec.reserve_concurrency,
             }
+        entry, models_dir = await self._weights_on(place.node_id, self.entries[place.model])
         incarnation = new_incarnation()
         name = actor_name(place.model, place.node_id, incarnation)
         self.actors[(place.model, place.node_id)] = name
         handle = create_model_server(
-            self.entries[place.model],
+            entry,
             place.node_id,
             ray_node_id=ray_node_id,
-            models_dir=self.models_dir,
+            models_dir=models_dir,
             options=options,
             incarnation=incarnation,
         )
@@ -89,6 +95,88 @@ class RayEffects:
             raise LoadError(reason, error.message) from e
         measured = report["weight_bytes"] + report["kv_bytes_reserved"]
         return LoadResult(bytes=max(place.bytes, measured), load_seconds=report["load_seconds"])
+
+    async def _weights_on(self, node_id: str, entry: ManifestEntry) -> tuple[ManifestEntry, str]:
+        """The entry and models folder the model server on `node_id` loads from: the folder in that
+        node's store, after copying it in from a node whose store holds it if it lacks it. The
+        registry's own path when no store holds it (every node has it at the same path, as before
+        stores) and for hub models and absolute paths."""
+        folder = store_folder(entry)
+        mine = self.stores.get(node_id)
+        if folder is None or mine is None:
+            return entry, self.models_dir
+        if not holds(mine, folder):
+            holders = self.holders(folder, but=node_id)
+            if not holders:
+                return entry, self.models_dir
+            await self._copy(node_id, entry, folder, holders, mine["root"])
+        return entry.model_copy(update={"path": folder}), mine["root"]
+
+    def holders(self, folder: str, but: str | None = None) -> list[str]:
+        """Nodes (known to Ray) whose store holds `folder`, by name; `but` left out."""
+        return sorted(n for n, s in self.stores.items() if n != but and n in self.ray_node_ids and holds(s, folder))
+
+    async def pull(self, node_id: str, entry: ManifestEntry) -> str:
+        """Copy the model's folder into `node_id`'s store without loading it: "stored" when it is
+        there (already, or after the copy). OrchardError when it cannot be."""
+        folder = store_folder(entry)
+        mine = self.stores.get(node_id)
+        if folder is None:
+            raise OrchardError("files_not_stored", f"model {entry.name} is not kept in node stores (its path is absolute or a hub id)", "model")
+        if mine is None:
+            raise OrchardError("node_not_found", f"no store report from node {node_id}", "nodes")
+        if not holds(mine, folder):
+            holders = self.holders(folder, but=node_id)
+            if not holders:
+                raise OrchardError("files_not_stored", f"no node's store holds {folder} to copy from", "model")
+            try:
+                await self._copy(node_id, entry, folder, holders, mine["root"])
+            except LoadError as e:
+                raise OrchardError("fetch_failed", e.message, retry_after_s=1) from None
+        return "stored"
+
+    async def remove_files(self, node_id: str, folder: str) -> bool:
+        agent = get_agent(node_id)
+        if agent is None:
+            raise OrchardError("node_not_found", f"no node agent on {node_id}", "node")
+        result = await agent.remove.remote(folder)
+        if not result["removed"] and result["reason"]:
+            raise OrchardError("files_in_use", result["reason"], "node")
+        if result["removed"] and node_id in self.stores:  # gone from the view now, not at the next report
+            for key in ("complete", "unsealed", "partial"):
+                self.stores[node_id].get(key, {}).pop(folder, None)
+        return bool(result["removed"])
+
+    async def _copy(self, node_id: str, entry: ManifestEntry, folder: str, holders: list[str], root: str) -> str:
+        target, source = get_agent(node_id), get_agent(holders[0])
+        if target is None or source is None:
+            raise LoadError("error", f"no node agent on {node_id if target is None else holders[0]} to copy {folder}")
+        try:
+            manifest = await source.manifest.remote(folder)
+        except Exception as e:
+            raise LoadError("error", f"{holders[0]} could not describe {folder}: {unwrap(e).message}") from e
+        total = sum(f["size"] for f in manifest["files"])
+        self.record("fetching", model=entry.name, node_id=node_id, bytes=total, reason=f"copying {folder} from {', '.join(holders)}")
+        started = time.monotonic()
+        try:
+            result = await asyncio.wait_for(target.fetch.remote(manifest, holders), self.load_timeout_s)
+        except Exception as e:  # the target's agent died (its node with it), or the copy ran past the load timeout
+            message = "timed out" if isinstance(e, TimeoutError) else unwrap(e).message
+            result = {"ok": False, "code": "error", "message": message}
+        if not result["ok"]:
+            self.record("fetch_failed", model=entry.name, node_id=node_id, reason=f"{result['code']}: {result['message']}")
+            raise LoadError("error", f"copying {folder} to {node_id} failed: {result['message']}")
+        seconds = time.monotonic() - started
+        rate = result["bytes"] / max(seconds, 1e-6) / 1e6
+        self.record(
+            "fetched",
+            model=entry.name,
+            node_id=node_id,
+            bytes=result["bytes"],
+            seconds=seconds,
+            reason=f"from {result['source']}: {result['bytes']} of {result['total_bytes']} bytes copied, {rate:.1f} MB/s",
+        )
+        return root
 
     def stop_instance(self, instance: InstanceRef, reason: str) -> Coroutine[Any, Any, None]:
         """Stop the instance's current incarnation. Its actor name is taken now, not when the stop
@@ -129,3 +217,13 @@ def load_failure_reason(code: str, message: str) -> LoadFailureReason:
     if code == "unavailable" or any(marker in message.lower() for marker in _OUT_OF_MEMORY):
         return "out_of_memory"
     return "bad_files" if code == "load_failed" else "error"
+
+
+def store_folder(entry: ManifestEntry) -> str | None:
+    """The folder name node stores keep the model under (None: stores do not keep it)."""
+    return entry.folder
+
+
+def holds(store: dict, folder: str) -> bool:
+    """Whether a node's store report lists the folder as there (sealed or not yet)."""
+    return folder in store.get("complete", {}) or folder in store.get("unsealed", {})

@@ -74,7 +74,8 @@ def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, M
     catalog: dict[str, ModelSpec] = {}
     entries: dict[str, ManifestEntry] = {}
     for model in parse_entries(models):
-        folder = Path(model.path) if model.path and Path(model.path).is_absolute() else models_dir / (model.path or model.name)
+        absolute = bool(model.path) and Path(model.path or "").is_absolute()
+        folder = Path(model.path or "") if absolute else models_dir / (model.path or model.name)
         weight: int | None = model.weight_bytes
         kv: int | None = model.kv_bytes_per_token
         if (weight is None or kv is None) and not model.hub_id and folder.is_dir():
@@ -90,6 +91,7 @@ def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, M
             kind=model.kind,
             path=model.hub_id or str(folder),
             hub=model.hub_id is not None,
+            folder=None if absolute or model.hub_id else Path(model.path or model.name).as_posix(),
             weight_bytes=int(weight),
             kv_bytes_per_token=int(kv or 0),
             weights="real",

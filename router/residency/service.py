@@ -22,7 +22,7 @@ from policy.failures import backoff_left
 from router.errors import OrchardError
 from router.residency import metrics as metrics
 from router.residency.controller import ClusterEvent, ResidencyController
-from router.residency.effects import RayEffects
+from router.residency.effects import RayEffects, holds, store_folder
 from router.residency.limits import Limiter, RateLimited, Tenant
 from router.residency.registry import from_config
 from router.residency.store import OperatorStore
@@ -46,6 +46,7 @@ class ResidencyService:
         self.effects = RayEffects(entries, models_dir, server_options=server_options)
         self.effects.listeners.append(metrics.on_event)
         self.controller = ResidencyController(catalog, PolicyConfig.model_validate(policy), self.effects)
+        self.effects.record = self.controller.record
         self.store = OperatorStore()
         self.limiter = Limiter()
         self._tickets: dict[str, str] = {}  # lease id -> the limiter's ticket
@@ -79,6 +80,8 @@ class ResidencyService:
         reports = await asyncio.to_thread(collect_reports, agents, used)
         for node_id, report in reports.items():
             self.effects.ray_node_ids[node_id] = report.ray_node_id
+            if report.store is not None:
+                self.effects.stores[node_id] = report.store
             self.controller.report_node(
                 node_id,
                 devices=report.devices,
@@ -231,6 +234,72 @@ class ResidencyService:
         await asyncio.to_thread(self.store.set_pin, model, pinned)
         return {"model": model, "pinned": spec.pinned}
 
+    async def pull(self, model: str, nodes: list[str] | None = None) -> dict[str, Any]:
+        """Copy the model's folder into these nodes' stores (default: every alive node), without
+        loading it; returns at once, the copies go on (GET /v1/models/<m> shows them)."""
+        try:
+            entry = self._entry(model)
+            alive = [n.node_id for n in self.controller.state.nodes if n.alive]
+            for node_id in nodes or ():
+                if node_id not in alive:
+                    raise OrchardError("node_not_found", f"no alive node {node_id}", "nodes")
+            folder = store_folder(entry)
+            if folder is None:
+                raise OrchardError("files_not_stored", f"model {model} is not kept in node stores (its path is absolute or a hub id)", "model")
+            if not self.effects.holders(folder):
+                raise OrchardError("files_not_stored", f"no node's store holds {folder} to copy from", "model")
+        except OrchardError as e:
+            return error_dict(e)
+        out = {}
+        for node_id in nodes or alive:
+            if holds(self.effects.stores.get(node_id, {}), folder):
+                out[node_id] = "stored"
+            else:
+                out[node_id] = "fetching"
+                self._background(self._pull(node_id, entry))
+        return {"model": model, "nodes": out}
+
+    async def _pull(self, node_id: str, entry: Any) -> None:
+        try:
+            await self.effects.pull(node_id, entry)
+        except OrchardError as e:  # recorded as fetch_failed by the copy itself when it got that far
+            log.info("pull of %s to %s: %s", entry.name, node_id, e.message)
+
+    async def delete_files(self, model: str, node_id: str, force: bool = False) -> dict[str, Any]:
+        """Remove the model's folder from one node's store: not while a model using that folder is
+        on the node (loading or loaded) or being copied in; not the cluster's last stored copy
+        unless `force`."""
+        try:
+            folder = store_folder(self._entry(model))
+            store = self.effects.stores.get(node_id)
+            if store is None:
+                raise OrchardError("node_not_found", f"no store report from node {node_id}", "node")
+            if folder is None or not (holds(store, folder) or folder in store.get("partial", {})):
+                raise OrchardError("files_not_stored", f"node {node_id}'s store does not hold the files of {model}", "node")
+            node = self.controller.state.node(node_id)
+            users = sorted(i.model for i in node.instances if store_folder(self.effects.entries[i.model]) == folder) if node else []
+            if users:
+                raise OrchardError(
+                    "files_in_use", f"{', '.join(users)} {'is' if len(users) == 1 else 'are'} on {node_id} from these files: unload first", "node"
+                )
+            if not force and holds(store, folder) and not self.effects.holders(folder, but=node_id):
+                raise OrchardError(
+                    "last_stored_copy",
+                    f"node {node_id} holds the cluster's last stored copy of {folder}: pass force=true to remove it anyway",
+                    "force",
+                )
+            removed = await self.effects.remove_files(node_id, folder)
+        except OrchardError as e:
+            return error_dict(e)
+        self.controller.record("files_removed", model=model, node_id=node_id, reason=f"{folder} removed from the store by an operator")
+        return {"model": model, "node_id": node_id, "removed": removed}
+
+    def _entry(self, model: str) -> Any:
+        entry = self.effects.entries.get(model)
+        if entry is None:
+            raise OrchardError("model_not_found", f"The model '{model}' does not exist", "model")
+        return entry
+
     async def models(self) -> list[dict[str, Any]]:
         """Every registry model with its residency: loaded / loading / failed / available, where,
         bytes; a model marked failed (P10) says why and when it is tried again."""
@@ -241,6 +310,11 @@ class ResidencyService:
             copies = [(n.node_id, i) for n in state.nodes if n.alive for i in n.instances if i.model == name]
             mark = state.failed.get(name)
             status = "loaded" if any(i.status == "ready" for _, i in copies) else "loading" if copies else "failed" if mark else "available"
+            folder = store_folder(self.effects.entries[name])
+            stores = self.effects.stores.items() if folder is not None else ()
+            fetching = {node_id: s["fetching"][folder] for node_id, s in stores if folder in s.get("fetching", {})}
+            if fetching and status != "loaded":
+                status = "fetching"
             model = {
                 "id": name,
                 "kind": spec.kind,
@@ -249,6 +323,8 @@ class ResidencyService:
                 "keep_warm": spec.keep_warm,
                 "nodes": [node_id for node_id, _ in copies],
                 "bytes": sum(i.bytes for _, i in copies) or None,
+                "stored_on": sorted(node_id for node_id, s in stores if holds(s, folder)),  # type: ignore[arg-type]  # folder is set when stores is
+                "fetching": fetching,  # node -> done_bytes, total_bytes, source, bytes_per_s, eta_s
             }
             if mark is not None:
                 model["failure"] = {
@@ -287,6 +363,7 @@ class ResidencyService:
                         }
                         for i in n.instances
                     ],
+                    "store": self.effects.stores.get(n.node_id),
                 }
                 for n in state.nodes
             ],

@@ -34,6 +34,9 @@ class Http:
     def post(self, path: str, **kw):
         return requests.post(self.base + path, timeout=120, headers=self.headers, **kw)
 
+    def delete(self, path: str, **kw):
+        return requests.delete(self.base + path, timeout=120, headers=self.headers, **kw)
+
 
 def wait_for(condition, timeout_s: float, what: str):
     """The first truthy value of `condition()`, polled every 0.3 s; AssertionError after `timeout_s`."""

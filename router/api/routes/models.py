@@ -1,9 +1,10 @@
 """The model list (OpenAI's /v1/models and /v1/models/{id}, with Orchard's residency) and the
-operator's model actions (admin keys only): load, unload, pin, unpin."""
+operator's model actions (admin keys only): load, unload, pin, unpin, pull to node stores, and
+remove a node's stored copy."""
 
 from typing import Any
 
-from fastapi import APIRouter, Body, Depends
+from fastapi import APIRouter, Body, Depends, Query
 from pydantic import BaseModel, ConfigDict
 
 from router.api.auth import principal, require_admin
@@ -18,6 +19,12 @@ class LoadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     node: str | None = None  # load there (an extra copy when the model is elsewhere); default: where the policy says
+
+
+class PullRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    nodes: list[str] | None = None  # default: every alive node
 
 
 def _model_object(m: dict[str, Any]) -> dict[str, Any]:
@@ -63,3 +70,17 @@ async def pin(model: str, ingress: Ingress = Depends(current)):
 @router.post("/v1/models/{model}/unpin", dependencies=[Depends(require_admin)])
 async def unpin(model: str, ingress: Ingress = Depends(current)):
     return await _ask(ingress.residency.pin.remote(model, False))
+
+
+@router.post("/v1/models/{model}/pull", dependencies=[Depends(require_admin)])
+async def pull(model: str, body: PullRequest | None = Body(default=None), ingress: Ingress = Depends(current)):
+    """Copy the model's weights into node stores without loading them (like `ollama pull`); returns at
+    once with each node's status: follow the copies on GET /v1/models/{model} (`fetching`, `stored_on`)."""
+    return await _ask(ingress.residency.pull.remote(model, body.nodes if body else None))
+
+
+@router.delete("/v1/models/{model}/files", dependencies=[Depends(require_admin)])
+async def delete_files(model: str, node: str = Query(min_length=1), force: bool = False, ingress: Ingress = Depends(current)):
+    """Remove the model's stored copy from one node's store (not while in use there; the cluster's
+    last copy only with force=true)."""
+    return await _ask(ingress.residency.delete_files.remote(model, node, force))

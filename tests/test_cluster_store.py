@@ -1,0 +1,126 @@
+"""Weights follow placement, end to end on a real 2-node Ray cluster: each node has its own model
+store (ORCHARD_STORE); only the head's holds the model. Placing it on mac-1 copies the folder there
+from the head's node agent over Ray, every file's sha256 checked; the copy answers exactly as the
+original; a second placement finds it stored; an operator pull copies without loading and a stored
+copy can be removed (never one in use, nor the last without force); a source whose file went bad
+fails the copy with the reason and leaves no folder behind."""
+
+import hashlib
+import shutil
+
+import pytest
+
+ray = pytest.importorskip("ray")
+import openai  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from support.cluster import Http, free_port, node_args, wait_for  # noqa: E402
+
+from cluster.store import ENV_STORE, MANIFEST, PARTIAL, Store  # noqa: E402
+from router.api.builder import build_app  # noqa: E402
+from router.residency.registry import from_manifest  # noqa: E402
+
+MIB = 1024**2
+
+
+@pytest.fixture(scope="module")
+def orchard(models_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("stores")
+    stores = {"head": root / "head", "mac-1": root / "mac-1"}
+    shutil.copytree(models_dir / "llama-10m", stores["head"] / "llama-10m")
+    shutil.copytree(models_dir / "llama-10m", stores["head"] / "llama-bad")
+    stores["mac-1"].mkdir()
+    head = node_args("head", 1.0, 2) | {"include_dashboard": False, "env_vars": {ENV_STORE: str(stores["head"])}}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    cluster.add_node(**node_args("mac-1", 0.6, 1) | {"env_vars": {ENV_STORE: str(stores["mac-1"])}})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    llama = next(m for m in from_manifest(models_dir, {"llama-10m": {"reserve_context_tokens": 2048}}) if m["name"] == "llama-10m")
+    models = [llama, llama | {"name": "llama-bad", "path": "llama-bad"}]
+    # no models_dir holds anything: a node loads from its own store or not at all
+    policy = {"min_residency_s": 0, "safety_margin_bytes": 16 * MIB, "safety_margin_fraction": 0, "instance_overhead_bytes": 64 * MIB}
+    args = {"models_dir": str(root / "nowhere"), "models": models, "policy": policy, "watch_period_s": 0.5}
+    serve.run(build_app(args), name="orchard", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    yield {"http": Http(base), "client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120), "stores": stores}
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def events(orchard, model: str) -> list[dict]:
+    return [e for e in orchard["http"].get("/v1/cluster/events").json()["data"] if e["model"] == model]
+
+
+def answer(orchard, model: str) -> str:
+    reply = orchard["client"].completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0)
+    return reply.choices[0].text
+
+
+def model(orchard, name: str) -> dict:
+    return orchard["http"].get(f"/v1/models/{name}").json()["orchard"]
+
+
+def test_a_pull_copies_to_a_store_without_loading_and_a_copy_can_be_removed(orchard):
+    http = orchard["http"]
+    r = http.post("/v1/models/llama-10m/pull", json={"nodes": ["mac-1", "head"]})
+    assert r.status_code == 200 and r.json()["nodes"] == {"mac-1": "fetching", "head": "stored"}, r.text
+    wait_for(lambda: model(orchard, "llama-10m")["stored_on"] == ["head", "mac-1"], 60, "the pulled copy on mac-1")
+    assert model(orchard, "llama-10m")["status"] == "available"  # stored, not loaded
+    assert any(e["kind"] == "fetched" and e["node_id"] == "mac-1" for e in events(orchard, "llama-10m"))
+    r = http.delete("/v1/models/llama-10m/files?node=mac-1")
+    assert r.status_code == 200 and r.json()["removed"] is True, r.text
+    assert not (orchard["stores"]["mac-1"] / "llama-10m").exists() and model(orchard, "llama-10m")["stored_on"] == ["head"]
+    r = http.delete("/v1/models/llama-10m/files?node=head")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "last_stored_copy", r.text
+    r = http.delete("/v1/models/llama-10m/files?node=mac-1")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "files_not_stored", r.text
+    assert http.post("/v1/models/llama-10m/pull", json={"nodes": ["mac-9"]}).status_code == 404
+
+
+def test_a_model_placed_where_its_weights_are_not_is_copied_from_the_holder(orchard):
+    http, stores = orchard["http"], orchard["stores"]
+    r = http.post("/v1/models/llama-10m/load", json={"node": "mac-1"})
+    assert r.status_code == 200, r.text
+    source, copy = stores["head"] / "llama-10m", stores["mac-1"] / "llama-10m"
+    files = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file() and p.name != MANIFEST)
+    assert files and all(hashlib.sha256((source / f).read_bytes()).digest() == hashlib.sha256((copy / f).read_bytes()).digest() for f in files)
+    assert (copy / MANIFEST).is_file() and not (stores["mac-1"] / PARTIAL / "llama-10m").exists()
+    kinds = {e["kind"]: e for e in events(orchard, "llama-10m")}
+    total = sum((source / f).stat().st_size for f in files)
+    assert kinds["fetching"]["node_id"] == "mac-1" and "from head" in kinds["fetching"]["reason"]
+    assert kinds["fetched"]["bytes"] == total and kinds["fetched"]["seconds"] > 0 and "MB/s" in kinds["fetched"]["reason"]
+    nodes = {n["node_id"]: n for n in http.get("/v1/cluster").json()["nodes"]}
+    assert nodes["mac-1"]["store"]["complete"]["llama-10m"] == total
+    on_mac = answer(orchard, "llama-10m")
+    assert http.post("/v1/models/llama-10m/unload").status_code == 200
+    assert http.post("/v1/models/llama-10m/load", json={"node": "head"}).status_code == 200
+    assert answer(orchard, "llama-10m") == on_mac  # the copy is the same model
+
+
+def test_a_second_placement_finds_the_copy_stored(orchard):
+    http = orchard["http"]
+    before = sum(1 for e in events(orchard, "llama-10m") if e["kind"] == "fetching")
+    assert http.post("/v1/models/llama-10m/unload").status_code == 200
+    assert http.post("/v1/models/llama-10m/load", json={"node": "mac-1"}).status_code == 200
+    assert sum(1 for e in events(orchard, "llama-10m") if e["kind"] == "fetching") == before
+    r = orchard["http"].delete("/v1/models/llama-10m/files?node=mac-1")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "files_in_use" and "unload first" in r.json()["error"]["message"]
+
+
+def test_a_source_whose_file_went_bad_fails_the_copy_with_the_reason_and_no_folder(orchard):
+    http, stores = orchard["http"], orchard["stores"]
+    Store(stores["head"]).seal("llama-bad")  # sealed while good, then damaged in place (same size)
+    weights = stores["head"] / "llama-bad" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    r = http.post("/v1/models/llama-bad/load", json={"node": "mac-1"})
+    assert r.status_code == 503, r.text
+    assert "sha256" in r.json()["error"]["message"]
+    failed = [e for e in events(orchard, "llama-bad") if e["kind"] == "fetch_failed"]
+    assert failed and failed[0]["node_id"] == "mac-1" and failed[0]["reason"].startswith("checksum")
+    assert not (stores["mac-1"] / "llama-bad").exists()
+    assert answer(orchard, "llama-10m")  # the model that was loaded is untouched

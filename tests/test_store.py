@@ -1,0 +1,111 @@
+"""The node model store (cluster/store.py) on real files: sealing hashes a folder put in by hand, a
+copy is verified file by file and appears only complete, a cut-off copy resumes from its partial
+files, a corrupted one is refused, and store folder names cannot leave the store."""
+
+import hashlib
+import os
+
+import pytest
+
+from cluster.store import MANIFEST, PARTIAL, Store, StoreError
+
+
+def _folder(root, name="m", sizes=(5000, 123, 0)):
+    base = root / name
+    (base / "sub").mkdir(parents=True)
+    for i, size in enumerate(sizes):
+        (base / ("sub" if i == 1 else "") / f"f{i}.bin").write_bytes(os.urandom(size))
+    (base / "config.json").write_text("{}")
+    (base / ".ready").write_text("")  # a loader's marker: copied too
+    return base
+
+
+def _reader(source: Store, folder: str, chunk: int = 1000, fail_after: int | None = None, corrupt: bool = False):
+    calls = {"n": 0}
+
+    def read(path: str, offset: int) -> bytes:
+        calls["n"] += 1
+        if fail_after is not None and calls["n"] > fail_after:
+            raise ConnectionError("the source went away")
+        data = source.read(folder, path, offset, chunk)
+        return bytes([data[0] ^ 1]) + data[1:] if corrupt and data and offset == 0 else data
+
+    return read, calls
+
+
+def test_seal_hashes_a_folder_put_in_by_hand_and_notices_a_changed_file(tmp_path):
+    base = _folder(tmp_path)
+    store = Store(tmp_path)
+    assert store.manifest("m") is None and store.inventory()["unsealed"] == {"m": 5123 + 2}
+    manifest = store.seal("m")
+    by_path = {f.path: f for f in manifest.files}
+    assert set(by_path) == {"f0.bin", "sub/f1.bin", "f2.bin", "config.json", ".ready"}
+    assert by_path["f0.bin"].sha256 == hashlib.sha256((base / "f0.bin").read_bytes()).hexdigest()
+    assert store.inventory()["complete"] == {"m": manifest.total_bytes}
+    (base / "f0.bin").write_bytes(b"short")
+    assert store.manifest("m") is None  # a file no longer at its size: not complete
+
+
+def test_a_copy_is_verified_and_appears_only_when_complete(tmp_path):
+    source = Store(tmp_path / "a")
+    _folder(tmp_path / "a")
+    manifest = source.seal("m")
+    target = Store(tmp_path / "b")
+    read, _ = _reader(source, "m")
+
+    def watching_read(path: str, offset: int) -> bytes:
+        assert not (tmp_path / "b" / "m").exists()  # never a half folder under its own name
+        return read(path, offset)
+
+    seen: list[int] = []
+    assert target.copy_in(manifest, watching_read, seen.append) == manifest.total_bytes
+    assert seen[-1] == manifest.total_bytes and seen == sorted(seen)
+    assert target.manifest("m") is not None and not (tmp_path / "b" / PARTIAL / "m").exists()
+    for f in manifest.files:
+        assert hashlib.sha256((tmp_path / "b" / "m" / f.path).read_bytes()).hexdigest() == f.sha256
+
+
+def test_a_cut_off_copy_resumes_from_its_partial_files(tmp_path):
+    source = Store(tmp_path / "a")
+    _folder(tmp_path / "a", sizes=(20_000, 3000, 10))
+    manifest = source.seal("m")
+    target = Store(tmp_path / "b")
+    read, _ = _reader(source, "m", fail_after=7)
+    with pytest.raises(ConnectionError):
+        target.copy_in(manifest, read)
+    kept = target.inventory()["partial"]["m"]
+    assert target.manifest("m") is None and 6000 <= kept <= 7000  # 7 chunks of at most 1000 bytes
+    read, _ = _reader(source, "m")
+    copied = target.copy_in(manifest, read)
+    assert copied == manifest.total_bytes - kept  # only what the first copy had not written
+    assert target.manifest("m") is not None
+
+
+def test_a_corrupted_copy_is_refused_and_never_sealed(tmp_path):
+    source = Store(tmp_path / "a")
+    _folder(tmp_path / "a")
+    manifest = source.seal("m")
+    target = Store(tmp_path / "b")
+    read, _ = _reader(source, "m", corrupt=True)
+    with pytest.raises(StoreError) as e:
+        target.copy_in(manifest, read)
+    assert e.value.code == "checksum" and target.manifest("m") is None and not (tmp_path / "b" / "m").exists()
+    assert not (tmp_path / "b" / PARTIAL / "m" / MANIFEST).exists()
+
+
+@pytest.mark.parametrize("bad", ["../etc", "/abs", ".partial", "a/../../b", ""])
+def test_store_folder_names_stay_inside_the_store(tmp_path, bad):
+    with pytest.raises(StoreError) as e:
+        Store(tmp_path).folder(bad)
+    assert e.value.code == "bad_request"
+
+
+def test_only_listed_files_of_a_complete_folder_are_served(tmp_path):
+    _folder(tmp_path)
+    store = Store(tmp_path)
+    with pytest.raises(StoreError):
+        store.read("m", "f0.bin", 0, 10)  # not sealed yet
+    store.seal("m")
+    assert len(store.read("m", "f0.bin", 0, 10)) == 10
+    with pytest.raises(StoreError):
+        store.read("m", MANIFEST, 0, 10)
