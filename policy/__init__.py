@@ -9,11 +9,12 @@ from policy.copies import plan_copies
 from policy.count_only import count_only_lru
 from policy.decisions import Blocker, Decision, LoadFailure, Place, Reject, Unload, Use, Wait
 from policy.failures import failed_load_backoff
+from policy.locality import fetch_seconds, fetch_source
 from policy.memory import free_bytes, required_bytes
 from policy.placement import ensure, retry_after_failure
 from policy.specs import DEVICE_KINDS, MODEL_KINDS, DeviceKind, ModelKind, ModelSpec, Role
 from policy.sweep import sweep
-from policy.transitions import clear_failed, mark_failed
+from policy.transitions import clear_failed, learn_bandwidth, mark_failed, mark_stored
 
 __all__ = [
     "Blocker",
@@ -42,6 +43,10 @@ __all__ = [
     "count_only_lru",
     "ensure",
     "failed_load_backoff",
+    "fetch_seconds",
+    "fetch_source",
+    "learn_bandwidth",
+    "mark_stored",
     "plan_copies",
     "free_bytes",
     "mark_failed",

@@ -8,6 +8,7 @@ from policy._frozen import Frozen
 from policy.specs import DeviceKind, ModelSpec
 
 InstanceStatus = Literal["loading", "ready", "draining"]
+FetchSource = Literal["peer", "hub"]
 # Why a load did not end in a loaded instance (rule P9). Only out_of_memory may be cured by more
 # memory; the others are not retried by evicting.
 #   not_found:     the model's files (or folder) are missing
@@ -61,6 +62,8 @@ class NodeState(Frozen):
     instances: tuple[InstanceState, ...] = ()
     alive: bool = True
     draining: bool = False
+    # Models whose weights this node's model store holds (rule L1): loading them here needs no fetch.
+    stored: frozenset[str] = frozenset()
 
     @model_validator(mode="after")
     def _one_instance_per_model(self) -> "NodeState":
@@ -100,6 +103,9 @@ class ClusterState(Frozen):
     catalog: dict[str, ModelSpec] = Field(default_factory=dict)
     # Models marked failed (P10), by name.
     failed: dict[str, FailedLoad] = Field(default_factory=dict)
+    # Fetch bandwidths learned from finished transfers (rule L3), bytes per second by source; a
+    # source not here uses the config's figure.
+    bandwidth_bytes_per_s: dict[FetchSource, float] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _consistent(self) -> "ClusterState":

@@ -65,6 +65,10 @@ class PolicyConfig(Frozen):
     # For reload-time estimates before a load was measured: seconds = base + bytes / bandwidth.
     load_bandwidth_bytes_per_s: ByteSize = ByteSize(2 * GIB)
     load_base_s: float = Field(default=1.0, ge=0)
+    # Fetch time estimates before a transfer was measured (rule L1): a copy from another node's
+    # store (a Thunderbolt bridge or 10 GbE link moves about this), a download from the Hub.
+    peer_bandwidth_bytes_per_s: ByteSize = ByteSize(500 * MIB)
+    hub_bandwidth_bytes_per_s: ByteSize = ByteSize(50 * MIB)
 
     # A model whose load failed and is not retried (P9) is refused at once for a back-off (P10):
     # base x 2^(consecutive failures - 1), at most the max. 0 turns the back-off off (the next

@@ -8,6 +8,7 @@ from policy.caps import CapExcess
 from policy.cluster_state import ClusterState, InstanceRef, InstanceState
 from policy.config import EvictionStrategy, PolicyConfig
 from policy.decisions import Protection
+from policy.locality import fetch_seconds
 from policy.memory import reload_seconds
 from policy.specs import ModelKind, ModelSpec
 
@@ -55,13 +56,14 @@ def protection_of(inst: InstanceState, spec: ModelSpec, copies: int, now: float,
     return None
 
 
-def keep_value(inst: InstanceState, spec: ModelSpec, now: float, config: PolicyConfig) -> float:
-    """The `cost` strategy's estimate of what losing an instance costs: reload seconds, times a
-    weight for utility models, times an estimated reuse rate of 1 / (idle seconds + floor).
+def keep_value(inst: InstanceState, spec: ModelSpec, now: float, config: PolicyConfig, fetch_s: float = 0.0) -> float:
+    """The `cost` strategy's estimate of what losing an instance costs: reload seconds on its node
+    (the load, plus fetching the weights again when that node's store does not hold them, L2),
+    times a weight for utility models, times an estimated reuse rate of 1 / (idle seconds + floor).
     (A frequency term, requests served / age, was tried in the simulator and reloaded more.)"""
     weight = config.cost.utility_weight if spec.role == "utility" else 1.0
     idle_s = max(0.0, now - inst.last_used)
-    return reload_seconds(inst, spec, config) * weight / (idle_s + config.cost.idle_floor_s)
+    return (reload_seconds(inst, spec, config) + fetch_s) * weight / (idle_s + config.cost.idle_floor_s)
 
 
 def candidates(
@@ -82,7 +84,7 @@ def candidates(
             if oracle_keep_values is not None:
                 value = oracle_keep_values.get(ref, 0.0)
             else:
-                value = keep_value(inst, spec, now, config)
+                value = keep_value(inst, spec, now, config, fetch_seconds(spec, node, state, config))
             found.append(Candidate(ref, inst, spec, protection_of(inst, spec, copies.get(inst.model, 0), now, config), value))
     return found
 

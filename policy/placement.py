@@ -10,6 +10,7 @@ from policy.config import PolicyConfig
 from policy.decisions import PASSING_PROTECTIONS, Blocker, Decision, LoadFailure, Place, Reject, Use, Wait
 from policy.eviction import Candidate, Need, candidates, eviction_order_key, select_victims, set_cost
 from policy.failures import NOT_RETRIED_BECAUSE, backoff_left, failed_load_backoff, failure_text, failures_after, load_failed, reject_marked
+from policy.locality import fetch_seconds
 from policy.memory import (
     estimated_load_seconds,
     ever_available_bytes,
@@ -126,14 +127,25 @@ def plan_placement(
         freed_here = sum(v.inst.bytes for v in victims if v.ref.node_id == node.node_id)
         free_after = free_bytes(node) + freed_here - required_bytes(spec, config)
         plan = Plan(node, device, victims, free_after)
+        fetch_s = fetch_seconds(spec, node, state, config)  # L1: where the model is ready soonest
         if not victims:
             fit = free_after if config.fit_preference == "pack" else -free_after
-            rank: tuple = (0, fit, node.node_id)
+            rank: tuple = (0, fetch_s, fit, node.node_id)
         else:
-            rank = (1, set_cost(victims, config.eviction, oracle), node.node_id)
+            rank = (1, *_evicting_rank(set_cost(victims, config.eviction, oracle), fetch_s, config, oracle), node.node_id)
         plans.append((rank, plan))
     best = min(plans, key=lambda p: p[0])[1] if plans else None
     return best, shortfalls, eligible
+
+
+def _evicting_rank(cost: tuple, fetch_s: float, config: PolicyConfig, oracle: bool) -> tuple:
+    """L1 among evicting nodes. With the `cost` strategy both sides are seconds of loading: the set's
+    keep value (expected reload seconds per second) over `idle_floor_s` is what the victims are
+    expected to cost in reloads, the fetch what this request waits for the weights; the node with
+    the least of both wins. Other strategies order sets in their own terms: fetch time breaks ties."""
+    if config.eviction == "cost" and not oracle:
+        return (cost[0], cost[1] * config.cost.idle_floor_s + fetch_s, *cost[2:])
+    return (*cost, fetch_s)
 
 
 def _shortfall(node: NodeState, need: Need, usable: list[Candidate], everyone: list[Candidate]) -> NodeShortfall:

@@ -41,6 +41,8 @@ class ModelSpec(Frozen):
     max_copies: int = Field(default=1, ge=1)
     # A load-time figure to use before one is measured; None: estimate from bytes.
     load_seconds_estimate: float | None = Field(default=None, ge=0)
+    # Its weights come from the Hugging Face Hub when no node's store holds them (rule L1).
+    hub: bool = False
 
     @model_validator(mode="after")
     def _copies_in_order(self) -> "ModelSpec":

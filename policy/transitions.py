@@ -1,7 +1,7 @@
 """Pure state updates: how a decision or a happening changes the snapshot. The controller and the
 simulator both apply them, so the policy is always judged against the state it would really see."""
 
-from policy.cluster_state import ClusterState, FailedLoad, InstanceRef, InstanceState, NodeState
+from policy.cluster_state import ClusterState, FailedLoad, FetchSource, InstanceRef, InstanceState, NodeState
 from policy.decisions import LoadFailure, Place
 
 
@@ -92,3 +92,16 @@ def finish_request(state: ClusterState, ref: InstanceRef, now: float) -> Cluster
     inst = _node(state, ref.node_id).instance(ref.model)
     assert inst is not None
     return _update_instance(state, ref, in_flight=max(0, inst.in_flight - 1), last_used=now)
+
+
+def mark_stored(state: ClusterState, node_id: str, model: str) -> ClusterState:
+    """The model's weights are now in the node's store (a fetch finished; L1)."""
+    node = _node(state, node_id)
+    return _replace_node(state, node.model_copy(update={"stored": node.stored | {model}}))
+
+
+def learn_bandwidth(state: ClusterState, source: FetchSource, bytes_per_s: float) -> ClusterState:
+    """A finished transfer's rate, blended half and half into what was learned before (L3)."""
+    old = state.bandwidth_bytes_per_s.get(source)
+    blended = bytes_per_s if old is None else (old + bytes_per_s) / 2
+    return state.model_copy(update={"bandwidth_bytes_per_s": state.bandwidth_bytes_per_s | {source: blended}})

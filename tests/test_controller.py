@@ -30,6 +30,8 @@ class FakeEffects:
         self.fail: dict[str, list[str]] = {}  # model -> reasons for its next loads
         self.gate: asyncio.Event | None = None
         self.versions: dict[str, str] = {}  # model -> its files' version (files_version)
+        self.fetched: list[tuple[str, str, int]] = []
+        self.fail_fetch: set[str] = set()
 
     def now(self) -> float:
         return self.t + time.monotonic() - self._t0
@@ -52,6 +54,12 @@ class FakeEffects:
 
     def files_version(self, model):
         return self.versions.get(model)
+
+    async def fetch_weights(self, model, node_id):
+        self.fetched.append((model, node_id, len(self.stopped)))  # how many stops had happened by then
+        await asyncio.sleep(0.01)
+        if model in self.fail_fetch:
+            raise LoadError("error", "copying it failed: sha256 mismatch")
 
 
 def make(specs, nodes=(("n1", 8), ("n2", 4)), config=PLAIN):
@@ -376,3 +384,32 @@ def test_load_failures_are_classified_by_what_more_memory_could_fix(code, messag
     from router.residency.effects import load_failure_reason
 
     assert load_failure_reason(code, message) == reason
+
+
+@pytest.mark.parametrize("fetch_fails", [False, True])
+def test_an_evicting_placement_fetches_the_weights_before_it_evicts(fetch_fails):
+    """L1 in the controller: n1 must evict `a` for `b`, whose weights only n2's store holds (n2 is too
+    small for b). The weights are fetched first, with nothing stopped yet; a failed fetch evicts
+    nothing and refuses b with the reason; a finished one places b, evicting a."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8), ("n2", 4)))
+        c.report_node("n2", devices=("metal", "cpu"), total_bytes=4 * GIB, usable_bytes=4 * GIB, free_bytes=4 * GIB, stored=frozenset({"b"}))
+        lease = await c.acquire("a")
+        c.release(lease.lease_id)
+        if fetch_fails:
+            fx.fail_fetch.add("b")
+        try:
+            got = await c.acquire("b")
+        except OrchardError as e:
+            return c, fx, e
+        return c, fx, got
+
+    c, fx, result = run(scenario())
+    assert fx.fetched == [("b", "n1", 0)]  # fetched before any stop
+    if fetch_fails:
+        assert isinstance(result, OrchardError) and "sha256 mismatch" in result.message
+        assert fx.stopped == [] and c.state.node("n1").instance("a") is not None
+    else:
+        assert result.node_id == "n1" and [r for r, _ in fx.stopped] == [InstanceRef(node_id="n1", model="a")]
+        assert "b" in c.state.node("n1").stored

@@ -2,7 +2,7 @@
 the brute-force oracle of the spec (tests/support/policy_oracle.py)."""
 
 from hypothesis import HealthCheck, given, settings, strategies as st
-from support.policy_oracle import all_refs, backoff_left, backoff_s, eligible, evictable, feasible_after, need_bytes, protection
+from support.policy_oracle import all_refs, backoff_left, backoff_s, eligible, evictable, feasible_after, fetch_s, need_bytes, protection
 
 from policy import (
     ClusterState,
@@ -51,6 +51,7 @@ def specs(draw, name, pressure=False):
         device=None if pressure else draw(st.sampled_from([None] * 6 + ["cpu", "metal", "cuda"])),
         min_copies=draw(st.sampled_from([0] * (8 if pressure else 3) + [1])),
         max_copies=2,
+        hub=draw(st.sampled_from([False, False, True])),
     )
 
 
@@ -95,6 +96,7 @@ def clusters(draw, pressure=False):
                 instances=tuple(draw(instances(s, devices)) for s in held),
                 alive=pressure or draw(st.sampled_from([True] * 11 + [False])),
                 draining=not pressure and draw(st.sampled_from([False] * 11 + [True])),
+                stored=frozenset(draw(st.lists(st.sampled_from([s.name for s in catalog]), max_size=3))),
             )
         )
     # Some models carry a failed-load mark (P10), within its back-off or past it.
@@ -109,7 +111,8 @@ def clusters(draw, pressure=False):
                 at=NOW - draw(st.sampled_from([0.0, 1.0, 29.0, 31.0, 100.0, 700.0, 5000.0])),
                 failures=draw(st.sampled_from([1, 1, 2, 3, 6, 40])),
             )
-    return ClusterState(nodes=tuple(nodes), catalog={s.name: s for s in catalog}, failed=failed)
+    learned = draw(st.sampled_from([{}, {}, {"peer": 1e8}, {"peer": 2e9, "hub": 1e7}]))  # L3
+    return ClusterState(nodes=tuple(nodes), catalog={s.name: s for s in catalog}, failed=failed, bandwidth_bytes_per_s=learned)
 
 
 def caps(pressure: bool):
@@ -217,6 +220,8 @@ def test_every_decision_obeys_the_spec(request):
             assert not victims
             frees = {n.node_id: n for n in fits_untouched}
             assert node.node_id in frees
+            soonest = min(fetch_s(state, spec, n, config) for n in fits_untouched)  # L1
+            assert fetch_s(state, spec, node, config) == soonest
         if any(state.catalog[v.model].keep_warm for v in victims):  # E5
             no_warm = evictable(state, NOW, config, keep_warm_too=False)
             assert not any(feasible_after(state, spec, n.node_id, no_warm, config) for n in nodes)

@@ -16,7 +16,11 @@ from policy import (
     clear_failed,
     ensure,
     failed_load_backoff,
+    fetch_seconds,
+    fetch_source,
+    learn_bandwidth,
     mark_failed,
+    mark_stored,
     plan_copies,
     retry_after_failure,
 )
@@ -567,3 +571,76 @@ def test_transitions_project_the_reported_headroom_until_the_next_report():
     assert st.node("n1").reported_headroom_bytes == 4 * GIB  # +2 freed, -3 placed
     st = mark_loaded(st, ref("b", "n1"), NOW, 1.0, measured_bytes=int(2.5 * GIB))
     assert st.node("n1").reported_headroom_bytes == int(4.5 * GIB)
+
+
+# ---- locality (L1-L3) ------------------------------------------------------------------------------
+
+
+def test_l1_among_fitting_nodes_the_one_holding_the_weights_wins_over_pack():
+    a = spec("a", gb=4)
+    st = cluster([node("small", 6), node("large", 60, stored=frozenset({"a"}))], [a])
+    assert ensure("a", st, NOW, PLAIN).node_id == "large"  # pack alone would pick "small"
+    assert fetch_seconds(a, st.node("small"), st, PLAIN) == a.weight_bytes / PLAIN.peer_bandwidth_bytes_per_s
+    assert fetch_seconds(a, st.node("large"), st, PLAIN) == 0.0
+
+
+def test_l1_a_hub_model_no_store_holds_costs_the_hub_time_everywhere_and_pack_decides():
+    a = spec("a", gb=4, hub=True)
+    st = cluster([node("small", 6), node("large", 60)], [a])
+    assert fetch_source(a, st.node("small"), st) == "hub" and ensure("a", st, NOW, PLAIN).node_id == "small"
+    plain = spec("a", gb=4)  # not a hub model, in no store: the policy does not know where it is
+    assert fetch_seconds(plain, st.node("small"), cluster(st.nodes, [plain]), PLAIN) == 0.0
+
+
+def test_l1_fitting_without_eviction_still_beats_evicting_where_the_weights_are():
+    a, b = spec("a", gb=6), spec("b", gb=4)
+    st = cluster([node("n1", 8, inst("a", 6), stored=frozenset({"a", "b"})), node("n2", 5)], [a, b])
+    assert ensure("b", st, NOW, PLAIN).node_id == "n2"  # no model loses its place to save a copy
+    dead_holder = cluster([node("n1", 8, alive=False, stored=frozenset({"b"})), node("n2", 5)], [a, b])
+    assert fetch_source(b, dead_holder.node("n2"), dead_holder) is None  # a dead node's store is no source
+
+
+def test_l1_among_evicting_nodes_equal_sets_go_to_where_the_weights_are():
+    a, b, c = spec("a", gb=6), spec("b", gb=6), spec("c", gb=6)
+    idle = NOW - 3600
+    st = cluster([node("n1", 8, inst("a", 6, last_used=idle)), node("n2", 8, inst("b", 6, last_used=idle), stored=frozenset({"c"}))], [a, b, c])
+    assert ensure("c", st, NOW, PLAIN.model_copy(update={"eviction": "lru"})).node_id == "n2"  # n1 would win the tie by name
+
+
+def test_l2_an_instance_whose_weights_must_be_fetched_again_is_worth_more():
+    a, b, c = spec("a", gb=6), spec("b", gb=6), spec("c", gb=6)
+    idle = NOW - 3600
+    # b was loaded on n1 from elsewhere and only n2's store holds it; a's weights are on n2's disk.
+    # Alike otherwise, so without L2 the tie would go to n1 by name.
+    st = cluster(
+        [node("n1", 8, inst("b", 6, last_used=idle)), node("n2", 8, inst("a", 6, last_used=idle), stored=frozenset({"a", "b"}))],
+        [a, b, c],
+    )
+    assert ensure("c", st, NOW, PLAIN).evict == (ref("a", "n2"),)
+
+
+def test_l3_learned_bandwidth_replaces_the_configured_one_and_blends():
+    a = spec("a", gb=4)
+    st = cluster([node("n1", 8), node("n2", 8, stored=frozenset({"a"}))], [a])
+    st = learn_bandwidth(st, "peer", 100e6)
+    assert fetch_seconds(a, st.node("n1"), st, PLAIN) == a.weight_bytes / 100e6
+    st = learn_bandwidth(st, "peer", 300e6)
+    assert st.bandwidth_bytes_per_s["peer"] == 200e6
+    assert mark_stored(st, "n1", "a").node("n1").stored == {"a"}
+
+
+def test_l1_with_the_cost_strategy_a_copy_weighs_against_the_victims_expected_reloads():
+    a, b, c = spec("a", gb=6), spec("b", gb=6), spec("c", gb=6)
+    # n1's victim was used a minute ago, n2's an hour ago: n2's set is cheaper; n1 holds c's weights
+    st = cluster(
+        [node("n1", 8, inst("a", 6, last_used=NOW - 60), stored=frozenset({"c"})), node("n2", 8, inst("b", 6, last_used=NOW - 3600))],
+        [a, b, c],
+    )
+    fast, slow = (
+        PLAIN.model_copy(update={"peer_bandwidth_bytes_per_s": 100 * GIB}),
+        PLAIN.model_copy(update={"peer_bandwidth_bytes_per_s": 50 * 1024**2}),
+    )
+    assert ensure("c", st, NOW, fast).node_id == "n2"  # a 0.06 s copy: evict the colder model
+    assert ensure("c", st, NOW, slow).node_id == "n1"  # a 2 min copy costs more than a's expected reloads
+    lru = slow.model_copy(update={"eviction": "lru"})
+    assert ensure("c", st, NOW, lru).node_id == "n2"  # lru's own order first; the copy only breaks ties

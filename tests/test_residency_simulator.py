@@ -45,3 +45,18 @@ def test_belady_reference_runs_under_the_same_rules():
 def test_decision_at_scale_places_with_an_eviction():
     result = time_one_decision(nodes=20, models=200, runs=1)
     assert result["evicted"] >= 1 and result["instances"] > 100
+
+
+def test_with_weights_on_one_node_the_locality_aware_policy_copies_less():
+    """L1 in the simulator: weights start on the largest node only; copies are charged and counted.
+    The policy that sees the stores copies fewer models (and fewer bytes) than the one shown none."""
+    from bench.residency.catalog import with_stores
+    from bench.residency.simulate import locality_blind
+
+    trace, config = zipf(requests=1000), PolicyConfig()
+    rows = {}
+    for name, decide in (("aware", orchard(config)), ("blind", locality_blind(config))):
+        tally = simulate(trace, with_stores(empty_cluster(model_specs(), NODES), "home"), decide, config)
+        rows[name] = tally.row()
+        assert tally.fetches > 0 and len(tally.ready_delays) > 0 and rows[name]["unsafe_loads"] == 0
+    assert rows["aware"]["fetches"] < rows["blind"]["fetches"] and rows["aware"]["gb_fetched"] < rows["blind"]["gb_fetched"]

@@ -8,9 +8,9 @@ import platform
 import time
 from pathlib import Path
 
-from bench.residency.catalog import NODES, ONE_MAC, empty_cluster, model_specs
+from bench.residency.catalog import NODES, ONE_MAC, empty_cluster, model_specs, with_stores
 from bench.residency.scale import time_one_decision
-from bench.residency.simulate import belady, count_only, orchard, simulate
+from bench.residency.simulate import belady, count_only, locality_blind, orchard, simulate
 from bench.residency.traces import WORKDAY_UTILITIES, bursts, workday, zipf
 from policy import PolicyConfig
 
@@ -40,6 +40,23 @@ def strategies(trace, keep_warm: frozenset[str]):
     yield "offline Belady (knows the future)", belady(base, trace), keep_warm
 
 
+def run_locality(quick: bool) -> dict:
+    """Disk locality: the same traces with the weights on some nodes only, copies charged at the
+    configured peer bandwidth; Orchard's policy against itself shown no stores."""
+    scale = 0.2 if quick else 1.0
+    config = PolicyConfig()
+    out: dict = {}
+    for trace_name, trace in (("zipf", zipf(requests=int(5000 * scale))), ("bursts", bursts(hours=2.0 * scale))):
+        for layout in ("home", "spread"):
+            rows = {}
+            for name, decide in (("orchard (L1-L3)", orchard(config)), ("locality-blind", locality_blind(config))):
+                rows[name] = simulate(trace, with_stores(empty_cluster(model_specs()), layout), decide, config).row()
+            aware, blind = rows["orchard (L1-L3)"], rows["locality-blind"]
+            ratio = aware["mean_time_to_ready_s"] / blind["mean_time_to_ready_s"] if blind["mean_time_to_ready_s"] else None
+            out[f"{trace_name}, weights {layout}"] = {"rows": rows, "time_to_ready_ratio": round(ratio, 3) if ratio else None}
+    return out
+
+
 def run(quick: bool) -> dict:
     scale = 0.2 if quick else 1.0
     traces = {
@@ -60,6 +77,7 @@ def run(quick: bool) -> dict:
             "nodes": {n: usable for n, _, usable in nodes},
             "rows": rows,
         }
+    results["locality"] = run_locality(quick)
     results["decision_at_scale"] = time_one_decision(nodes=100, models=1000)
     results["machine"] = {"python": platform.python_version(), "processor": platform.machine()}
     return results
@@ -76,6 +94,20 @@ def table(results: dict) -> str:
         for name, row in t["rows"].items():
             cells = [f"{row[k]:.1%}" if k == "hit_rate" else str(row[k]) for k, _ in COLUMNS]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("\n### Disk locality (weights on some nodes only; copies at 500 MiB/s, loads at 2 GiB/s)\n")
+    cols = [
+        ("mean_time_to_ready_s", "mean time to ready s"),
+        ("fetches", "copies"),
+        ("gb_fetched", "GB copied"),
+        ("reloads", "reloads"),
+        ("p95_start_delay_s", "p95 start delay s"),
+    ]
+    lines.append("| trace, where the weights start | policy | " + " | ".join(t for _, t in cols) + " | time to ready vs blind |")
+    lines.append("|---|---|" + "---:|" * (len(cols) + 1))
+    for case, res in results["locality"].items():
+        for name, row in res["rows"].items():
+            ratio = f"{res['time_to_ready_ratio']:.2f}x" if name.startswith("orchard") and res["time_to_ready_ratio"] else ""
+            lines.append(f"| {case} | {name} | " + " | ".join(str(row[k]) for k, _ in cols) + f" | {ratio} |")
     s = results["decision_at_scale"]
     lines.append(
         f"\nOne `ensure` decision at {s['nodes']} nodes x {s['models']} models ({s['instances']} instances loaded, "
@@ -128,6 +160,18 @@ MARKDOWN_TAIL = """
   kind, memory-blind. offline Belady is a reference that knows every future arrival: Orchard's safety
   rules with victims ordered by true next use (reload seconds / time to next use, per byte under memory
   pressure). It is a strong heuristic, not a proven optimum for variable sizes.
+- Disk locality: the zipf and bursts traces again, with each model's weights at first in one node's
+  store only ("home": all on the largest node; "spread": round robin); placing a model on a node that
+  lacks them charges a copy at the configured 500 MiB/s before the load, and from then on that node
+  holds them (no disk budget). "orchard (L1-L3)" is the shipped policy; "locality-blind" is the same
+  policy shown no store at all. Time to ready: arrival to start for the requests that waited for a
+  load. What it shows: L1 cuts the copies by a fifth to two fifths and the GB copied by 5-20%, but time
+  to ready stays within about 7% of the blind policy either way: the issue's goal of 0.7x is not met.
+  Loads and waits for busy instances dominate it, and under pressure most placements evict, where a
+  copy competes with the victims' expected reloads (L1). Tried and not kept: the copy time first among
+  evicting nodes (no gain), and ready-soonest across fitting and evicting nodes alike (0.77-0.89x on
+  the "home" cases, but 50% more reloads on bursts: a copy saved by evicting a model someone needs
+  again soon).
 """
 
 

@@ -13,8 +13,9 @@ from typing import Any
 from bench.residency.traces import Request
 from policy import ClusterState, InstanceRef, Place, PolicyConfig, Reject, Use, Wait, count_only_lru, ensure
 from policy.config import GIB
+from policy.locality import fetch_seconds
 from policy.memory import estimated_load_seconds
-from policy.transitions import apply_place, finish_request, mark_loaded, start_request
+from policy.transitions import apply_place, finish_request, mark_loaded, mark_stored, start_request
 
 Decider = Callable[[str, ClusterState, float, float], object]
 
@@ -37,6 +38,9 @@ class Tally:
     unsafe_loads: int = 0
     served_overcommitted: int = 0
     start_delays: list[float] = field(default_factory=list)
+    ready_delays: list[float] = field(default_factory=list)  # requests that waited for a load (fetch included)
+    fetches: int = 0
+    bytes_fetched: int = 0
 
     def row(self) -> dict:
         delays = sorted(self.start_delays)
@@ -56,11 +60,25 @@ class Tally:
             "served_overcommitted": self.served_overcommitted,
             "mean_start_delay_s": round(sum(delays) / max(1, len(delays)), 2),
             "p95_start_delay_s": round(p95, 2),
+            "fetches": self.fetches,
+            "gb_fetched": round(self.bytes_fetched / GIB, 1),
+            "mean_time_to_ready_s": round(sum(self.ready_delays) / max(1, len(self.ready_delays)), 2),
         }
 
 
 def orchard(config: PolicyConfig) -> Decider:
     return lambda model, state, now, waited: ensure(model, state, now, config, waited_s=waited)
+
+
+def locality_blind(config: PolicyConfig) -> Decider:
+    """Orchard's policy shown no node store (every NodeState.stored empty): placement as before rule
+    L1, while the simulation still charges the copies it causes."""
+
+    def decide(model: str, state: ClusterState, now: float, waited: float) -> object:
+        blind = state.model_copy(update={"nodes": tuple(n.model_copy(update={"stored": frozenset()}) for n in state.nodes)})
+        return ensure(model, blind, now, config, waited_s=waited)
+
+    return decide
 
 
 def count_only(max_loaded_models: int) -> Decider:
@@ -135,6 +153,14 @@ def simulate(trace: list[Request], state: ClusterState, decide: Decider, config:
                 state = apply_place(state, d, now)
                 ref = InstanceRef(node_id=d.node_id, model=d.model)
                 load_s = estimated_load_seconds(d.bytes, config)
+                node = state.node(d.node_id)
+                assert node is not None
+                fetch_s = fetch_seconds(state.catalog[d.model], node, state, config)  # the weights' real way there
+                if fetch_s > 0:
+                    tally.fetches += 1
+                    tally.bytes_fetched += state.catalog[d.model].weight_bytes
+                    state = mark_stored(state, d.node_id, d.model)  # on disk from now on (no disk budget here)
+                load_s += fetch_s
                 tally.loads += 1
                 if d.model in ever_loaded:
                     tally.reloads += 1
@@ -166,6 +192,7 @@ def simulate(trace: list[Request], state: ClusterState, decide: Decider, config:
             ref, load_s = payload
             state = mark_loaded(state, ref, now, load_s)
             for i in joined.pop(ref, []):
+                tally.ready_delays.append(now - trace[i].arrival)
                 start(i, ref, now)
         else:
             i, ref = payload

@@ -30,6 +30,7 @@ from policy import (
     Use,
     Wait,
     ensure,
+    fetch_source,
     plan_copies,
     retry_after_failure,
     sweep,
@@ -40,7 +41,17 @@ from policy.failures import reject_marked
 from policy.memory import gib
 from policy.placement import place_from_plan, plan_placement
 from policy.specs import DeviceKind
-from policy.transitions import apply_place, clear_failed, finish_request, mark_failed, mark_loaded, remove_instance, start_request
+from policy.transitions import (
+    apply_place,
+    clear_failed,
+    finish_request,
+    learn_bandwidth,
+    mark_failed,
+    mark_loaded,
+    mark_stored,
+    remove_instance,
+    start_request,
+)
 from router.errors import OrchardError
 
 EventKind = Literal[
@@ -120,6 +131,10 @@ class Effects(Protocol):
 
     async def stop_instance(self, instance: InstanceRef, reason: str) -> None: ...
 
+    async def fetch_weights(self, model: str, node_id: str) -> None:
+        """Put the model's weights in the node's store (L1), raising LoadError when that fails."""
+        ...
+
     def publish(self, event: ClusterEvent) -> None: ...
 
     def files_version(self, model: str) -> str | None:
@@ -146,6 +161,7 @@ class ResidencyController:
         self._lease_ids = itertools.count(1)
         self._leases: dict[str, Lease] = {}
         self._failed_files: dict[str, str | None] = {}  # model marked failed -> its files' version then
+        self._prefetches: set[tuple[str, str]] = set()  # (model, node): weights being fetched before an eviction
         self._tasks: set[asyncio.Task] = set()
         self._changed = asyncio.Event()
         self._waiters: dict[str, deque[_Waiter]] = {}
@@ -162,9 +178,11 @@ class ResidencyController:
         usable_bytes: int,
         free_bytes: int,
         labels: dict[str, str] | None = None,
+        stored: frozenset[str] | None = None,
     ) -> None:
         """A node agent's measurement. Memory that is neither free nor held by our instances is
-        someone else's (foreign); the measured free memory becomes the node's reported headroom."""
+        someone else's (foreign); the measured free memory becomes the node's reported headroom.
+        `stored`: the catalog models whose weights its store holds (None: as before)."""
         old = self.state.node(node_id)
         instances = old.instances if old is not None and old.alive else ()
         ours = sum(i.bytes for i in instances)
@@ -179,6 +197,7 @@ class ResidencyController:
             instances=instances,
             alive=True,
             draining=old.draining if old is not None else False,
+            stored=stored if stored is not None else old.stored if old is not None else frozenset(),
         )
         nodes = tuple(n for n in self.state.nodes if n.node_id != node_id) + (node,)
         self.state = self.state.model_copy(update={"nodes": tuple(sorted(nodes, key=lambda n: n.node_id))})
@@ -260,7 +279,8 @@ class ResidencyController:
             decision = ensure(model, self.state, now, self.config, waited_s=now - waiter.started)
             if not isinstance(decision, Place):
                 break
-            self._begin_place(decision)
+            if not self._begin_place(decision):
+                return False  # its weights are fetched first: decided again when that ends
         if isinstance(decision, Use):
             self.state = start_request(self.state, decision.instance, now)
             inst = self._instance(decision.instance.node_id, model)
@@ -354,14 +374,17 @@ class ResidencyController:
             if mark is not None and mark.at >= started:
                 raise _error_for(reject_marked(mark, self.effects.now(), self.config))
             if node_id is not None:
-                if self._instance(node_id, model) is None:
-                    raise OrchardError("model_unloaded", f"model {model} left {node_id} before it was ready")
+                if self._instance(node_id, model) is None and (model, node_id) not in self._prefetches:
+                    if not self._fetched_for(model, node_id):
+                        raise OrchardError("model_unloaded", f"model {model} left {node_id} before it was ready")
+                    self._place_on(spec, node_id)  # its weights arrived: place it now
                 await self._wait_for_change(self.config.retry_poll_s)
                 continue
             now = self.effects.now()
             decision = ensure(model, self.state, now, self.config, waited_s=now - started)
             if isinstance(decision, Place):
-                self._begin_place(decision)
+                if not self._begin_place(decision):
+                    await self._wait_for_change(self.config.retry_poll_s)
             elif isinstance(decision, Reject):
                 self._record("rejected", model=model, reason=decision.message)
                 raise _error_for(decision)
@@ -426,8 +449,21 @@ class ResidencyController:
         return list(self._leases.values())
 
     # ---- effects out --------------------------------------------------------------------------
-    def _begin_place(self, place: Place) -> None:
-        """Apply the decision to the state now (so the next decision sees it), then carry it out."""
+    def _fetched_for(self, model: str, node_id: str) -> bool:
+        """Whether a fetch before placing `model` on `node_id` finished (and the placement is due)."""
+        node = self.state.node(node_id)
+        return node is not None and model in node.stored and model not in self.state.failed
+
+    def _begin_place(self, place: Place) -> bool:
+        """Apply the decision to the state now (so the next decision sees it), then carry it out;
+        True when placed. A placement that evicts, on a node whose store lacks the weights, fetches
+        them first and places nothing yet (False): a fetch that fails has evicted nothing, and the
+        next decision, once the weights are there, may find a better node (L1)."""
+        spec = self.state.catalog[place.model]
+        node = self.state.node(place.node_id)
+        if place.evict and node is not None and fetch_source(spec, node, self.state) is not None:
+            self._prefetch(place.model, place.node_id)
+            return False
         now = self.effects.now()
         for victim in place.evict:
             inst = self._instance(victim.node_id, victim.model)
@@ -442,6 +478,29 @@ class ResidencyController:
         self.state = apply_place(self.state, place, now)
         self._record("placed", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=place.reason)
         self._spawn(self._load(place, attempt=1))
+        return True
+
+    def _prefetch(self, model: str, node_id: str) -> None:
+        if (model, node_id) in self._prefetches:
+            return
+        self._prefetches.add((model, node_id))
+        self._spawn(self._run_prefetch(model, node_id))
+
+    async def _run_prefetch(self, model: str, node_id: str) -> None:
+        try:
+            await self.effects.fetch_weights(model, node_id)
+        except Exception as e:  # the fetch recorded why (fetch_failed); the model is refused for a back-off (P10)
+            reason, message = (e.reason, e.message) if isinstance(e, LoadError) else ("error", f"{type(e).__name__}: {e}")
+            failure = LoadFailure(model=model, node_id=node_id, reason=reason, message=message)
+            self.state = mark_failed(self.state, failure, self.effects.now())
+            self._failed_files[model] = self.effects.files_version(model)
+        else:
+            node = self.state.node(node_id)
+            if node is not None and model not in node.stored:  # the effect did not report a "fetched" (stored already)
+                self.state = mark_stored(self.state, node_id, model)
+        finally:
+            self._prefetches.discard((model, node_id))
+            self._wake()
 
     async def _load(self, place: Place, attempt: int) -> None:
         ref = InstanceRef(node_id=place.node_id, model=place.model)
@@ -524,8 +583,16 @@ class ResidencyController:
         return node.instance(model) if node is not None else None
 
     def record(self, kind: EventKind, **fields) -> None:
-        """An event an effect reports while it works (a copy of weights starting, ending, failing)."""
+        """An event an effect reports while it works (a copy of weights starting, ending, failing).
+        A finished copy teaches the peer bandwidth (L3) and puts the weights in the node's store
+        at once, before its next report says so. `source` ("peer" or "hub") says where from."""
+        source = fields.pop("source", "peer")
         self._record(kind, **fields)
+        model, node_id, nbytes, seconds = fields.get("model"), fields.get("node_id"), fields.get("bytes"), fields.get("seconds")
+        if kind == "fetched" and model in self.state.catalog and node_id is not None and self.state.node(node_id) is not None:
+            self.state = mark_stored(self.state, node_id, model)
+            if nbytes and seconds:
+                self.state = learn_bandwidth(self.state, source, nbytes / seconds)
 
     def _record(self, kind: EventKind, **fields) -> None:
         event = ClusterEvent(seq=next(self._seq), at=self.effects.now(), kind=kind, **fields)

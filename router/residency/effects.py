@@ -112,6 +112,18 @@ class RayEffects:
             await self._copy(node_id, entry, folder, holders, mine["root"])
         return entry.model_copy(update={"path": folder}), mine["root"]
 
+    async def fetch_weights(self, model: str, node_id: str) -> None:
+        """The controller's fetch before an eviction (L1): the weights into `node_id`'s store;
+        LoadError when the copy fails (it recorded fetch_failed)."""
+        entry = self.entries[model]
+        folder = store_folder(entry)
+        mine = self.stores.get(node_id)
+        if folder is None or mine is None or holds(mine, folder):
+            return
+        holders = self.holders(folder, but=node_id)
+        if holders:
+            await self._copy(node_id, entry, folder, holders, mine["root"])
+
     def holders(self, folder: str, but: str | None = None) -> list[str]:
         """Nodes (known to Ray) whose store holds `folder`, by name; `but` left out."""
         return sorted(n for n, s in self.stores.items() if n != but and n in self.ray_node_ids and holds(s, folder))

@@ -85,7 +85,9 @@ def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, M
         if weight is None:
             where = f"hub model {model.hub_id}" if model.hub_id else f"no folder at {folder} to measure"
             raise ValueError(f"model {model.name}: no weight_bytes given ({where})")
-        catalog[model.name] = ModelSpec(name=model.name, kind=model.kind, weight_bytes=weight, kv_bytes_per_token=kv or 0, **model.policy)
+        catalog[model.name] = ModelSpec(
+            name=model.name, kind=model.kind, weight_bytes=weight, kv_bytes_per_token=kv or 0, hub=model.hub_id is not None, **model.policy
+        )
         entries[model.name] = ManifestEntry(
             name=model.name,
             kind=model.kind,

@@ -89,11 +89,16 @@ class ResidencyService:
                 usable_bytes=report.usable_bytes,
                 free_bytes=report.free_bytes,
                 labels=report.labels,
+                stored=self._stored(report.store) if report.store is not None else None,
             )
         alive = {n.node_id for n in await asyncio.to_thread(alive_nodes)}
         for node in self.controller.state.nodes:
             if node.alive and node.node_id not in alive:
                 self.controller.node_dead(node.node_id, "Ray lists the node as dead")
+
+    def _stored(self, store: dict) -> frozenset[str]:
+        """The catalog models whose folder a store report lists (L1)."""
+        return frozenset(name for name, entry in self.effects.entries.items() if (folder := store_folder(entry)) is not None and holds(store, folder))
 
     async def _observe_instances(self) -> None:
         """Ready instances whose actor Ray no longer lists (a detached actor's name is freed at its

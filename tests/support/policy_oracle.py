@@ -100,3 +100,18 @@ def backoff_left(state: ClusterState, model: str, now: float, config: PolicyConf
         return None
     left = mark.at + backoff_s(mark.failures, config) - now
     return left if left > 0 else None
+
+
+def fetch_s(state: ClusterState, spec: ModelSpec, node: NodeState, config: PolicyConfig) -> float:
+    """Rule L1 read from the spec: nothing to fetch if the node's store holds the model; a copy from
+    a peer if another alive node's does; a download if it is a hub model; else nothing is known."""
+    if spec.name in node.stored:
+        return 0.0
+    peers = [n for n in state.nodes if n.alive and n.node_id != node.node_id and spec.name in n.stored]
+    if peers:
+        rate = state.bandwidth_bytes_per_s.get("peer") or config.peer_bandwidth_bytes_per_s
+    elif spec.hub:
+        rate = state.bandwidth_bytes_per_s.get("hub") or config.hub_bandwidth_bytes_per_s
+    else:
+        return 0.0
+    return spec.weight_bytes / rate

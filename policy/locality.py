@@ -1,0 +1,31 @@
+"""Where a model's weights are, and how long getting them to a node takes (rules L1-L3)."""
+
+from policy.cluster_state import ClusterState, FetchSource, NodeState
+from policy.config import PolicyConfig
+from policy.specs import ModelSpec
+
+
+def bandwidth(state: ClusterState, config: PolicyConfig, source: FetchSource) -> float:
+    """Bytes per second from `source`: learned from finished transfers, else the config's figure."""
+    learned = state.bandwidth_bytes_per_s.get(source)
+    if learned is not None and learned > 0:
+        return learned
+    return float(config.peer_bandwidth_bytes_per_s if source == "peer" else config.hub_bandwidth_bytes_per_s)
+
+
+def fetch_source(spec: ModelSpec, node: NodeState, state: ClusterState) -> FetchSource | None:
+    """How the weights would get to `node` (L1): None when nothing needs fetching (its store holds
+    them, or no store holds them and the model is not a hub model: then where they are is not
+    known to the policy, a folder at the same path on every node, and no node is nearer)."""
+    if spec.name in node.stored:
+        return None
+    if any(n.alive and n.node_id != node.node_id and spec.name in n.stored for n in state.nodes):
+        return "peer"
+    return "hub" if spec.hub else None
+
+
+def fetch_seconds(spec: ModelSpec, node: NodeState, state: ClusterState, config: PolicyConfig) -> float:
+    """Estimated seconds before the weights are on `node` (L1): 0, weight bytes / peer bandwidth, or
+    weight bytes / hub bandwidth."""
+    source = fetch_source(spec, node, state)
+    return 0.0 if source is None else spec.weight_bytes / bandwidth(state, config, source)
