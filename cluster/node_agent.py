@@ -12,8 +12,10 @@ process `ray.get_runtime_context().get_node_labels()` gives its own node's.
 
 import logging
 import os
+import shutil
 import threading
 import time
+from fnmatch import fnmatch
 from pathlib import Path
 
 import ray
@@ -28,6 +30,8 @@ from policy.specs import DEVICE_KINDS, DeviceKind
 log = logging.getLogger(__name__)
 
 NAMESPACE = "orchard"
+# The files an MLX loader reads from a Hub repo (mlx-lm's own download list, plus the other loaders' configs).
+HUB_PATTERNS = ("*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja")
 AGENT_PREFIX = "orchard-agent:"
 LABEL_NODE = "orchard.node"
 LABEL_BUDGET = "orchard.budget_gib"
@@ -103,10 +107,11 @@ class _Fetch:
         self.source: str | None = None
         self.finished = threading.Event()
         self.result: dict = {}
+        self.total_override: int | None = None  # a download's size, known from the Hub before its manifest
 
     def progress(self) -> dict:
         elapsed = max(1e-6, time.time() - self.started)
-        total = self.manifest.total_bytes
+        total = self.total_override if self.total_override is not None else self.manifest.total_bytes
         rate = self.done_bytes / elapsed
         return {
             "done_bytes": self.done_bytes,
@@ -190,6 +195,73 @@ class NodeAgent:
                 del self._fetches[wanted.folder]
             flight.finished.set()
         return flight.result
+
+    def hub_fetch(self, repo_id: str, folder: str) -> dict:
+        """Download a Hub model into this store through huggingface_hub (HF_ENDPOINT, HF_TOKEN and
+        HF_HUB_OFFLINE as this node's environment sets them), only the files an MLX loader reads, into
+        .partial/<folder> (huggingface_hub resumes its own partial files there); then every file is
+        hashed, the manifest written and the folder renamed into place. Callers for the same folder
+        share one download. Returns as `fetch` does; never raises."""
+        with self._lock:
+            flight = self._fetches.get(folder)
+            owner = flight is None
+            if flight is None:
+                placeholder = StoreManifest(folder=folder, files=(), source=f"hub:{repo_id}")
+                flight = self._fetches[folder] = _Fetch(placeholder, [f"hub:{repo_id}"])
+                flight.source = "hub"
+        if not owner:
+            flight.finished.wait()
+            return flight.result
+        try:
+            flight.result = self._download(flight, repo_id, folder)
+        finally:
+            with self._lock:
+                del self._fetches[folder]
+            flight.finished.set()
+        return flight.result
+
+    def _download(self, flight: _Fetch, repo_id: str, folder: str) -> dict:
+        from huggingface_hub import HfApi, snapshot_download
+        from huggingface_hub.utils import HfHubHTTPError
+
+        partial = self.store.root / ".partial" / folder
+        done = threading.Event()
+
+        def watch() -> None:  # huggingface_hub reports no bytes to us: measure the folder as it grows
+            while not done.wait(0.5):
+                flight.done_bytes = sum(p.stat().st_size for p in partial.rglob("*") if p.is_file()) if partial.is_dir() else 0
+
+        try:
+            info = HfApi().model_info(repo_id, files_metadata=True)
+            wanted = [s for s in info.siblings or () if any(fnmatch(s.rfilename, pattern) for pattern in HUB_PATTERNS)]
+            total = sum(s.size or 0 for s in wanted)
+            flight.manifest = flight.manifest.model_copy(update={"revision": info.sha})
+            flight.total_override = total
+            free = shutil.disk_usage(self.store.root if self.store.root.exists() else self.store.root.parent).free
+            if total > free:
+                return {"ok": False, "code": "disk_full", "message": f"{repo_id} needs {total} bytes; {free} free in {self.store.root}"}
+            partial.mkdir(parents=True, exist_ok=True)
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            try:
+                snapshot_download(repo_id, revision=info.sha, local_dir=partial, allow_patterns=list(HUB_PATTERNS))
+            finally:
+                done.set()
+            manifest = self.store.seal_partial(folder, source=f"hub:{repo_id}", revision=info.sha)
+        except OSError as e:
+            return {"ok": False, "code": "disk_full" if e.errno == 28 else "io_error", "message": f"downloading {repo_id}: {e}"}
+        except (HfHubHTTPError, StoreError, ValueError) as e:
+            return {"ok": False, "code": "hub_error", "message": f"downloading {repo_id} from the Hub failed: {e}"}
+        except Exception as e:  # the Hub unreachable (httpx errors), offline mode, ...
+            return {"ok": False, "code": "hub_error", "message": f"downloading {repo_id} from the Hub failed: {type(e).__name__}: {e}"}
+        return {
+            "ok": True,
+            "bytes": manifest.total_bytes,
+            "total_bytes": manifest.total_bytes,
+            "seconds": time.time() - flight.started,
+            "source": "hub",
+            "revision": info.sha,
+        }
 
     def _copy(self, flight: _Fetch) -> dict:
         folder = flight.manifest.folder

@@ -249,6 +249,23 @@ class Store:
         os.replace(partial, final)
         return copied
 
+    def seal_partial(self, folder: str, source: str, revision: str | None = None) -> StoreManifest:
+        """Seal a folder that a download tool filled under .partial (every file hashed), then rename it
+        into place: for downloads, whose files carry no manifest to check them against."""
+        folder = _checked(folder)
+        partial = self.root / PARTIAL / folder
+        files = [StoredFile(path=p.relative_to(partial).as_posix(), size=p.stat().st_size, sha256=sha256_of(p)) for p in _files(partial)]
+        if not files:
+            raise StoreError("not_found", f"the download of {folder} left no files")
+        manifest = StoreManifest(folder=folder, files=tuple(files), source=source, revision=revision, sealed_at=time.time())
+        _write_atomically(partial / MANIFEST, manifest.model_dump_json())
+        final = self.folder(folder)
+        if final.exists():
+            shutil.rmtree(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(partial, final)
+        return manifest
+
     def remove(self, folder: str) -> bool:
         """Remove a stored folder (complete or partial); whether there was one."""
         found = False

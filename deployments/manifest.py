@@ -18,7 +18,8 @@ class ManifestEntry(Frozen):
     path: str  # relative to the models folder (or absolute); a Hugging Face repo id when `hub`
     hub: bool = False  # loaded by repo id through the same loaders (a Mac with hub access)
     # The folder's name in the node model stores (cluster/store.py): the registry path relative to
-    # models_dir. None for absolute paths and hub models, which stores do not keep.
+    # models_dir, or models--<org>--<name> for a hub model. None for absolute paths: stores do not
+    # keep those.
     folder: str | None = None
     weight_bytes: int = Field(ge=0)  # sum of the *.safetensors sizes (== MLX active memory once loaded)
     kv_bytes_per_token: int = Field(default=0, ge=0)

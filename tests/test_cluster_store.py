@@ -3,7 +3,9 @@ store (ORCHARD_STORE); only the head's holds the model. Placing it on mac-1 copi
 from the head's node agent over Ray, every file's sha256 checked; the copy answers exactly as the
 original; a second placement finds it stored; an operator pull copies without loading and a stored
 copy can be removed (never one in use, nor the last without force); a source whose file went bad
-fails the copy with the reason and leaves no folder behind."""
+fails the copy with the reason and leaves no folder behind; a hub model is downloaded into the store
+by huggingface_hub's own client (from a stand-in Hub on 127.0.0.1, tests/support/hub_server.py), then
+copied node to node, not downloaded again."""
 
 import hashlib
 import shutil
@@ -15,6 +17,7 @@ import openai  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from support.cluster import Http, free_port, node_args, wait_for  # noqa: E402
+from support.hub_server import SHA, Hub  # noqa: E402
 
 from cluster.store import ENV_STORE, MANIFEST, PARTIAL, Store  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
@@ -23,28 +26,40 @@ from router.residency.registry import from_manifest  # noqa: E402
 MIB = 1024**2
 
 
+HUB_REPO = "orchard-test/llama-10m"
+
+
 @pytest.fixture(scope="module")
-def orchard(models_dir, tmp_path_factory):
+def hub(models_dir):
+    with Hub({HUB_REPO: models_dir / "llama-10m"}) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def orchard(models_dir, tmp_path_factory, hub):
     root = tmp_path_factory.mktemp("stores")
+    hub_env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HOME": str(root / "hf-home")}
     stores = {"head": root / "head", "mac-1": root / "mac-1"}
     shutil.copytree(models_dir / "llama-10m", stores["head"] / "llama-10m")
     shutil.copytree(models_dir / "llama-10m", stores["head"] / "llama-bad")
     stores["mac-1"].mkdir()
-    head = node_args("head", 1.0, 2) | {"include_dashboard": False, "env_vars": {ENV_STORE: str(stores["head"])}}
+    head = node_args("head", 1.0, 2) | {"include_dashboard": False, "env_vars": {ENV_STORE: str(stores["head"])} | hub_env}
     cluster = Cluster(initialize_head=True, head_node_args=head)
-    cluster.add_node(**node_args("mac-1", 0.6, 1) | {"env_vars": {ENV_STORE: str(stores["mac-1"])}})
+    cluster.add_node(**node_args("mac-1", 0.6, 1) | {"env_vars": {ENV_STORE: str(stores["mac-1"])} | hub_env})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     llama = next(m for m in from_manifest(models_dir, {"llama-10m": {"reserve_context_tokens": 2048}}) if m["name"] == "llama-10m")
-    models = [llama, llama | {"name": "llama-bad", "path": "llama-bad"}]
+    from_hub = {k: v for k, v in llama.items() if k != "path"} | {"name": "llama-hub", "hub_id": HUB_REPO}
+    models = [llama, llama | {"name": "llama-bad", "path": "llama-bad"}, from_hub]
     # no models_dir holds anything: a node loads from its own store or not at all
     policy = {"min_residency_s": 0, "safety_margin_bytes": 16 * MIB, "safety_margin_fraction": 0, "instance_overhead_bytes": 64 * MIB}
     args = {"models_dir": str(root / "nowhere"), "models": models, "policy": policy, "watch_period_s": 0.5}
     serve.run(build_app(args), name="orchard", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
-    yield {"http": Http(base), "client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120), "stores": stores}
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield {"http": Http(base), "client": client, "stores": stores, "models_dir": models_dir}
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
@@ -124,3 +139,24 @@ def test_a_source_whose_file_went_bad_fails_the_copy_with_the_reason_and_no_fold
     assert failed and failed[0]["node_id"] == "mac-1" and failed[0]["reason"].startswith("checksum")
     assert not (stores["mac-1"] / "llama-bad").exists()
     assert answer(orchard, "llama-10m")  # the model that was loaded is untouched
+
+
+def test_a_hub_model_is_downloaded_into_the_store_then_copied_between_nodes(orchard, hub):
+    http, stores = orchard["http"], orchard["stores"]
+    folder = "models--orchard-test--llama-10m"
+    r = http.post("/v1/models/llama-hub/load", json={"node": "mac-1"})
+    assert r.status_code == 200, r.text
+    manifest = Store(stores["mac-1"]).manifest(folder)
+    assert manifest is not None and manifest.source == f"hub:{HUB_REPO}" and manifest.revision == SHA
+    for f in manifest.files:  # every file as the Hub served it
+        assert hashlib.sha256((orchard["models_dir"] / "llama-10m" / f.path).read_bytes()).hexdigest() == f.sha256
+    fetched = [e for e in events(orchard, "llama-hub") if e["kind"] == "fetched"]
+    assert fetched and fetched[-1]["node_id"] == "mac-1" and "from the Hub" in fetched[-1]["reason"]
+    downloads = sum(1 for method, path in hub.requests if method == "GET" and path.endswith("/model.safetensors"))
+    assert downloads == 1
+    hub_answer = answer(orchard, "llama-hub")
+    assert http.post("/v1/models/llama-hub/unload").status_code == 200
+    assert http.post("/v1/models/llama-hub/load", json={"node": "head"}).status_code == 200
+    assert sum(1 for method, path in hub.requests if method == "GET" and path.endswith("/model.safetensors")) == downloads  # copied from mac-1
+    assert "from mac-1" in [e for e in events(orchard, "llama-hub") if e["kind"] == "fetched"][-1]["reason"]
+    assert answer(orchard, "llama-hub") == hub_answer == answer(orchard, "llama-10m")  # the same weights, however they came

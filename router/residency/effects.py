@@ -107,10 +107,38 @@ class RayEffects:
             return entry, self.models_dir
         if not holds(mine, folder):
             holders = self.holders(folder, but=node_id)
-            if not holders:
+            if holders:
+                await self._copy(node_id, entry, folder, holders, mine["root"])
+            elif entry.hub:
+                await self._download(node_id, entry, folder)
+            else:
                 return entry, self.models_dir
-            await self._copy(node_id, entry, folder, holders, mine["root"])
-        return entry.model_copy(update={"path": folder}), mine["root"]
+        return entry.model_copy(update={"path": folder, "hub": False}), mine["root"]
+
+    async def _download(self, node_id: str, entry: ManifestEntry, folder: str) -> None:
+        """The weights of a hub model into `node_id`'s store, by that node's agent (L1's hub source)."""
+        target = get_agent(node_id)
+        if target is None:
+            raise LoadError("error", f"no node agent on {node_id} to download {entry.path}")
+        self.record("fetching", model=entry.name, node_id=node_id, bytes=entry.weight_bytes, reason=f"downloading {entry.path} from the Hub")
+        started = time.monotonic()
+        try:
+            result = await asyncio.wait_for(target.hub_fetch.remote(entry.path, folder), self.load_timeout_s)
+        except Exception as e:
+            result = {"ok": False, "code": "error", "message": "timed out" if isinstance(e, TimeoutError) else unwrap(e).message}
+        if not result["ok"]:
+            self.record("fetch_failed", model=entry.name, node_id=node_id, reason=f"{result['code']}: {result['message']}")
+            raise LoadError("error", f"downloading {entry.path} to {node_id} failed: {result['message']}")
+        seconds = time.monotonic() - started
+        self.record(
+            "fetched",
+            model=entry.name,
+            node_id=node_id,
+            bytes=result["bytes"],
+            seconds=seconds,
+            source="hub",
+            reason=f"from the Hub ({entry.path} at {result.get('revision') or '?'}): {result['bytes']} bytes, {result['bytes'] / max(seconds, 1e-6) / 1e6:.1f} MB/s",
+        )
 
     async def fetch_weights(self, model: str, node_id: str) -> None:
         """The controller's fetch before an eviction (L1): the weights into `node_id`'s store;
@@ -123,6 +151,8 @@ class RayEffects:
         holders = self.holders(folder, but=node_id)
         if holders:
             await self._copy(node_id, entry, folder, holders, mine["root"])
+        elif entry.hub:
+            await self._download(node_id, entry, folder)
 
     def holders(self, folder: str, but: str | None = None) -> list[str]:
         """Nodes (known to Ray) whose store holds `folder`, by name; `but` left out."""
@@ -134,15 +164,14 @@ class RayEffects:
         folder = store_folder(entry)
         mine = self.stores.get(node_id)
         if folder is None:
-            raise OrchardError("files_not_stored", f"model {entry.name} is not kept in node stores (its path is absolute or a hub id)", "model")
+            raise OrchardError("files_not_stored", f"model {entry.name} is not kept in node stores (its path is absolute)", "model")
         if mine is None:
             raise OrchardError("node_not_found", f"no store report from node {node_id}", "nodes")
         if not holds(mine, folder):
-            holders = self.holders(folder, but=node_id)
-            if not holders:
+            if not self.holders(folder, but=node_id) and not entry.hub:
                 raise OrchardError("files_not_stored", f"no node's store holds {folder} to copy from", "model")
             try:
-                await self._copy(node_id, entry, folder, holders, mine["root"])
+                await self.fetch_weights(entry.name, node_id)
             except LoadError as e:
                 raise OrchardError("fetch_failed", e.message, retry_after_s=1) from None
         return "stored"

@@ -67,6 +67,11 @@ def parse_entries(models: list[dict]) -> list[RegistryModel]:
     return parsed
 
 
+def hub_folder(repo_id: str) -> str:
+    """Where node stores keep a hub model: models--<org>--<name>, as the Hub's own cache names it."""
+    return "models--" + repo_id.replace("/", "--")
+
+
 def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, ModelSpec], dict[str, ManifestEntry]]:
     """(catalog for policy/, manifest entries for the model servers). Sizes not given are measured
     from the model's folder."""
@@ -93,7 +98,7 @@ def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, M
             kind=model.kind,
             path=model.hub_id or str(folder),
             hub=model.hub_id is not None,
-            folder=None if absolute or model.hub_id else Path(model.path or model.name).as_posix(),
+            folder=hub_folder(model.hub_id) if model.hub_id else None if absolute else Path(model.path or model.name).as_posix(),
             weight_bytes=int(weight),
             kv_bytes_per_token=int(kv or 0),
             weights="real",

@@ -250,8 +250,8 @@ class ResidencyService:
                     raise OrchardError("node_not_found", f"no alive node {node_id}", "nodes")
             folder = store_folder(entry)
             if folder is None:
-                raise OrchardError("files_not_stored", f"model {model} is not kept in node stores (its path is absolute or a hub id)", "model")
-            if not self.effects.holders(folder):
+                raise OrchardError("files_not_stored", f"model {model} is not kept in node stores (its path is absolute)", "model")
+            if not self.effects.holders(folder) and not entry.hub:
                 raise OrchardError("files_not_stored", f"no node's store holds {folder} to copy from", "model")
         except OrchardError as e:
             return error_dict(e)
@@ -287,7 +287,7 @@ class ResidencyService:
                 raise OrchardError(
                     "files_in_use", f"{', '.join(users)} {'is' if len(users) == 1 else 'are'} on {node_id} from these files: unload first", "node"
                 )
-            if not force and holds(store, folder) and not self.effects.holders(folder, but=node_id):
+            if not force and not self.effects.entries[model].hub and holds(store, folder) and not self.effects.holders(folder, but=node_id):
                 raise OrchardError(
                     "last_stored_copy",
                     f"node {node_id} holds the cluster's last stored copy of {folder}: pass force=true to remove it anyway",
