@@ -107,6 +107,9 @@ class _Fetch:
         self.source: str | None = None
         self.finished = threading.Event()
         self.result: dict = {}
+        self.callers = 1  # fetch calls waiting on this copy
+        self.cancels = 0  # ... of which this many asked to cancel it
+        self.cancelled = threading.Event()
         self.total_override: int | None = None  # a download's size, known from the Hub before its manifest
 
     def progress(self) -> dict:
@@ -174,7 +177,19 @@ class NodeAgent:
             return {"removed": self.store.remove(folder), "reason": ""}
 
     # ---- the copying side ------------------------------------------------------------------------
-    def fetch(self, manifest: dict, sources: list[str]) -> dict:
+    def cancel_fetch(self, folder: str) -> bool:
+        """One caller of `fetch` no longer wants the copy: once every caller said so, it stops at its
+        next chunk, its partial files kept for a later copy to resume. Whether it was stopped."""
+        with self._lock:
+            flight = self._fetches.get(folder)
+            if flight is None:
+                return False
+            flight.cancels += 1
+            if flight.cancels >= flight.callers:
+                flight.cancelled.set()
+            return flight.cancelled.is_set()
+
+    def fetch(self, manifest: dict, sources: list[str], max_bytes_per_s: float | None = None) -> dict:
         """Copy `manifest`'s folder into this store from the first source node (Orchard names) whose
         agent serves it to the end, resuming from the partial files after a source fails. Callers for
         the same folder share one copy. Returns {"ok": True, "bytes", "seconds", "source"} or
@@ -185,11 +200,13 @@ class NodeAgent:
             owner = flight is None
             if flight is None:
                 flight = self._fetches[wanted.folder] = _Fetch(wanted, list(sources))
+            else:
+                flight.callers += 1
         if not owner:
             flight.finished.wait()
             return flight.result
         try:
-            flight.result = self._copy(flight)
+            flight.result = self._copy(flight, max_bytes_per_s)
         finally:
             with self._lock:
                 del self._fetches[wanted.folder]
@@ -263,7 +280,7 @@ class NodeAgent:
             "revision": info.sha,
         }
 
-    def _copy(self, flight: _Fetch) -> dict:
+    def _copy(self, flight: _Fetch, max_bytes_per_s: float | None = None) -> dict:
         folder = flight.manifest.folder
         tried: list[str] = []
         for node in flight.sources:
@@ -274,7 +291,13 @@ class NodeAgent:
             flight.source = node
 
             def read(path: str, offset: int, source=source) -> bytes:
-                return ray.get(source.read_chunk.remote(folder, path, offset), timeout=120)
+                if flight.cancelled.is_set():
+                    raise StoreError("cancelled", f"the copy of {folder} was cancelled: nobody waits for it")
+                started = time.monotonic()
+                chunk = ray.get(source.read_chunk.remote(folder, path, offset), timeout=120)
+                if max_bytes_per_s:  # the operator's cap on copies (AppArgs.fetch_max_bytes_per_s)
+                    flight.cancelled.wait(max(0.0, len(chunk) / max_bytes_per_s - (time.monotonic() - started)))
+                return chunk
 
             def progress(done: int) -> None:
                 flight.done_bytes = done
@@ -282,7 +305,7 @@ class NodeAgent:
             try:
                 copied = self.store.copy_in(flight.manifest, read, progress)
             except StoreError as e:
-                if e.code in ("checksum", "disk_full", "io_error", "bad_request"):
+                if e.code in ("checksum", "disk_full", "io_error", "bad_request", "cancelled"):
                     return {"ok": False, "code": e.code, "message": e.message}
                 tried.append(f"{node}: {e.message}")  # not_found: that source lacks it; try the next
                 continue

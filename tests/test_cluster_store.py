@@ -8,7 +8,9 @@ by huggingface_hub's own client (from a stand-in Hub on 127.0.0.1, tests/support
 copied node to node, not downloaded again."""
 
 import hashlib
+import json
 import shutil
+import socket
 
 import pytest
 
@@ -19,6 +21,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from support.cluster import Http, free_port, node_args, wait_for  # noqa: E402
 from support.hub_server import SHA, Hub  # noqa: E402
 
+from cluster.placement import live_model_server_names  # noqa: E402
 from cluster.store import ENV_STORE, MANIFEST, PARTIAL, Store  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
 from router.residency.registry import from_manifest  # noqa: E402
@@ -42,6 +45,7 @@ def orchard(models_dir, tmp_path_factory, hub):
     stores = {"head": root / "head", "mac-1": root / "mac-1"}
     shutil.copytree(models_dir / "llama-10m", stores["head"] / "llama-10m")
     shutil.copytree(models_dir / "llama-10m", stores["head"] / "llama-bad")
+    shutil.copytree(models_dir / "llama-10m", stores["head"] / "llama-slow")
     stores["mac-1"].mkdir()
     head = node_args("head", 1.0, 2) | {"include_dashboard": False, "env_vars": {ENV_STORE: str(stores["head"])} | hub_env}
     cluster = Cluster(initialize_head=True, head_node_args=head)
@@ -52,10 +56,13 @@ def orchard(models_dir, tmp_path_factory, hub):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     llama = next(m for m in from_manifest(models_dir, {"llama-10m": {"reserve_context_tokens": 2048}}) if m["name"] == "llama-10m")
     from_hub = {k: v for k, v in llama.items() if k != "path"} | {"name": "llama-hub", "hub_id": HUB_REPO}
-    models = [llama, llama | {"name": "llama-bad", "path": "llama-bad"}, from_hub]
+    slow = llama | {"name": "llama-slow", "path": "llama-slow", "policy": llama.get("policy", {}) | {"allowed_nodes": ["mac-1"]}}
+    models = [llama, llama | {"name": "llama-bad", "path": "llama-bad"}, from_hub, slow]
     # no models_dir holds anything: a node loads from its own store or not at all
     policy = {"min_residency_s": 0, "safety_margin_bytes": 16 * MIB, "safety_margin_fraction": 0, "instance_overhead_bytes": 64 * MIB}
-    args = {"models_dir": str(root / "nowhere"), "models": models, "policy": policy, "watch_period_s": 0.5}
+    # copies capped at 10 MB/s (AppArgs.fetch_max_bytes_per_s): a copy of llama-10m takes ~4 s, long
+    # enough to disconnect a client in the middle of one
+    args = {"models_dir": str(root / "nowhere"), "models": models, "policy": policy, "watch_period_s": 0.5, "fetch_max_bytes_per_s": 10e6}
     serve.run(build_app(args), name="orchard", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -160,3 +167,30 @@ def test_a_hub_model_is_downloaded_into_the_store_then_copied_between_nodes(orch
     assert sum(1 for method, path in hub.requests if method == "GET" and path.endswith("/model.safetensors")) == downloads  # copied from mac-1
     assert "from mac-1" in [e for e in events(orchard, "llama-hub") if e["kind"] == "fetched"][-1]["reason"]
     assert answer(orchard, "llama-hub") == hub_answer == answer(orchard, "llama-10m")  # the same weights, however they came
+
+
+def test_a_client_gone_during_a_copy_cancels_it_and_the_next_request_resumes_it(orchard):
+    """llama-slow may only go to mac-1, whose store lacks it: a request starts the copy; the client
+    hangs up while it runs. The copy is cancelled (event, reservation released, no model server),
+    its partial files stay; the next request resumes from them."""
+    http, stores = orchard["http"], orchard["stores"]
+    host, port = http.base.removeprefix("http://").split(":")
+    body = json.dumps({"model": "llama-slow", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}).encode()
+    client = socket.create_connection((host, int(port)))
+    client.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    wait_for(lambda: model(orchard, "llama-slow")["fetching"].get("mac-1", {}).get("done_bytes", 0) > 0, 30, "the copy to mac-1 under way")
+    client.close()  # the client hangs up mid-copy
+    cancelled = wait_for(lambda: [e for e in events(orchard, "llama-slow") if e["kind"] == "cancelled"], 30, "the cancelled event")
+    assert cancelled[0]["node_id"] == "mac-1" and "went away" in cancelled[0]["reason"]
+    wait_for(lambda: not model(orchard, "llama-slow")["fetching"], 30, "the copy to stop")
+    nodes = {n["node_id"]: n for n in http.get("/v1/cluster").json()["nodes"]}
+    assert all(i["model"] != "llama-slow" for i in nodes["mac-1"]["instances"])  # its reservation is gone
+    assert not any("llama-slow" in name for name in live_model_server_names())
+    kept = sum(p.stat().st_size for p in (stores["mac-1"] / PARTIAL / "llama-slow").rglob("*") if p.is_file())
+    total = sum(p.stat().st_size for p in (stores["head"] / "llama-slow").rglob("*") if p.is_file() and p.name != MANIFEST)
+    assert 0 < kept < total and not (stores["mac-1"] / "llama-slow").exists()
+    assert answer(orchard, "llama-slow")  # a second client: served, from the resumed copy
+    fetched = [e for e in events(orchard, "llama-slow") if e["kind"] == "fetched"][-1]
+    assert fetched["bytes"] <= total - kept  # only what the cancelled copy had not written

@@ -413,3 +413,43 @@ def test_an_evicting_placement_fetches_the_weights_before_it_evicts(fetch_fails)
     else:
         assert result.node_id == "n1" and [r for r, _ in fx.stopped] == [InstanceRef(node_id="n1", model="a")]
         assert "b" in c.state.node("n1").stored
+
+
+def test_a_load_nobody_waits_for_any_more_is_cancelled_and_its_reservation_released():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)])
+        fx.gate = asyncio.Event()  # the load hangs until the test opens it
+        first, second = asyncio.ensure_future(c.acquire("a")), asyncio.ensure_future(c.acquire("a"))
+        await asyncio.sleep(0.05)
+        assert c.state.node("n2").instance("a").status == "loading"
+        first.cancel()
+        await asyncio.sleep(0.05)
+        still = [e.kind for e in c.events()]  # one request still waits: nothing cancelled
+        second.cancel()
+        await asyncio.sleep(0.05)
+        return c, fx, still
+
+    c, fx, still = run(scenario())
+    assert "cancelled" not in still
+    cancelled = [e for e in c.events() if e.kind == "cancelled"]
+    assert len(cancelled) == 1 and cancelled[0].model == "a" and "went away" in cancelled[0].reason
+    assert c.state.node("n2").instance("a") is None  # the reservation is released
+    assert [(r.model, why) for r, why in fx.stopped] == [("a", "cancelled: nobody waits for it")]
+
+
+def test_an_operator_load_is_never_cancelled_by_requests_going_away():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)])
+        fx.gate = asyncio.Event()
+        request = asyncio.ensure_future(c.acquire("a"))
+        await asyncio.sleep(0.05)
+        operator = asyncio.ensure_future(c.load("a"))  # the operator now waits for the same load
+        await asyncio.sleep(0.05)
+        request.cancel()
+        await asyncio.sleep(0.05)
+        fx.gate.set()
+        return c, await operator
+
+    c, ref = run(scenario())
+    assert ref.model == "a" and "cancelled" not in [e.kind for e in c.events()]
+    assert c.state.node(ref.node_id).instance("a").status == "ready"

@@ -43,6 +43,9 @@ class AppArgs(BaseModel):
     # Vision: image parts may be data: URLs; http(s) URLs only when the operator allows fetching.
     allow_remote_images: bool = False
     max_audio_bytes: int = Field(default=25 * 1024**2, ge=1)  # OpenAI's transcription limit
+    # A cap on each node-to-node copy of weights (bytes/s), so copies leave a shared link room for
+    # serving traffic; None: as fast as the nodes go.
+    fetch_max_bytes_per_s: float | None = Field(default=None, gt=0)
 
 
 def _field(e: ValidationError, prefix: str) -> str:
@@ -97,7 +100,9 @@ def build_app(args: dict) -> serve.Application:
         "gil_switch_ms": a.gil_switch_ms,
     }
     # mypy keeps a decorated class's own type: @serve.deployment made these Deployments, which have bind()
-    residency = ResidencyService.bind(models, a.policy, models_dir, a.watch_period_s, server_options)  # type: ignore[attr-defined]
+    residency = ResidencyService.bind(  # type: ignore[attr-defined]
+        models, a.policy, models_dir, a.watch_period_s, server_options, fetch_max_bytes_per_s=a.fetch_max_bytes_per_s
+    )
     return IngressDeployment.options(num_replicas=a.ingress_replicas).bind(  # type: ignore[attr-defined]
         residency, a.chunk_timeout_s, principals, allow_remote_images=a.allow_remote_images, max_audio_bytes=a.max_audio_bytes
     )

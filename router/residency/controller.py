@@ -74,6 +74,7 @@ EventKind = Literal[
     "fetched",
     "fetch_failed",
     "files_removed",
+    "cancelled",
 ]
 
 
@@ -162,6 +163,9 @@ class ResidencyController:
         self._leases: dict[str, Lease] = {}
         self._failed_files: dict[str, str | None] = {}  # model marked failed -> its files' version then
         self._prefetches: set[tuple[str, str]] = set()  # (model, node): weights being fetched before an eviction
+        # Loads and fetches started for requests alone, by (model, node): cancelled when all those requests
+        # have gone away (and no operator load waits for them): {(model, node): task}
+        self._for_requests: dict[tuple[str, str], asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
         self._changed = asyncio.Event()
         self._waiters: dict[str, deque[_Waiter]] = {}
@@ -255,6 +259,16 @@ class ResidencyController:
                 queue.remove(waiter)
                 if not queue:
                     del self._waiters[model]
+                    self._cancel_unwaited(model)
+
+    def _cancel_unwaited(self, model: str) -> None:
+        """The last request waiting for `model` went away: cancel what was started only for requests
+        (a load, or a fetch before an eviction); operator loads and pulls and copies the policy
+        started itself (C1, C2) are never cancelled this way."""
+        for (m, node_id), task in list(self._for_requests.items()):
+            if m == model and not task.done():
+                self._record("cancelled", model=model, node_id=node_id, reason="every request that asked for it went away")
+                task.cancel()
 
     def _drain(self) -> None:
         """Decide every waiting request once against the current state (see `acquire`)."""
@@ -279,7 +293,7 @@ class ResidencyController:
             decision = ensure(model, self.state, now, self.config, waited_s=now - waiter.started)
             if not isinstance(decision, Place):
                 break
-            if not self._begin_place(decision):
+            if not self._begin_place(decision, for_requests=True):
                 return False  # its weights are fetched first: decided again when that ends
         if isinstance(decision, Use):
             self.state = start_request(self.state, decision.instance, now)
@@ -359,6 +373,8 @@ class ResidencyController:
         is tried again at once (the operator asked)."""
         spec = self._spec(model)
         started = self.effects.now()
+        for key in [k for k in self._for_requests if k[0] == model]:  # the operator waits for these now
+            del self._for_requests[key]
         if model in self.state.failed:
             self.state = clear_failed(self.state, model)
             self._failed_files.pop(model, None)
@@ -454,7 +470,7 @@ class ResidencyController:
         node = self.state.node(node_id)
         return node is not None and model in node.stored and model not in self.state.failed
 
-    def _begin_place(self, place: Place) -> bool:
+    def _begin_place(self, place: Place, *, for_requests: bool = False) -> bool:
         """Apply the decision to the state now (so the next decision sees it), then carry it out;
         True when placed. A placement that evicts, on a node whose store lacks the weights, fetches
         them first and places nothing yet (False): a fetch that fails has evicted nothing, and the
@@ -462,7 +478,7 @@ class ResidencyController:
         spec = self.state.catalog[place.model]
         node = self.state.node(place.node_id)
         if place.evict and node is not None and fetch_source(spec, node, self.state) is not None:
-            self._prefetch(place.model, place.node_id)
+            self._prefetch(place.model, place.node_id, for_requests)
             return False
         now = self.effects.now()
         for victim in place.evict:
@@ -477,18 +493,29 @@ class ResidencyController:
             self._spawn(self.effects.stop_instance(victim, f"evicted for {place.model}"))
         self.state = apply_place(self.state, place, now)
         self._record("placed", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=place.reason)
-        self._spawn(self._load(place, attempt=1))
+        task = self._spawn(self._load(place, attempt=1))
+        if for_requests:
+            self._track(place.model, place.node_id, task)
         return True
 
-    def _prefetch(self, model: str, node_id: str) -> None:
+    def _track(self, model: str, node_id: str, task: asyncio.Task) -> None:
+        key = (model, node_id)
+        self._for_requests[key] = task
+        task.add_done_callback(lambda t: self._for_requests.pop(key, None) if self._for_requests.get(key) is t else None)
+
+    def _prefetch(self, model: str, node_id: str, for_requests: bool = False) -> None:
         if (model, node_id) in self._prefetches:
             return
         self._prefetches.add((model, node_id))
-        self._spawn(self._run_prefetch(model, node_id))
+        task = self._spawn(self._run_prefetch(model, node_id))
+        if for_requests:
+            self._track(model, node_id, task)
 
     async def _run_prefetch(self, model: str, node_id: str) -> None:
         try:
             await self.effects.fetch_weights(model, node_id)
+        except asyncio.CancelledError:  # nobody waits for it (the event is recorded): nothing to undo
+            pass
         except Exception as e:  # the fetch recorded why (fetch_failed); the model is refused for a back-off (P10)
             reason, message = (e.reason, e.message) if isinstance(e, LoadError) else ("error", f"{type(e).__name__}: {e}")
             failure = LoadFailure(model=model, node_id=node_id, reason=reason, message=message)
@@ -507,6 +534,13 @@ class ResidencyController:
         spec = self.state.catalog[place.model]
         try:
             result = await self.effects.start_instance(place, spec)
+        except asyncio.CancelledError:  # nobody waits for it (the event is recorded): release its reservation
+            node = self.state.node(place.node_id)
+            if node is not None and node.instance(place.model) is not None:
+                self.state = remove_instance(self.state, ref)
+            self._spawn(self.effects.stop_instance(ref, "cancelled: nobody waits for it"))
+            self._wake()
+            return
         except LoadError as e:
             self._load_failed(place, ref, e.reason, e.message, attempt)
             return
@@ -599,10 +633,11 @@ class ResidencyController:
         self._events.append(event)
         self.effects.publish(event)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _wake(self) -> None:
         """The state changed: operator loads waiting on `_changed` look again, and the waiters'

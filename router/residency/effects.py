@@ -31,8 +31,10 @@ class RayEffects:
         load_timeout_s: float = 600.0,
         drain_timeout_s: float = 30.0,
         server_options: dict | None = None,
+        fetch_max_bytes_per_s: float | None = None,
     ):
         self.entries = entries
+        self.fetch_max_bytes_per_s = fetch_max_bytes_per_s
         self.models_dir = models_dir
         self.ray_node_ids: dict[str, str] = {}  # Orchard node id -> Ray node id, kept by the node watcher
         self.load_timeout_s = load_timeout_s
@@ -200,7 +202,10 @@ class RayEffects:
         self.record("fetching", model=entry.name, node_id=node_id, bytes=total, reason=f"copying {folder} from {', '.join(holders)}")
         started = time.monotonic()
         try:
-            result = await asyncio.wait_for(target.fetch.remote(manifest, holders), self.load_timeout_s)
+            result = await asyncio.wait_for(target.fetch.remote(manifest, holders, self.fetch_max_bytes_per_s), self.load_timeout_s)
+        except asyncio.CancelledError:  # nobody waits for it any more (the controller cancelled the load)
+            target.cancel_fetch.remote(folder)  # the copy stops at its next chunk; the partial files stay
+            raise
         except Exception as e:  # the target's agent died (its node with it), or the copy ran past the load timeout
             message = "timed out" if isinstance(e, TimeoutError) else unwrap(e).message
             result = {"ok": False, "code": "error", "message": message}

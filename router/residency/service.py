@@ -41,9 +41,17 @@ ON_HEAD = {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE_NAME: 0.001}}
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=10_000, ray_actor_options=ON_HEAD)
 class ResidencyService:
-    async def __init__(self, models: list[dict], policy: dict, models_dir: str, watch_period_s: float = 1.0, server_options: dict | None = None):  # type: ignore[misc]  # Serve awaits an async constructor
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
+        self,
+        models: list[dict],
+        policy: dict,
+        models_dir: str,
+        watch_period_s: float = 1.0,
+        server_options: dict | None = None,
+        fetch_max_bytes_per_s: float | None = None,
+    ):
         catalog, entries = from_config(models, models_dir)
-        self.effects = RayEffects(entries, models_dir, server_options=server_options)
+        self.effects = RayEffects(entries, models_dir, server_options=server_options, fetch_max_bytes_per_s=fetch_max_bytes_per_s)
         self.effects.listeners.append(metrics.on_event)
         self.controller = ResidencyController(catalog, PolicyConfig.model_validate(policy), self.effects)
         self.effects.record = self.controller.record
