@@ -65,6 +65,9 @@ class StoreError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self):  # crosses Ray as itself (the default would call __init__ with the message alone)
+        return (StoreError, (self.code, self.message))
+
 
 def _checked(folder: str) -> str:
     """A store folder name: relative, no '..', no hidden first component."""
@@ -155,8 +158,11 @@ class Store:
         return manifest
 
     def read(self, folder: str, path: str, offset: int, size: int) -> bytes:
-        """`size` bytes (fewer at the end) of one file of a complete folder; only files its manifest lists."""
+        """`size` bytes (fewer at the end) of one file of a complete folder; only files its manifest
+        lists. A folder put in by hand is sealed first (a peer may read from any holder)."""
         manifest = self.manifest(folder)
+        if manifest is None and self.folder(folder).is_dir():
+            manifest = self.seal(folder)
         if manifest is None or path not in {f.path for f in manifest.files}:
             raise StoreError("not_found", f"{folder}/{path} is not in the store at {self.root}")
         with (self.folder(folder) / path).open("rb") as f:

@@ -42,14 +42,17 @@ def hub(models_dir):
 def orchard(models_dir, tmp_path_factory, hub):
     root = tmp_path_factory.mktemp("stores")
     hub_env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HOME": str(root / "hf-home")}
-    stores = {"head": root / "head", "mac-1": root / "mac-1"}
+    stores = {"head": root / "head", "mac-1": root / "mac-1", "mac-2": root / "mac-2"}
     shutil.copytree(models_dir / "llama-10m", stores["head"] / "llama-10m")
     shutil.copytree(models_dir / "llama-10m", stores["head"] / "llama-bad")
     shutil.copytree(models_dir / "llama-10m", stores["head"] / "llama-slow")
     stores["mac-1"].mkdir()
+    for holder in ("head", "mac-2"):  # two holders of llama-two: a copy can go on from the second
+        shutil.copytree(models_dir / "llama-10m", stores[holder] / "llama-two")
     head = node_args("head", 1.0, 2) | {"include_dashboard": False, "env_vars": {ENV_STORE: str(stores["head"])} | hub_env}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     cluster.add_node(**node_args("mac-1", 0.6, 1) | {"env_vars": {ENV_STORE: str(stores["mac-1"])} | hub_env})
+    cluster.add_node(**node_args("mac-2", 0.2, 1) | {"env_vars": {ENV_STORE: str(stores["mac-2"])} | hub_env})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     port = free_port()
@@ -57,7 +60,8 @@ def orchard(models_dir, tmp_path_factory, hub):
     llama = next(m for m in from_manifest(models_dir, {"llama-10m": {"reserve_context_tokens": 2048}}) if m["name"] == "llama-10m")
     from_hub = {k: v for k, v in llama.items() if k != "path"} | {"name": "llama-hub", "hub_id": HUB_REPO}
     slow = llama | {"name": "llama-slow", "path": "llama-slow", "policy": llama.get("policy", {}) | {"allowed_nodes": ["mac-1"]}}
-    models = [llama, llama | {"name": "llama-bad", "path": "llama-bad"}, from_hub, slow]
+    two = slow | {"name": "llama-two", "path": "llama-two"}
+    models = [llama, llama | {"name": "llama-bad", "path": "llama-bad"}, from_hub, slow, two]
     # no models_dir holds anything: a node loads from its own store or not at all
     policy = {"min_residency_s": 0, "safety_margin_bytes": 16 * MIB, "safety_margin_fraction": 0, "instance_overhead_bytes": 64 * MIB}
     # copies capped at 10 MB/s (AppArgs.fetch_max_bytes_per_s): a copy of llama-10m takes ~4 s, long
@@ -87,7 +91,7 @@ def model(orchard, name: str) -> dict:
 
 def test_a_pull_copies_to_a_store_without_loading_and_a_copy_can_be_removed(orchard):
     http = orchard["http"]
-    r = http.post("/v1/models/llama-10m/pull", json={"nodes": ["mac-1", "head"]})
+    r = http.post("/v1/models/llama-10m/pull", json={"nodes": ["mac-1", "head"]})  # not mac-2: its store stays as it is
     assert r.status_code == 200 and r.json()["nodes"] == {"mac-1": "fetching", "head": "stored"}, r.text
     wait_for(lambda: model(orchard, "llama-10m")["stored_on"] == ["head", "mac-1"], 60, "the pulled copy on mac-1")
     assert model(orchard, "llama-10m")["status"] == "available"  # stored, not loaded
@@ -194,3 +198,22 @@ def test_a_client_gone_during_a_copy_cancels_it_and_the_next_request_resumes_it(
     assert answer(orchard, "llama-slow")  # a second client: served, from the resumed copy
     fetched = [e for e in events(orchard, "llama-slow") if e["kind"] == "fetched"][-1]
     assert fetched["bytes"] <= total - kept  # only what the cancelled copy had not written
+
+
+def test_a_source_that_dies_mid_copy_is_replaced_by_the_next_holder_resuming(orchard):
+    """llama-two is in the stores of head and mac-2; the copy to mac-1 reads from head first. Head's
+    node agent is killed in the middle: the copy goes on from mac-2, from where it was."""
+    http = orchard["http"]
+    loading = __import__("threading").Thread(target=lambda: http.post("/v1/models/llama-two/load", json={"node": "mac-1"}))
+    loading.start()
+    progress = wait_for(lambda: model(orchard, "llama-two")["fetching"].get("mac-1"), 30, "the copy to mac-1 under way")
+    assert progress["source"] == "head"
+    wait_for(lambda: model(orchard, "llama-two")["fetching"].get("mac-1", {}).get("done_bytes", 0) > 0, 30, "some bytes copied")
+    ray.kill(ray.get_actor("orchard-agent:head", namespace="orchard"), no_restart=True)
+    loading.join(120)
+    fetched = [e for e in events(orchard, "llama-two") if e["kind"] == "fetched"]
+    assert fetched and "from mac-2" in fetched[-1]["reason"], [(e["kind"], e["reason"]) for e in events(orchard, "llama-two")]
+    copied, total = (int(x) for x in fetched[-1]["reason"].split(": ")[1].split(" bytes")[0].split(" of "))
+    assert 0 < copied < total  # resumed: the bytes head had sent were not copied again
+    assert Store(orchard["stores"]["mac-1"]).manifest("llama-two") is not None
+    assert answer(orchard, "llama-two")
