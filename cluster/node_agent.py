@@ -36,6 +36,7 @@ AGENT_PREFIX = "orchard-agent:"
 LABEL_NODE = "orchard.node"
 LABEL_BUDGET = "orchard.budget_gib"
 LABEL_DEVICE = "orchard.device"
+LABEL_DISK_BUDGET = "orchard.disk_budget_gib"  # the most the node's model store may hold
 
 
 class NodeIdentity(Frozen):
@@ -134,7 +135,9 @@ class NodeAgent:
     def __init__(self) -> None:
         ctx = ray.get_runtime_context()
         self._ident = identity_from_labels(ctx.get_node_id(), dict(ctx.get_node_labels()))  # type: ignore[arg-type]  # str values (Ray's annotation says lists)
-        self.store = Store(Path(os.environ.get(ENV_STORE) or default_root()).expanduser())  # the raylet's environment
+        disk = self._ident.labels.get(LABEL_DISK_BUDGET)
+        budget = gib_to_bytes(float(disk)) if disk else None
+        self.store = Store(Path(os.environ.get(ENV_STORE) or default_root()).expanduser(), budget)  # ORCHARD_STORE: the raylet's environment
         self._lock = threading.Lock()
         self._fetches: dict[str, _Fetch] = {}
 
@@ -189,7 +192,7 @@ class NodeAgent:
                 flight.cancelled.set()
             return flight.cancelled.is_set()
 
-    def fetch(self, manifest: dict, sources: list[str], max_bytes_per_s: float | None = None) -> dict:
+    def fetch(self, manifest: dict, sources: list[str], max_bytes_per_s: float | None = None, keep: list[str] | None = None) -> dict:
         """Copy `manifest`'s folder into this store from the first source node (Orchard names) whose
         agent serves it to the end, resuming from the partial files after a source fails. Callers for
         the same folder share one copy. Returns {"ok": True, "bytes", "seconds", "source"} or
@@ -206,14 +209,14 @@ class NodeAgent:
             flight.finished.wait()
             return flight.result
         try:
-            flight.result = self._copy(flight, max_bytes_per_s)
+            flight.result = self._with_room(flight, keep, lambda: self._copy(flight, max_bytes_per_s))
         finally:
             with self._lock:
                 del self._fetches[wanted.folder]
             flight.finished.set()
         return flight.result
 
-    def hub_fetch(self, repo_id: str, folder: str) -> dict:
+    def hub_fetch(self, repo_id: str, folder: str, total_bytes: int = 0, keep: list[str] | None = None) -> dict:
         """Download a Hub model into this store through huggingface_hub (HF_ENDPOINT, HF_TOKEN and
         HF_HUB_OFFLINE as this node's environment sets them), only the files an MLX loader reads, into
         .partial/<folder> (huggingface_hub resumes its own partial files there); then every file is
@@ -230,12 +233,31 @@ class NodeAgent:
             flight.finished.wait()
             return flight.result
         try:
-            flight.result = self._download(flight, repo_id, folder)
+            flight.result = self._with_room(flight, keep, lambda: self._download(flight, repo_id, folder), total_bytes)
         finally:
             with self._lock:
                 del self._fetches[folder]
             flight.finished.set()
         return flight.result
+
+    def _with_room(self, flight: _Fetch, keep: list[str] | None, work, total_bytes: int | None = None) -> dict:
+        """Make room under the disk budget first (least recently used folders not in `keep` nor being
+        copied in go), then run the copy; the result names what was removed."""
+        with self._lock:
+            busy = frozenset(self._fetches) | frozenset(keep or ())
+        total = flight.manifest.total_bytes if total_bytes is None else total_bytes
+        try:
+            removed = self.store.make_room(flight.manifest.folder, total, busy)
+        except StoreError as e:
+            return {"ok": False, "code": e.code, "message": e.message, "removed": []}
+        return work() | {"removed": removed}
+
+    def touch(self, folder: str) -> None:
+        """A model server loaded from this folder now (the disk budget's recency)."""
+        try:
+            self.store.touch(folder)
+        except StoreError:
+            pass
 
     def _download(self, flight: _Fetch, repo_id: str, folder: str) -> dict:
         from huggingface_hub import HfApi, snapshot_download

@@ -118,8 +118,55 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 class Store:
-    def __init__(self, root: str | Path):
+    """`budget_bytes`: the most this store may hold (label orchard.disk_budget_gib); None: the disk's free
+    space is the only limit."""
+
+    def __init__(self, root: str | Path, budget_bytes: int | None = None):
         self.root = Path(root)
+        self.budget_bytes = budget_bytes
+
+    def used_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file()) if self.root.is_dir() else 0
+
+    def touch(self, folder: str) -> None:
+        """Mark the folder used now (a model server loaded from it): the disk budget removes the least
+        recently used folders first."""
+        base = self.folder(folder)
+        target = base / MANIFEST if (base / MANIFEST).exists() else base
+        if target.exists():
+            os.utime(target)
+
+    def _last_used(self, folder: str) -> float:
+        base = self.folder(folder)
+        target = base / MANIFEST if (base / MANIFEST).exists() else base
+        return target.stat().st_mtime
+
+    def make_room(self, folder: str, total_bytes: int, keep: frozenset[str] = frozenset()) -> list[str]:
+        """Before copying `folder` (total_bytes in all) in: remove stored folders, least recently used
+        first, until it fits the budget and the disk; never `folder` itself nor one in `keep` (in
+        use on this node, or being copied in). The removed folders; StoreError(disk_full) naming what
+        stands in the way when removing every other folder would not be enough."""
+        partial = self.root / PARTIAL / _checked(folder)
+        have = sum(p.stat().st_size for p in _files(partial)) if partial.is_dir() else 0
+        need = total_bytes - have
+        removed: list[str] = []
+
+        def short() -> int:
+            over_budget = self.used_bytes() + need - self.budget_bytes if self.budget_bytes is not None else 0
+            over_disk = need - shutil.disk_usage(self.root).free if self.root.is_dir() else 0
+            return max(over_budget, over_disk)
+
+        while short() > 0:
+            inventory = self.inventory()
+            stored = set(inventory["complete"]) | set(inventory["unsealed"])
+            candidates = sorted((f for f in stored if f != folder and f not in keep), key=self._last_used)
+            if not candidates:
+                budget = f"the store's budget of {self.budget_bytes} bytes" if self.budget_bytes is not None else "the free disk"
+                used = ", ".join(sorted(stored & keep)) or "nothing else"
+                raise StoreError("disk_full", f"{folder} needs {short()} more bytes than {budget} allows at {self.root}; in use there: {used}")
+            self.remove(candidates[0])
+            removed.append(candidates[0])
+        return removed
 
     def folder(self, folder: str) -> Path:
         return self.root / _checked(folder)
@@ -170,7 +217,8 @@ class Store:
             return f.read(min(size, CHUNK_BYTES))
 
     def inventory(self) -> dict:
-        """{"root", "free_bytes", "complete": {folder: bytes}, "partial": {folder: bytes}}. A folder
+        """{"root", "free_bytes", "budget_bytes", "used_bytes", "complete": {folder: bytes}, "unsealed":
+        {...}, "partial": {...}}. A folder
         without a manifest counts as complete only once sealed; until then it is listed under
         "unsealed" (the holder seals it when a peer first asks for it)."""
         complete: dict[str, int] = {}
@@ -192,7 +240,15 @@ class Store:
                 folder = manifest_path.relative_to(partial_root).parts[0]
                 partial[folder] = partial.get(folder, 0) + manifest_path.stat().st_size
         free = shutil.disk_usage(self.root).free if self.root.is_dir() else 0
-        return {"root": str(self.root), "free_bytes": free, "complete": complete, "unsealed": unsealed, "partial": partial}
+        return {
+            "root": str(self.root),
+            "free_bytes": free,
+            "budget_bytes": self.budget_bytes,
+            "used_bytes": self.used_bytes(),
+            "complete": complete,
+            "unsealed": unsealed,
+            "partial": partial,
+        }
 
     def copy_in(
         self,

@@ -52,7 +52,9 @@ def orchard(models_dir, tmp_path_factory, hub):
     head = node_args("head", 1.0, 2) | {"include_dashboard": False, "env_vars": {ENV_STORE: str(stores["head"])} | hub_env}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     cluster.add_node(**node_args("mac-1", 0.6, 1) | {"env_vars": {ENV_STORE: str(stores["mac-1"])} | hub_env})
-    cluster.add_node(**node_args("mac-2", 0.2, 1) | {"env_vars": {ENV_STORE: str(stores["mac-2"])} | hub_env})
+    mac2 = node_args("mac-2", 0.2, 1)
+    mac2["labels"]["orchard.disk_budget_gib"] = "0.06"  # ~64 MB: room for one copy of llama-10m and a bit
+    cluster.add_node(**mac2 | {"env_vars": {ENV_STORE: str(stores["mac-2"])} | hub_env})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     port = free_port()
@@ -217,3 +219,25 @@ def test_a_source_that_dies_mid_copy_is_replaced_by_the_next_holder_resuming(orc
     assert 0 < copied < total  # resumed: the bytes head had sent were not copied again
     assert Store(orchard["stores"]["mac-1"]).manifest("llama-two") is not None
     assert answer(orchard, "llama-two")
+
+
+def test_the_disk_budget_makes_room_from_unused_folders_never_from_one_in_use(orchard):
+    """mac-2's store may hold ~64 MB and holds llama-two (38 MB), unused there. Pulling llama-10m
+    removes llama-two to make room; with llama-10m loaded there, a pull of llama-slow finds nothing
+    it may remove and fails saying so."""
+    http, stores = orchard["http"], orchard["stores"]
+    assert http.post("/v1/models/llama-10m/pull", json={"nodes": ["mac-2"]}).status_code == 200
+    wait_for(lambda: "mac-2" in model(orchard, "llama-10m")["stored_on"], 60, "llama-10m stored on mac-2")
+    removed = [e for e in events(orchard, "llama-two") if e["kind"] == "files_removed"]
+    assert removed and removed[-1]["node_id"] == "mac-2" and "disk budget" in removed[-1]["reason"] and "llama-10m" in removed[-1]["reason"]
+    assert not (stores["mac-2"] / "llama-two").exists()
+    assert http.post("/v1/models/llama-10m/unload").status_code == 200
+    assert http.post("/v1/models/llama-10m/load", json={"node": "mac-2"}).status_code == 200
+    assert http.post("/v1/models/llama-slow/pull", json={"nodes": ["mac-2"]}).status_code == 200
+    failed = wait_for(
+        lambda: [e for e in events(orchard, "llama-slow") if e["kind"] == "fetch_failed" and e["node_id"] == "mac-2"], 60, "the refusal"
+    )
+    assert failed[-1]["reason"].startswith("disk_full") and "in use there: llama-10m" in failed[-1]["reason"]
+    assert (stores["mac-2"] / "llama-10m").exists() and answer(orchard, "llama-10m")
+    nodes = {n["node_id"]: n for n in http.get("/v1/cluster").json()["nodes"]}
+    assert nodes["mac-2"]["store"]["budget_bytes"] == int(0.06 * 1024**3)

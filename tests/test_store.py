@@ -111,3 +111,21 @@ def test_only_listed_files_of_a_complete_folder_are_served(tmp_path):
     assert pickle.loads(pickle.dumps(StoreError("checksum", "x"))).code == "checksum"  # crosses Ray whole
     with pytest.raises(StoreError):
         store.read("m", MANIFEST, 0, 10)
+
+
+def test_the_disk_budget_removes_the_least_recently_used_unused_folders_first(tmp_path):
+    for name in ("old", "used", "new"):
+        _folder(tmp_path, name, sizes=(4000,))
+    store = Store(tmp_path, budget_bytes=14_500)
+    for name, when in (("old", 1000), ("used", 2000), ("new", 3000)):
+        store.seal(name)
+        os.utime(tmp_path / name / MANIFEST, (when, when))
+    store.touch("new")  # just loaded: the most recent
+    # 3 x ~4.4 KB stored (manifests included); 5 KB more must fit in 14.5 KB: one folder goes, the oldest not in use
+    assert store.make_room("incoming", 5000, keep=frozenset({"used"})) == ["old"]
+    assert not (tmp_path / "old").exists() and (tmp_path / "used").exists()
+    # 9 KB more: only "new" may go, and that is not enough: disk_full names what is in use
+    with pytest.raises(StoreError) as e:
+        store.make_room("incoming", 14_000, keep=frozenset({"used"}))
+    assert e.value.code == "disk_full" and "in use there: used" in e.value.message
+    assert Store(tmp_path).make_room("incoming", 10**6) == []  # no budget: only the disk's free space counts

@@ -95,6 +95,8 @@ class RayEffects:
             reason = load_failure_reason(error.code, error.message)
             await kill_model_server(handle, drain_timeout_s=0, reason=f"failed to load: {error.message}")
             raise LoadError(reason, error.message) from e
+        if entry.folder is not None and models_dir != self.models_dir and (agent := get_agent(place.node_id)) is not None:
+            agent.touch.remote(entry.folder)  # the disk budget's recency
         measured = report["weight_bytes"] + report["kv_bytes_reserved"]
         return LoadResult(bytes=max(place.bytes, measured), load_seconds=report["load_seconds"])
 
@@ -125,9 +127,12 @@ class RayEffects:
         self.record("fetching", model=entry.name, node_id=node_id, bytes=entry.weight_bytes, reason=f"downloading {entry.path} from the Hub")
         started = time.monotonic()
         try:
-            result = await asyncio.wait_for(target.hub_fetch.remote(entry.path, folder), self.load_timeout_s)
+            result = await asyncio.wait_for(
+                target.hub_fetch.remote(entry.path, folder, entry.weight_bytes, self._in_use(node_id)), self.load_timeout_s
+            )
         except Exception as e:
             result = {"ok": False, "code": "error", "message": "timed out" if isinstance(e, TimeoutError) else unwrap(e).message}
+        self._removed(node_id, entry, result.get("removed") or [])
         if not result["ok"]:
             self.record("fetch_failed", model=entry.name, node_id=node_id, reason=f"{result['code']}: {result['message']}")
             raise LoadError("error", f"downloading {entry.path} to {node_id} failed: {result['message']}")
@@ -155,6 +160,21 @@ class RayEffects:
             await self._copy(node_id, entry, folder, holders, mine["root"])
         elif entry.hub:
             await self._download(node_id, entry, folder)
+
+    def _in_use(self, node_id: str) -> list[str]:
+        """The store folders of the instances placed on `node_id` (loading or loaded): never removed
+        to make room."""
+        folders = {store_folder(self.entries[model]) for model, node in self.actors if node == node_id and model in self.entries}
+        return sorted(f for f in folders if f is not None)
+
+    def _removed(self, node_id: str, entry: ManifestEntry, folders: list[str]) -> None:
+        for folder in folders:
+            owner = next((e.name for e in self.entries.values() if e.folder == folder), None)
+            self.record(
+                "files_removed", model=owner, node_id=node_id, reason=f"{folder} removed from the store (disk budget) to make room for {entry.name}"
+            )
+            for key in ("complete", "unsealed"):
+                self.stores.get(node_id, {}).get(key, {}).pop(folder, None)
 
     def holders(self, folder: str, but: str | None = None) -> list[str]:
         """Nodes (known to Ray) whose store holds `folder`, by name; `but` left out."""
@@ -202,13 +222,15 @@ class RayEffects:
         self.record("fetching", model=entry.name, node_id=node_id, bytes=total, reason=f"copying {folder} from {', '.join(holders)}")
         started = time.monotonic()
         try:
-            result = await asyncio.wait_for(target.fetch.remote(manifest, holders, self.fetch_max_bytes_per_s), self.load_timeout_s)
+            keep = self._in_use(node_id)
+            result = await asyncio.wait_for(target.fetch.remote(manifest, holders, self.fetch_max_bytes_per_s, keep), self.load_timeout_s)
         except asyncio.CancelledError:  # nobody waits for it any more (the controller cancelled the load)
             target.cancel_fetch.remote(folder)  # the copy stops at its next chunk; the partial files stay
             raise
         except Exception as e:  # the target's agent died (its node with it), or the copy ran past the load timeout
             message = "timed out" if isinstance(e, TimeoutError) else unwrap(e).message
             result = {"ok": False, "code": "error", "message": message}
+        self._removed(node_id, entry, result.get("removed") or [])
         if not result["ok"]:
             self.record("fetch_failed", model=entry.name, node_id=node_id, reason=f"{result['code']}: {result['message']}")
             raise LoadError("error", f"copying {folder} to {node_id} failed: {result['message']}")
