@@ -241,3 +241,17 @@ def test_the_disk_budget_makes_room_from_unused_folders_never_from_one_in_use(or
     assert (stores["mac-2"] / "llama-10m").exists() and answer(orchard, "llama-10m")
     nodes = {n["node_id"]: n for n in http.get("/v1/cluster").json()["nodes"]}
     assert nodes["mac-2"]["store"]["budget_bytes"] == int(0.06 * 1024**3)
+
+
+def test_bytes_fetched_are_counted_by_source_in_rays_metrics(orchard):
+    import requests
+
+    head = next(n for n in ray.nodes() if n["Alive"] and n["Labels"].get("orchard.node") == "head")
+    url = f"http://{head['NodeManagerAddress']}:{head['MetricsExportPort']}/metrics"
+
+    def series() -> dict[str, float]:
+        lines = [line for line in requests.get(url, timeout=10).text.splitlines() if line.startswith("ray_orchard_fetch_bytes_total{")]
+        return {src: sum(float(line.rsplit(" ", 1)[1]) for line in lines if f'source="{src}"' in line) for src in ("peer", "hub")}
+
+    counted = wait_for(lambda: (s := series())["hub"] > 0 and s["peer"] > 0 and s, 60, "fetch byte counters for both sources")
+    assert counted["hub"] >= 37_000_000 and counted["peer"] >= 37_000_000  # at least one whole llama-10m each

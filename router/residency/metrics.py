@@ -51,6 +51,10 @@ def _m():
         "ttft": _seconds("orchard_ttft_seconds", "Request to first token, through the ingress", [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30]),
         "tokens": metrics.Counter("orchard_generated_tokens_total", "Completion tokens streamed", tag_keys=("model",)),
         "limit_hits": metrics.Counter("orchard_rate_limited_total", "Requests refused by a key's limit", tag_keys=("limit", "key")),
+        "fetch_bytes": metrics.Counter(
+            "orchard_fetch_bytes_total", "Bytes of weights copied into a node's store, by source (peer, hub)", tag_keys=(*MODEL_NODE, "source")
+        ),
+        "fetch_failures": metrics.Counter("orchard_fetch_failures_total", "Copies or downloads of weights that failed", tag_keys=MODEL_NODE),
     }
 
 
@@ -72,6 +76,10 @@ def on_event(event: ClusterEvent) -> None:
         m["deaths"].inc(tags=tags)
     elif event.kind == "rejected":
         m["rejections"].inc(tags={"model": tags["model"]})
+    elif event.kind == "fetched" and event.bytes:
+        m["fetch_bytes"].inc(event.bytes, tags=tags | {"source": "hub" if event.reason.startswith("from the Hub") else "peer"})
+    elif event.kind == "fetch_failed":
+        m["fetch_failures"].inc(tags=tags)
 
 
 def _unload_reason(reason: str) -> str:
