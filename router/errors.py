@@ -42,6 +42,7 @@ STATUS: dict[str, int] = {
     "files_in_use": 409,
     "last_stored_copy": 409,
     "fetch_failed": 503,
+    "model_fetching": 503,
     # what a model cannot do (router/serving)
     "model_not_supported": 400,
     "unsupported_content": 400,

@@ -32,6 +32,10 @@ class FakeEffects:
         self.versions: dict[str, str] = {}  # model -> its files' version (files_version)
         self.fetched: list[tuple[str, str, int]] = []
         self.fail_fetch: set[str] = set()
+        self.fetch_s = 0.01
+
+    def fetch_progress(self, model, node_id):
+        return f"copying from n2: 50% of {model}" if any(m == model for m, _, _ in self.fetched) else None
 
     def now(self) -> float:
         return self.t + time.monotonic() - self._t0
@@ -57,7 +61,7 @@ class FakeEffects:
 
     async def fetch_weights(self, model, node_id):
         self.fetched.append((model, node_id, len(self.stopped)))  # how many stops had happened by then
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(self.fetch_s)
         if model in self.fail_fetch:
             raise LoadError("error", "copying it failed: sha256 mismatch")
 
@@ -453,3 +457,22 @@ def test_an_operator_load_is_never_cancelled_by_requests_going_away():
     c, ref = run(scenario())
     assert ref.model == "a" and "cancelled" not in [e.kind for e in c.events()]
     assert c.state.node(ref.node_id).instance("a").status == "ready"
+
+
+@pytest.mark.parametrize("contention", ["fail", "wait"])
+def test_a_request_behind_a_long_fetch_gets_a_503_with_the_progress_as_contention_says(contention):
+    async def scenario():
+        c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8), ("n2", 4)), config=PLAIN.model_copy(update={"contention": contention}))
+        c.report_node("n2", devices=("metal", "cpu"), total_bytes=4 * GIB, usable_bytes=4 * GIB, free_bytes=4 * GIB, stored=frozenset({"b"}))
+        c.release((await c.acquire("a")).lease_id)
+        fx.fetch_s = 5.0  # longer than wait_timeout_s (0.2 s)
+        for _ in range(2):  # with fail, the first answer comes before the copy reported anything
+            with pytest.raises(OrchardError) as e:
+                await c.acquire("b")
+            await asyncio.sleep(0.02)
+        return c, e.value
+
+    c, error = run(scenario())
+    assert error.code == ("model_fetching" if contention == "fail" else "model_gave_up") and error.retry_after_s
+    assert "waits for its weights on n1" in error.message and "copying from n2: 50%" in error.message
+    assert c.state.node("n1").instance("a") is not None  # nothing evicted meanwhile

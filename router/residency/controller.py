@@ -294,7 +294,7 @@ class ResidencyController:
             if not isinstance(decision, Place):
                 break
             if not self._begin_place(decision, for_requests=True):
-                return False  # its weights are fetched first: decided again when that ends
+                return self._waiting_for_fetch(waiter, decision, now)
         if isinstance(decision, Use):
             self.state = start_request(self.state, decision.instance, now)
             inst = self._instance(decision.instance.node_id, model)
@@ -324,6 +324,26 @@ class ResidencyController:
         else:
             self._record("rejected", model=model, reason=decision.message)
         waiter.future.set_exception(_error_for(decision))
+        return True
+
+    def _waiting_for_fetch(self, waiter: "_Waiter", place: Place, now: float) -> bool:
+        """A request whose placement waits for the weights to arrive first: as `contention` says, a
+        503 at once (`fail`) or a wait up to wait_timeout_s (`wait`), the copy's progress in the
+        message either way. True when answered."""
+        progress = self.effects.fetch_progress(place.model, place.node_id) if hasattr(self.effects, "fetch_progress") else None
+        what = f"model {place.model} waits for its weights on {place.node_id} before placing it ({place.reason})"
+        message = f"{what}: {progress}" if progress else what
+        waited = now - waiter.started
+        if self.config.contention == "wait" and waited < self.config.wait_timeout_s:
+            self._schedule_drain(self.config.retry_poll_s)  # to see the timeout pass
+            return False
+        if self.config.contention == "wait":
+            self._record("gave_up", model=place.model, node_id=place.node_id, reason=f"after waiting {waited:.1f} s: {message}", seconds=waited)
+            waiter.future.set_exception(
+                OrchardError("model_gave_up", f"gave up after waiting {waited:.0f} s: {message}", retry_after_s=self.config.retry_poll_s)
+            )
+        else:
+            waiter.future.set_exception(OrchardError("model_fetching", message, retry_after_s=self.config.retry_poll_s))
         return True
 
     def _schedule_drain(self, delay_s: float) -> None:

@@ -176,6 +176,21 @@ class RayEffects:
             for key in ("complete", "unsealed"):
                 self.stores.get(node_id, {}).get(key, {}).pop(folder, None)
 
+    def fetch_progress(self, model: str, node_id: str) -> str | None:
+        """The copy of the model's weights into `node_id`'s store as its agent last reported it, in words."""
+        folder = store_folder(self.entries[model]) if model in self.entries else None
+        p = self.stores.get(node_id, {}).get("fetching", {}).get(folder) if folder is not None else None
+        if not p:
+            return None
+        total = p.get("total_bytes") or 0
+        share = (
+            f"{100 * p['done_bytes'] / total:.0f}% ({p['done_bytes'] / 1e6:.0f} of {total / 1e6:.0f} MB)"
+            if total
+            else f"{p['done_bytes'] / 1e6:.0f} MB"
+        )
+        eta = f", about {p['eta_s']:.0f} s left" if p.get("eta_s") is not None else ""
+        return f"copying from {p.get('source') or '?'}: {share} at {p.get('bytes_per_s', 0) / 1e6:.1f} MB/s{eta}"
+
     def holders(self, folder: str, but: str | None = None) -> list[str]:
         """Nodes (known to Ray) whose store holds `folder`, by name; `but` left out."""
         return sorted(n for n, s in self.stores.items() if n != but and n in self.ray_node_ids and holds(s, folder))
