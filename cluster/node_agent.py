@@ -29,6 +29,8 @@ from policy.specs import DEVICE_KINDS, DeviceKind
 
 log = logging.getLogger(__name__)
 
+READ_AHEAD = 4  # chunks a copy keeps in flight (x CHUNK bytes in each node's object store)
+
 NAMESPACE = "orchard"
 # The files an MLX loader reads from a Hub repo (mlx-lm's own download list, plus the other loaders' configs).
 HUB_PATTERNS = ("*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja")
@@ -304,6 +306,7 @@ class NodeAgent:
 
     def _copy(self, flight: _Fetch, max_bytes_per_s: float | None = None) -> dict:
         folder = flight.manifest.folder
+        sizes = {f.path: f.size for f in flight.manifest.files}
         tried: list[str] = []
         for node in flight.sources:
             source = get_agent(node)
@@ -311,12 +314,17 @@ class NodeAgent:
                 tried.append(f"{node}: no agent")
                 continue
             flight.source = node
+            inflight: dict[tuple[str, int], ray.ObjectRef] = {}  # chunks asked for ahead of the one being written
 
-            def read(path: str, offset: int, source=source) -> bytes:
+            def read(path: str, offset: int, source=source, inflight=inflight) -> bytes:
                 if flight.cancelled.is_set():
                     raise StoreError("cancelled", f"the copy of {folder} was cancelled: nobody waits for it")
                 started = time.monotonic()
-                chunk = ray.get(source.read_chunk.remote(folder, path, offset), timeout=120)
+                for k in range(READ_AHEAD):  # keep READ_AHEAD chunks in flight: transfer overlaps writing and hashing
+                    at = offset + k * CHUNK
+                    if at < sizes[path] and (path, at) not in inflight:
+                        inflight[(path, at)] = source.read_chunk.remote(folder, path, at)
+                chunk = ray.get(inflight.pop((path, offset)), timeout=120)
                 if max_bytes_per_s:  # the operator's cap on copies (AppArgs.fetch_max_bytes_per_s)
                     flight.cancelled.wait(max(0.0, len(chunk) / max_bytes_per_s - (time.monotonic() - started)))
                 return chunk

@@ -31,7 +31,7 @@ from policy._frozen import Frozen
 ENV_STORE = "ORCHARD_STORE"
 MANIFEST = ".orchard-manifest.json"
 PARTIAL = ".partial"
-CHUNK_BYTES = 16 * 1024 * 1024  # one read or write: tens of MiB, never a whole file in memory
+CHUNK_BYTES = 8 * 1024 * 1024  # one read or write (a copy keeps a few in flight), never a whole file in memory
 
 
 def default_root() -> Path:
