@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -80,7 +80,7 @@ def _transfer_only(source, manifest: dict, depth: int) -> float:
 
 def copy_runs(stores: dict[str, Path], runs: int) -> dict:
     agents = ensure_agents()
-    manifest: dict = ray.get(agents["head"].manifest.remote("blob"))  # sealed here once (hashing is not timed)
+    manifest: dict = cast(dict, ray.get(agents["head"].manifest.remote("blob")))  # sealed here once (hashing is not timed)
     total = sum(f["size"] for f in manifest["files"])
     ray_s: list[float] = []
     cp_s: list[float] = []
