@@ -178,6 +178,8 @@ class Store:
             manifest = StoreManifest.model_validate_json((base / MANIFEST).read_text())
         except (OSError, ValueError):
             return None
+        if manifest.folder != _checked(folder):  # a folder copied in by hand under another name: unsealed
+            return None
         for f in manifest.files:
             try:
                 if (base / f.path).stat().st_size != f.size:
@@ -193,6 +195,7 @@ class Store:
         if existing is not None:
             return existing
         base = self.folder(folder)
+        (base / MANIFEST).unlink(missing_ok=True)  # a stale or foreign one
         files = (
             [StoredFile(path=p.relative_to(base).as_posix(), size=p.stat().st_size, sha256=sha256_of(p)) for p in _files(base)]
             if base.is_dir()

@@ -5,6 +5,7 @@ files, a corrupted one is refused, and store folder names cannot leave the store
 import hashlib
 import os
 import pickle
+import shutil
 
 import pytest
 
@@ -129,3 +130,12 @@ def test_the_disk_budget_removes_the_least_recently_used_unused_folders_first(tm
         store.make_room("incoming", 14_000, keep=frozenset({"used"}))
     assert e.value.code == "disk_full" and "in use there: used" in e.value.message
     assert Store(tmp_path).make_room("incoming", 10**6) == []  # no budget: only the disk's free space counts
+
+
+def test_a_sealed_folder_copied_in_by_hand_under_another_name_is_sealed_again(tmp_path):
+    _folder(tmp_path, "a")
+    store = Store(tmp_path)
+    store.seal("a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # its manifest says folder "a"
+    assert store.manifest("b") is None and "b" in store.inventory()["unsealed"]
+    assert store.seal("b").folder == "b" and store.manifest("b") is not None
