@@ -331,10 +331,14 @@ def test_the_operator_store_round_trips_through_the_gcs(ray_node):
     store.add_load("a", "mac-1")
     store.add_load("b", None)
     store.drop_load("b")
+    store.add_pull("a", "mac-1")
+    store.add_pull("a", "mac-2")
+    store.drop_pull("a", "mac-1")
     for seq in range(1, 6):
         store.on_event(ClusterEvent(seq=seq, at=float(seq), kind="pinned", model="a", reason=f"#{seq}"))
     again = OperatorStore(app="store-test", max_events=3)
     assert again.pins() == {"a": True, "b": False}
     assert again.loads() == {"a": "mac-1"}
+    assert again.pulls() == [("a", "mac-2")]
     assert [e.seq for e in again.events()] == [3, 4, 5] and again.events()[-1].reason == "#5"
     assert OperatorStore(app="another-app").pins() == {}

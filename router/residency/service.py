@@ -146,6 +146,10 @@ class ResidencyService:
         for model, node_id in (await asyncio.to_thread(self.store.loads)).items():
             if model in self.controller.state.catalog and model not in loaded:
                 self._background(self._quiet_load(model, node_id))
+        alive = {n.node_id for n in self.controller.state.nodes if n.alive}
+        for model, node in await asyncio.to_thread(self.store.pulls):  # pulls a restart cut short go on
+            if model in self.effects.entries and node in alive:
+                self._background(self._pull(node, self.effects.entries[model]))
 
     async def _quiet_load(self, model: str, node_id: str | None) -> None:
         try:
@@ -269,6 +273,7 @@ class ResidencyService:
                 out[node_id] = "stored"
             else:
                 out[node_id] = "fetching"
+                await asyncio.to_thread(self.store.add_pull, model, node_id)  # a restarted controller goes on with it
                 self._background(self._pull(node_id, entry))
         return {"model": model, "nodes": out}
 
@@ -277,6 +282,8 @@ class ResidencyService:
             await self.effects.pull(node_id, entry)
         except OrchardError as e:  # recorded as fetch_failed by the copy itself when it got that far
             log.info("pull of %s to %s: %s", entry.name, node_id, e.message)
+        finally:
+            await asyncio.to_thread(self.store.drop_pull, entry.name, node_id)
 
     async def delete_files(self, model: str, node_id: str, force: bool = False) -> dict[str, Any]:
         """Remove the model's folder from one node's store: not while a model using that folder is

@@ -61,6 +61,17 @@ class OperatorStore:
     def loads(self) -> dict[str, str | None]:
         return self._all("load")
 
+    # ---- operator pulls (copies into a node's store, until they finish) ------------------------
+    def add_pull(self, model: str, node_id: str) -> None:
+        self._put("pull", f"{model}@{node_id}", True)
+
+    def drop_pull(self, model: str, node_id: str) -> None:
+        kv._internal_kv_del(self._key("pull", f"{model}@{node_id}"), namespace=NAMESPACE)
+
+    def pulls(self) -> list[tuple[str, str]]:
+        """(model, node) of the pulls that had not finished."""
+        return sorted(tuple(key.rsplit("@", 1)) for key in self._all("pull"))  # type: ignore[misc]  # two parts: keys are model@node
+
     # ---- the event log -----------------------------------------------------------------------
     def on_event(self, event: ClusterEvent) -> None:
         """RayEffects' listener: store the event and drop the one that fell out of the window."""
