@@ -13,7 +13,6 @@ a model placed where its weights are not. Prints a table, writes JSON (and Markd
 
 import argparse
 import hashlib
-import json
 import os
 import platform
 import shutil
@@ -33,6 +32,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from bench.report import publish
 from cluster.local import SERVE_ENV
 from cluster.node_agent import READ_AHEAD, ensure_agents
 from cluster.store import CHUNK_BYTES, ENV_STORE, MANIFEST, PARTIAL, Store
@@ -211,14 +211,7 @@ def main() -> None:
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
     results["machine"] = {"python": platform.python_version(), "processor": platform.machine(), "cpus": os.cpu_count()}
-    text = table(results)
-    print(text)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.json}")
-    if args.markdown:
-        Path(args.markdown).write_text(HEAD + text + "\n")
-        print(f"wrote {args.markdown}")
+    publish(results, table(results), args.json, args.markdown, (HEAD, "\n"))
 
 
 HEAD = """# Weights between nodes: copy speed and first token

@@ -3,11 +3,10 @@
 --markdown FILE also writes the table as a Markdown page (docs/residency-simulation.md)."""
 
 import argparse
-import json
 import platform
 import time
-from pathlib import Path
 
+from bench.report import publish
 from bench.residency.catalog import NODES, ONE_MAC, empty_cluster, model_specs, with_stores
 from bench.residency.scale import time_one_decision
 from bench.residency.simulate import belady, count_only, locality_blind, orchard, simulate
@@ -124,14 +123,7 @@ def main() -> None:
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
     results = run(args.quick)
-    text = table(results)
-    print(text)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.json}")
-    if args.markdown:
-        Path(args.markdown).write_text(MARKDOWN_HEAD + text + MARKDOWN_TAIL)
-        print(f"wrote {args.markdown}")
+    publish(results, table(results), args.json, args.markdown, (MARKDOWN_HEAD, MARKDOWN_TAIL))
 
 
 MARKDOWN_HEAD = """# Residency simulation

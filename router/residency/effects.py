@@ -125,27 +125,30 @@ class RayEffects:
         if target is None:
             raise LoadError("error", f"no node agent on {node_id} to download {entry.path}")
         self.record("fetching", model=entry.name, node_id=node_id, bytes=entry.weight_bytes, reason=f"downloading {entry.path} from the Hub")
+        call = target.hub_fetch.remote(entry.path, folder, entry.weight_bytes, self._in_use(node_id))
+        await self._run_fetch(node_id, entry, call, target, folder, f"downloading {entry.path}", "hub")
+
+    async def _run_fetch(self, node_id: str, entry: ManifestEntry, call: Any, target: Any, folder: str, what: str, source: str) -> None:
+        """Wait for an agent's copy or download (`call`) into `node_id`'s store and record how it
+        ended: `fetched` (bytes, seconds, MB/s) or `fetch_failed` and a LoadError. Cancelled (nobody
+        waits for it any more), it tells the agent to stop at its next chunk, keeping the partial files."""
         started = time.monotonic()
         try:
-            result = await asyncio.wait_for(
-                target.hub_fetch.remote(entry.path, folder, entry.weight_bytes, self._in_use(node_id)), self.load_timeout_s
-            )
-        except Exception as e:
+            result = await asyncio.wait_for(call, self.load_timeout_s)
+        except asyncio.CancelledError:
+            target.cancel_fetch.remote(folder)
+            raise
+        except Exception as e:  # the target's agent died (its node with it), or it ran past the load timeout
             result = {"ok": False, "code": "error", "message": "timed out" if isinstance(e, TimeoutError) else unwrap(e).message}
         self._removed(node_id, entry, result.get("removed") or [])
         if not result["ok"]:
             self.record("fetch_failed", model=entry.name, node_id=node_id, reason=f"{result['code']}: {result['message']}")
-            raise LoadError("error", f"downloading {entry.path} to {node_id} failed: {result['message']}")
+            raise LoadError("error", f"{what} to {node_id} failed: {result['message']}")
         seconds = time.monotonic() - started
-        self.record(
-            "fetched",
-            model=entry.name,
-            node_id=node_id,
-            bytes=result["bytes"],
-            seconds=seconds,
-            source="hub",
-            reason=f"from the Hub ({entry.path} at {result.get('revision') or '?'}): {result['bytes']} bytes, {result['bytes'] / max(seconds, 1e-6) / 1e6:.1f} MB/s",
-        )
+        rate = result["bytes"] / max(seconds, 1e-6) / 1e6
+        origin = f"the Hub ({entry.path} at {result.get('revision') or '?'})" if source == "hub" else result["source"]
+        reason = f"from {origin}: {result['bytes']} of {result['total_bytes']} bytes copied, {rate:.1f} MB/s"
+        self.record("fetched", model=entry.name, node_id=node_id, bytes=result["bytes"], seconds=seconds, source=source, reason=reason)
 
     async def fetch_weights(self, model: str, node_id: str) -> None:
         """The controller's fetch before an eviction (L1): the weights into `node_id`'s store;
@@ -235,30 +238,8 @@ class RayEffects:
             raise LoadError("error", f"{holders[0]} could not describe {folder}: {unwrap(e).message}") from e
         total = sum(f["size"] for f in manifest["files"])
         self.record("fetching", model=entry.name, node_id=node_id, bytes=total, reason=f"copying {folder} from {', '.join(holders)}")
-        started = time.monotonic()
-        try:
-            keep = self._in_use(node_id)
-            result = await asyncio.wait_for(target.fetch.remote(manifest, holders, self.fetch_max_bytes_per_s, keep), self.load_timeout_s)
-        except asyncio.CancelledError:  # nobody waits for it any more (the controller cancelled the load)
-            target.cancel_fetch.remote(folder)  # the copy stops at its next chunk; the partial files stay
-            raise
-        except Exception as e:  # the target's agent died (its node with it), or the copy ran past the load timeout
-            message = "timed out" if isinstance(e, TimeoutError) else unwrap(e).message
-            result = {"ok": False, "code": "error", "message": message}
-        self._removed(node_id, entry, result.get("removed") or [])
-        if not result["ok"]:
-            self.record("fetch_failed", model=entry.name, node_id=node_id, reason=f"{result['code']}: {result['message']}")
-            raise LoadError("error", f"copying {folder} to {node_id} failed: {result['message']}")
-        seconds = time.monotonic() - started
-        rate = result["bytes"] / max(seconds, 1e-6) / 1e6
-        self.record(
-            "fetched",
-            model=entry.name,
-            node_id=node_id,
-            bytes=result["bytes"],
-            seconds=seconds,
-            reason=f"from {result['source']}: {result['bytes']} of {result['total_bytes']} bytes copied, {rate:.1f} MB/s",
-        )
+        call = target.fetch.remote(manifest, holders, self.fetch_max_bytes_per_s, self._in_use(node_id))
+        await self._run_fetch(node_id, entry, call, target, folder, f"copying {folder}", "peer")
         return root
 
     def stop_instance(self, instance: InstanceRef, reason: str) -> Coroutine[Any, Any, None]:
