@@ -21,6 +21,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from support.cluster import Http, free_port, node_args, wait_for  # noqa: E402
 from support.hub_server import SHA, Hub  # noqa: E402
 
+from cluster.node_agent import get_agent  # noqa: E402
 from cluster.placement import live_model_server_names  # noqa: E402
 from cluster.store import ENV_STORE, MANIFEST, PARTIAL, Store  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
@@ -134,6 +135,8 @@ def test_a_second_placement_finds_the_copy_stored(orchard):
     assert http.post("/v1/models/llama-10m/unload").status_code == 200
     assert http.post("/v1/models/llama-10m/load", json={"node": "mac-1"}).status_code == 200
     assert sum(1 for e in events(orchard, "llama-10m") if e["kind"] == "fetching") == before
+    manifest = ray.get(get_agent("head").manifest.remote("llama-10m"))  # asked again from a stale view: nothing copied
+    assert ray.get(get_agent("mac-1").fetch.remote(manifest, ["head"]))["bytes"] == 0
     r = orchard["http"].delete("/v1/models/llama-10m/files?node=mac-1")
     assert r.status_code == 409 and r.json()["error"]["code"] == "files_in_use" and "unload first" in r.json()["error"]["message"]
 

@@ -131,15 +131,18 @@ class RayEffects:
     async def _run_fetch(self, node_id: str, entry: ManifestEntry, call: Any, target: Any, folder: str, what: str, source: str) -> None:
         """Wait for an agent's copy or download (`call`) into `node_id`'s store and record how it
         ended: `fetched` (bytes, seconds, MB/s) or `fetch_failed` and a LoadError. Cancelled (nobody
-        waits for it any more), it tells the agent to stop at its next chunk, keeping the partial files."""
+        waits for it any more), it tells the agent to stop at its next chunk, keeping the partial files.
+        Not bounded by the load timeout: a 40 GB download takes longer than any load and shows its
+        progress; a stalled copy fails by its 120 s per-chunk timeout, a stalled download by the Hub
+        client's own."""
         started = time.monotonic()
         try:
-            result = await asyncio.wait_for(call, self.load_timeout_s)
+            result = await call
         except asyncio.CancelledError:
             target.cancel_fetch.remote(folder)
             raise
-        except Exception as e:  # the target's agent died (its node with it), or it ran past the load timeout
-            result = {"ok": False, "code": "error", "message": "timed out" if isinstance(e, TimeoutError) else unwrap(e).message}
+        except Exception as e:  # the target's agent died (its node with it)
+            result = {"ok": False, "code": "error", "message": unwrap(e).message}
         self._removed(node_id, entry, result.get("removed") or [])
         if not result["ok"]:
             self.record("fetch_failed", model=entry.name, node_id=node_id, reason=f"{result['code']}: {result['message']}")
@@ -148,6 +151,8 @@ class RayEffects:
         rate = result["bytes"] / max(seconds, 1e-6) / 1e6
         origin = f"the Hub ({entry.path} at {result.get('revision') or '?'})" if source == "hub" else result["source"]
         reason = f"from {origin}: {result['bytes']} of {result['total_bytes']} bytes copied, {rate:.1f} MB/s"
+        if result.get("source") == "stored":
+            reason = "already in the store: a copy that had just finished"
         self.record("fetched", model=entry.name, node_id=node_id, bytes=result["bytes"], seconds=seconds, source=source, reason=reason)
 
     async def fetch_weights(self, model: str, node_id: str) -> None:
