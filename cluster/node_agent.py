@@ -215,6 +215,8 @@ class NodeAgent:
             return flight.result
         try:
             flight.result = self._with_room(flight, keep, lambda: self._copy(flight, max_bytes_per_s))
+        except Exception as e:  # an I/O error outside the copy's own handling (a store folder that cannot be made)
+            flight.result = {"ok": False, "code": "io_error", "message": f"copying {wanted.folder}: {type(e).__name__}: {e}", "removed": []}
         finally:
             with self._lock:
                 del self._fetches[wanted.folder]

@@ -221,9 +221,9 @@ class Store:
 
     def inventory(self) -> dict:
         """{"root", "free_bytes", "budget_bytes", "used_bytes", "complete": {folder: bytes}, "unsealed":
-        {...}, "partial": {...}}. A folder
-        without a manifest counts as complete only once sealed; until then it is listed under
-        "unsealed" (the holder seals it when a peer first asks for it)."""
+        {...}, "partial": {...}}. A folder without a manifest counts as complete only once sealed;
+        until then it is listed under "unsealed" (the holder seals it when a peer first asks for it).
+        What is not a store folder (a manifest under a hidden directory) is left out."""
         complete: dict[str, int] = {}
         unsealed: dict[str, int] = {}
         partial: dict[str, int] = {}
@@ -231,7 +231,10 @@ class Store:
             folder = manifest_path.parent.relative_to(self.root).as_posix()
             if folder.startswith(PARTIAL):
                 continue
-            manifest = self.manifest(folder)
+            try:
+                manifest = self.manifest(folder)
+            except StoreError:  # not a store folder name
+                continue
             if manifest is not None:
                 complete[folder] = manifest.total_bytes
         for child in sorted(self.root.iterdir()) if self.root.is_dir() else ():

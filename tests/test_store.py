@@ -139,3 +139,10 @@ def test_a_sealed_folder_copied_in_by_hand_under_another_name_is_sealed_again(tm
     shutil.copytree(tmp_path / "a", tmp_path / "b")  # its manifest says folder "a"
     assert store.manifest("b") is None and "b" in store.inventory()["unsealed"]
     assert store.seal("b").folder == "b" and store.manifest("b") is not None
+
+
+def test_a_manifest_under_a_hidden_folder_does_not_break_the_inventory(tmp_path):
+    _folder(tmp_path, "a")
+    Store(tmp_path).seal("a")
+    shutil.copytree(tmp_path / "a", tmp_path / ".trash" / "a")  # e.g. a file manager's bin
+    assert set(Store(tmp_path).inventory()["complete"]) == {"a"}
