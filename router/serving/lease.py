@@ -4,13 +4,9 @@
         ...                       # released on exit, on error and on cancellation
         lease.hand_off()          # ... unless a streaming response takes it over (it calls release)
 
-Releasing is the one subtle part, so it lives here only: a client that disconnects cancels the
-request's task, and Serve also cancels every handle call made in that request's context (a copied
-context still carries it), so a release sent from either would be cancelled with the request and
-leak the lease (seen: 1 in 3 disconnects under load). Each release is sent from a task of its own,
-in an empty context."""
+Releasing is the one subtle part: a release sent from the request's own context would be cancelled
+with the request when its client disconnects, so each is sent detached (router/serving/detached.py)."""
 
-import asyncio
 import contextlib
 import contextvars
 from collections.abc import AsyncIterator
@@ -20,6 +16,7 @@ import ray
 
 from cluster.placement import NAMESPACE
 from router.errors import OrchardError, raise_for_error
+from router.serving.detached import send_detached
 
 # The x-ratelimit-* headers of the current request, filled from the residency service's answer (a
 # grant or a 429) and written on the response by router/api's middleware, which sets a fresh dict
@@ -82,7 +79,6 @@ class Leases:
 
     def __init__(self, residency: Any):
         self.residency = residency
-        self._releases: set[asyncio.Task] = set()
         self._handles: dict[tuple[str, str], tuple[float, Any]] = {}  # (model, node) -> (loaded_at, actor)
 
     async def acquire(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0) -> Lease:
@@ -106,15 +102,8 @@ class Leases:
         self.send(self.residency.release, lease_id, used_tokens)
 
     def send(self, method: Any, *args: Any) -> None:
-        """Call a residency-service method from a task of its own, in an empty context (see above)."""
-        task = asyncio.get_running_loop().create_task(self._send(method, *args), context=contextvars.Context())
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    @staticmethod
-    async def _send(method: Any, *args: Any) -> None:
-        with contextlib.suppress(Exception):
-            await method.remote(*args)
+        """Call a residency-service method detached from the request (see above)."""
+        send_detached(method, *args)
 
     def actor(self, grant: dict[str, Any]) -> Any:
         """The lease's model-server actor, by the actor name the lease carries. Handles are cached

@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from deployments.model_server import open_channel
+from router.serving.detached import send_detached
 
 
 class Unavailable(Exception):
@@ -81,11 +82,11 @@ class MuxStream:
         return item
 
     def close(self) -> None:
-        """Stop routing; cancel the generation in the engine unless it already ended."""
+        """Stop routing; cancel the generation in the engine unless it already ended (sent detached:
+        a cancel sent in the request's context is cancelled with the request, router/serving/detached.py)."""
         self.reader.queues.pop(self.request_id, None)
         if not self.finished and self.reader.failure is None:
-            with contextlib.suppress(Exception):
-                self.reader.actor.cancel.remote(self.request_id)
+            send_detached(self.reader.actor.cancel, self.request_id)
         self.finished = True
 
 
