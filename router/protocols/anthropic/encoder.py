@@ -18,7 +18,7 @@ from router.protocols.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from router.protocols.openai import ENGINE_STATUS, ProtocolError
+from router.protocols.openai import ProtocolError, finish_error
 
 
 def new_message_id() -> str:
@@ -37,16 +37,6 @@ def stop_reason(finish: Finish) -> str:
     if finish.reason == "tool_calls":
         return "tool_use"
     return "stop_sequence" if finish.stop_sequence is not None else "end_turn"
-
-
-def finish_error(finish: Finish, statuses: Mapping[str, int] | None = None) -> ProtocolError | None:
-    """The error a Finish reports (reason error / cancelled), or None."""
-    if finish.reason == "cancelled":
-        return ProtocolError(499, "cancelled", "the request was cancelled")
-    if finish.reason != "error":
-        return None
-    code = finish.error_code or "internal"
-    return ProtocolError((statuses or ENGINE_STATUS).get(code, 500), code, finish.error or "generation failed")
 
 
 def _usage(finish: Finish) -> dict[str, int]:

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
 from router.errors import STATUS, OrchardError
+from router.protocols.events import Finish
 
 # The status of each error code: the one table (router/errors.py).
 ENGINE_STATUS = STATUS
@@ -147,3 +148,13 @@ def validation_error(error: ValidationError | Sequence[Mapping[str, Any]]) -> Pr
 def validation_error_body(error: ValidationError | Sequence[Mapping[str, Any]]) -> dict:
     """The OpenAI 400 body for pydantic errors (see `validation_error`)."""
     return validation_error(error).body()
+
+
+def finish_error(finish: Finish, statuses: Mapping[str, int] | None = None) -> ProtocolError | None:
+    """The error a Finish reports (reason error / cancelled), or None."""
+    if finish.reason == "cancelled":
+        return ProtocolError(499, "cancelled", "the request was cancelled")
+    if finish.reason != "error":
+        return None
+    code = finish.error_code or "internal"
+    return ProtocolError((statuses or ENGINE_STATUS).get(code, 500), code, finish.error or "generation failed")

@@ -18,7 +18,7 @@ from router.protocols.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from router.protocols.openai import ENGINE_STATUS, ProtocolError, error_type
+from router.protocols.openai import ProtocolError, error_type, finish_error
 from router.protocols.responses.requests import ResponsesRequest
 
 
@@ -38,16 +38,6 @@ def _usage(finish: Finish | None) -> dict[str, Any] | None:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": finish.prompt_tokens + finish.completion_tokens,
     }
-
-
-def finish_error(finish: Finish, statuses: Mapping[str, int] | None = None) -> ProtocolError | None:
-    """The error a Finish reports (reason error / cancelled), or None."""
-    if finish.reason == "cancelled":
-        return ProtocolError(499, "cancelled", "the request was cancelled")
-    if finish.reason != "error":
-        return None
-    code = finish.error_code or "internal"
-    return ProtocolError((statuses or ENGINE_STATUS).get(code, 500), code, finish.error or "generation failed")
 
 
 def _failure_code(status: int) -> str:
