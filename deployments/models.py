@@ -23,6 +23,8 @@ BUILDERS = (
     "tts_random",
     "llava_tiny",
 )
+# Built only when named (`--only`): real model shapes for accelerator benchmarks, gigabytes each.
+ON_REQUEST = ("llama_1b_shape",)
 
 
 def builder(module: str) -> ModuleType:
@@ -34,9 +36,9 @@ def prepare(models_dir: Path, only: set[str] | None = None, log=print) -> Manife
     models_dir = Path(models_dir)
     models_dir.mkdir(parents=True, exist_ok=True)
     entries: list[ManifestEntry] = []
-    for name in BUILDERS:
+    for name in BUILDERS + ON_REQUEST:
         module = builder(name)
-        if only and module.NAME not in only:
+        if (only and module.NAME not in only) or (not only and name in ON_REQUEST):
             continue
         started = time.perf_counter()
         entry = module.build(models_dir / module.NAME)

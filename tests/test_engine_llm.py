@@ -285,3 +285,137 @@ def test_smollm2_knows_the_capital_of_france(models_dir):
 
     answer = run(scenario())
     assert "Paris" in answer.text
+
+
+# ---- admission: arrivals prepared off the MLX thread, joining the batch in groups (issue 11) ----
+
+
+def test_the_served_scheduling_defaults_are_the_engines_own():
+    """ray-config's llm_engine options and a bare LLMEngine schedule alike (one set of defaults)."""
+    import inspect
+
+    from router.api.builder import LLMEngineOptions
+
+    params = inspect.signature(LLMEngine.__init__).parameters
+    for name, field in LLMEngineOptions.model_fields.items():
+        assert params[name].default == field.default, name
+
+
+def test_templating_and_tokenizing_run_off_the_mlx_thread(models_dir, monkeypatch):
+    import threading
+
+    seen: list[str] = []
+    real = LLMEngine._tokenize
+
+    def recording(self, request):
+        seen.append(threading.current_thread().name)
+        return real(self, request)
+
+    monkeypatch.setattr(LLMEngine, "_tokenize", recording)
+
+    async def scenario():
+        e = LLMEngine("llama-10m", str(models_dir / "llama-10m"), max_batch=4)
+        await e.load()
+        try:
+            chat = GenerationRequest(messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0)
+            await asyncio.gather(e.complete(chat), e.complete(greedy("Hello", 3)))
+            return len(await asyncio.to_thread(e.tokenize, chat))
+        finally:
+            await e.stop()
+
+    assert run(scenario()) > 0
+    assert len(seen) == 3 and all(name.startswith("prep-llama-10m") for name in seen), seen
+
+
+def test_arrivals_while_the_batch_decodes_are_held_and_join_as_one_group(models_dir):
+    """While a batch decodes, arrivals wait (up to admit_hold_steps, here longer than the test)
+    until a prefill group is full, then all join in one step; a held request can be cancelled, and
+    one still held when the engine stops ends with engine_stopped. Held requests count as running."""
+
+    async def first_delta(stream):
+        return await anext(stream)
+
+    async def scenario():
+        e = LLMEngine("llama-10m", str(models_dir / "llama-10m"), max_batch=8, prefill_batch=3, admit_hold_steps=100_000)
+        await e.load()
+        busy = e.generate(greedy("A long one keeps the batch busy", 3000))
+        await first_delta(busy)
+        b, c = e.generate(greedy("Second", 8)), e.generate(greedy("Third", 8))
+        waiting = [asyncio.create_task(first_delta(s)) for s in (b, c)]
+        await asyncio.sleep(0.5)
+        held_early = [t.done() for t in waiting]
+        running_while_held = e.running_requests()
+        steps_before = e._steps
+        d = e.generate(greedy("Fourth fills the group", 8))
+        firsts = await asyncio.gather(*waiting, first_delta(d))
+        joined_within = e._steps - steps_before
+        # a held one that is cancelled: its client went away before it joined
+        gone = e.generate(greedy("Gone before it joins", 8))
+        gone_first = asyncio.create_task(first_delta(gone))
+        await asyncio.sleep(0.2)
+        gone_first.cancel()
+        await asyncio.gather(gone_first, return_exceptions=True)
+        await gone.aclose()
+        await asyncio.sleep(0.3)
+        running_after_cancel = e.running_requests()
+        # one still held when the engine stops (the busy batch still decoding)
+        last = e.generate(greedy("Never joins", 8))
+        last_delta = asyncio.create_task(first_delta(last))
+        await asyncio.sleep(0.3)
+        await e.stop()
+        stopped = await last_delta
+        for s in (busy, b, c, d, last):
+            await s.aclose()
+        return held_early, running_while_held, firsts, joined_within, running_after_cancel, (stopped.finish_reason, stopped.error_code)
+
+    held_early, running_while_held, firsts, joined_within, running_after_cancel, stopped_code = run(scenario())
+    assert held_early == [False, False]  # a group of 3 was not full: nobody joined
+    assert running_while_held == 3  # the busy one and the two held
+    # the full group joined at once: its first tokens came a few steps after the third arrival
+    # (its preparation, the group's prefill and first step), not after the 100,000-step hold
+    assert all(f.token_ids for f in firsts) and joined_within <= 8
+    # b, c and d ran their 8 tokens; the held one, alone and never admitted, was cancelled: only
+    # the busy one is left (2 if the cancel had missed a request not yet in the batch)
+    assert running_after_cancel == 1
+    assert stopped_code == ("cancelled", "engine_stopped")
+
+
+def test_a_lone_arrival_joins_a_busy_batch_after_admit_hold_steps(models_dir):
+    async def scenario():
+        e = LLMEngine("llama-10m", str(models_dir / "llama-10m"), max_batch=8, admit_hold_steps=6)
+        await e.load()
+        try:
+            busy = e.generate(greedy("Busy for a while", 3000))
+            await anext(busy)
+            started = e._steps
+            first = await anext(e.generate(greedy("Alone", 4)))
+            waited = e._steps - started
+            await busy.aclose()
+            return first, waited
+        finally:
+            await e.stop()
+
+    first, waited = run(scenario())
+    assert first.token_ids and 6 <= waited <= 12
+
+
+def test_only_long_prefixes_are_kept_and_reused(models_dir):
+    """prompt_cache_min_tokens: a finished request is kept for reuse, and a kept prefix is reused,
+    only when it is that long; shorter ones are prefilled again (copying a cache costs more)."""
+    prompt = " ".join(PROMPTS) * 3
+
+    async def twice(min_tokens):
+        e = LLMEngine("llama-10m", str(models_dir / "llama-10m"), max_batch=4, prompt_cache_min_tokens=min_tokens)
+        await e.load()
+        try:
+            first = await e.complete(greedy(prompt, 8))
+            second = await e.complete(greedy(prompt, 8))
+            return first, second, len(e.prompt_cache)
+        finally:
+            await e.stop()
+
+    first, second, kept = run(twice(0))
+    assert second.usage.cached_tokens >= second.usage.prompt_tokens - 1 and kept >= 1 and second.token_ids == first.token_ids
+    long_enough = first.usage.prompt_tokens + 8 + 1
+    first, second, kept = run(twice(long_enough))
+    assert second.usage.cached_tokens == 0 and kept == 0 and second.token_ids == first.token_ids

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -29,10 +30,11 @@ import requests  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from bench.engine.share import Bare  # noqa: E402
 from cluster.placement import find_model_server  # noqa: E402
 from deployments.engines.llm import GenerationRequest, LLMEngine  # noqa: E402
 from deployments.models import prepare  # noqa: E402
-from router.api.builder import AppArgs, build_app  # noqa: E402
+from router.api.builder import AppArgs, LLMEngineOptions, build_app  # noqa: E402
 from router.residency.registry import from_manifest  # noqa: E402
 
 TOPICS = ["the sea", "a city at night", "bread", "mountains", "a small robot", "rain", "music", "the moon"]
@@ -60,7 +62,7 @@ class SSEClient:
             "model": model,
             "messages": messages(i),
             "max_tokens": max_tokens,
-            "temperature": 0,
+            "temperature": TEMPERATURE,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -104,7 +106,7 @@ class SDKClient:
         first = None
         tokens = 0
         stream = await self.client.chat.completions.create(  # type: ignore[call-overload]  # plain dict messages, as a client sends them
-            model=model, messages=messages(i), max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}
+            model=model, messages=messages(i), max_tokens=max_tokens, temperature=TEMPERATURE, stream=True, stream_options={"include_usage": True}
         )
         async for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -120,7 +122,7 @@ class SDKClient:
 async def engine_one(engine: LLMEngine, i: int, max_tokens: int) -> tuple[int, float]:
     started = time.perf_counter()
     first, tokens = None, 0
-    async for d in engine.generate(GenerationRequest(messages=messages(i), max_tokens=max_tokens, temperature=0)):
+    async for d in engine.generate(GenerationRequest(messages=messages(i), max_tokens=max_tokens, temperature=TEMPERATURE)):
         if first is None and d.text:
             first = time.perf_counter() - started
         if d.usage:
@@ -159,6 +161,7 @@ async def through_http(client: "SSEClient | SDKClient", model: str, n: int, max_
 
 
 ENGINE_SWITCH_S: float | None = None  # --engine-gil-switch-ms, in seconds
+TEMPERATURE = 0.0  # --temperature, every side
 
 
 async def in_process(engine: LLMEngine, n: int, max_tokens: int, seconds: float = 0.0) -> tuple[int, float, list[float]]:
@@ -186,12 +189,12 @@ async def with_steps(read_counters, run) -> tuple[int, float, dict]:
     batch from one that slows the engine down."""
     before = await read_counters()
     started = time.perf_counter()
-    tokens, seconds, _ = await run
+    tokens, seconds, ttfts = await run
     elapsed = time.perf_counter() - started
     after = await read_counters()
     steps = max(1, after["generation_steps"] - before["generation_steps"])
     rows = (after["generation_tokens"] - before["generation_tokens"]) / steps
-    return tokens, seconds, {"rows_per_step": rows, "ms_per_step": 1000 * elapsed / steps}
+    return tokens, seconds, {"rows_per_step": rows, "ms_per_step": 1000 * elapsed / steps, "ttfts": ttfts}
 
 
 PROFILED = {
@@ -236,6 +239,13 @@ def profile(py_spy: str, out: Path, model: str, seconds: float) -> list:
     return spies
 
 
+def llm_engine_options(text: str) -> dict:
+    """`hold=N,pb=N,min=N` -> LLMEngineOptions' fields, the rest at their defaults."""
+    names = {"hold": "admit_hold_steps", "pb": "prefill_batch", "min": "prompt_cache_min_tokens"}
+    given = {names[k]: int(float(v)) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+    return LLMEngineOptions.model_validate(given).model_dump()
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
@@ -258,10 +268,16 @@ def main() -> None:
     parser.add_argument("--client", choices=("aiohttp", "openai"), default="aiohttp", help="the load generator (see SSEClient)")
     parser.add_argument("--profile-dir", default=None, help="py-spy records of the path's processes in one more HTTP run")
     parser.add_argument("--py-spy", default="py-spy")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request (issue 11's runs: 1)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="per request (default: 128 for the llamas, 48 for SmolLM2)")
+    parser.add_argument("--llm-engine", default="", help="the LLM engines' scheduling, served and in-process: hold=N,pb=N,min=N (default: AppArgs')")
+    parser.add_argument("--bare", action="store_true", help="also mlx-lm's BatchGenerator alone in this process (bench.engine.share)")
     parser.add_argument("--json", default="bench/results/serve.json")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
-    global ENGINE_SWITCH_S
+    global ENGINE_SWITCH_S, TEMPERATURE
+    TEMPERATURE = args.temperature
+    scheduling = llm_engine_options(args.llm_engine)
     ENGINE_SWITCH_S = args.engine_gil_switch_ms / 1000.0 if args.engine_gil_switch_ms is not None else None
     models_dir = Path(args.models_dir).resolve()
     prepare(models_dir, set(args.models.split(",")), log=lambda *_: None)
@@ -271,7 +287,7 @@ def main() -> None:
         initialize_head=True,
         head_node_args={
             "num_cpus": 2,
-            "labels": {"orchard.node": "head", "orchard.budget_gib": "8"},
+            "labels": {"orchard.node": "head", "orchard.budget_gib": "12"},
             "include_dashboard": False,
             "object_store_memory": 80 << 20,
         },
@@ -284,6 +300,7 @@ def main() -> None:
     overrides = {
         "llama-10m": {"reserve_context_tokens": 1024, "reserve_concurrency": 64},
         "smollm2-135m-instruct": {"reserve_context_tokens": 512, "reserve_concurrency": 64},
+        "llama-1b-shape": {"reserve_context_tokens": 1024, "reserve_concurrency": 64},
     }
     overrides = {name: o for name, o in overrides.items() if name in args.models.split(",")}
     registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in overrides]
@@ -295,16 +312,18 @@ def main() -> None:
         "coalesce_tokens": args.coalesce_tokens,
         "coalesce_ms": args.coalesce_ms,
         "coalesce_max_ms": args.coalesce_max_ms,
+        "llm_engine": scheduling,
     }
     if args.gil_switch_ms is not None:
         app_args["gil_switch_ms"] = args.gil_switch_ms
     serve.run(build_app(app_args), name="orchard", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     rows, ttft, cold = [], [], []
-    max_tokens_of = {"llama-10m": 128, "smollm2-135m-instruct": 48}
+    max_tokens_of = {"llama-10m": 128, "smollm2-135m-instruct": 48, "llama-1b-shape": 128}
     for model in args.models.split(","):
-        max_tokens = max_tokens_of[model]
-        engine = LLMEngine(model, str(models_dir / model), max_batch=64)  # as served: prefix reuse on
+        max_tokens = args.max_tokens or max_tokens_of[model]
+        engine = LLMEngine(model, str(models_dir / model), max_batch=64, **scheduling)  # as served: prefix reuse on
+        bare = Bare(str(models_dir / model), 64, TEMPERATURE) if args.bare else None
         load_started = time.perf_counter()
         asyncio.run(engine.load())
         raw_load_s = time.perf_counter() - load_started
@@ -315,7 +334,7 @@ def main() -> None:
         ).raise_for_status()
         cold.append({"model": model, "first_token_cold_s": round(time.perf_counter() - started, 3), "raw_load_s": round(raw_load_s, 3)})
 
-        async def measure(model: str, engine: LLMEngine, max_tokens: int) -> None:
+        async def measure(model: str, engine: LLMEngine, max_tokens: int, bare: Bare | None) -> None:
             client = (SSEClient if args.client == "aiohttp" else SDKClient)(f"{base}/v1")
             actor = find_model_server(model, "head")
 
@@ -345,8 +364,10 @@ def main() -> None:
             for c in concurrencies:
                 # Alternating rounds, median of each: this VM's speed drifts by ~10% over minutes,
                 # which one long run of each side would read as a difference of the paths.
-                e_rates, h_rates, e_steps, h_steps = [], [], [], []
+                e_rates, h_rates, e_steps, h_steps, b_runs = [], [], [], [], []
                 for _ in range(args.rounds):
+                    if bare is not None:
+                        b_runs.append(bare.run(c, max_tokens, args.seconds))
                     e_tokens, e_s, e_step = await with_steps(engine_counters, in_process(engine, c, max_tokens, args.seconds))
                     h_tokens, h_s, h_step = await with_steps(actor_counters, through_http(client, model, c, max_tokens, args.seconds))
                     e_rates.append(e_tokens / e_s)
@@ -354,7 +375,7 @@ def main() -> None:
                     e_steps.append(e_step)
                     h_steps.append(h_step)
                 ratios = sorted(h / e for h, e in zip(h_rates, e_rates, strict=True))
-                row = {
+                row: dict[str, Any] = {
                     "model": model,
                     "concurrency": c,
                     "http_tok_s": round(statistics.median(h_rates), 1),
@@ -362,11 +383,24 @@ def main() -> None:
                 }
                 row["ratio"] = round(statistics.median(ratios), 3)
                 row["ratio_min_max"] = [round(ratios[0], 3), round(ratios[-1], 3)]
-                for side, steps in (("engine", e_steps), ("http", h_steps)):
+                for side, steps in (("engine", e_steps), ("http", h_steps)) + ((("bare", b_runs),) if b_runs else ()):
                     row[f"{side}_rows_per_step"] = round(statistics.median(x["rows_per_step"] for x in steps), 2)
                     row[f"{side}_ms_per_step"] = round(statistics.median(x["ms_per_step"] for x in steps), 2)
+                if b_runs:
+                    row["bare_tok_s"] = round(statistics.median(x["tok_s"] for x in b_runs), 1)
+                    row["bare_ttft_p50_ms"] = round(statistics.median(x["ttft_p50_ms"] for x in b_runs), 1)
+                    row["http_over_bare"] = round(row["http_tok_s"] / row["bare_tok_s"], 3)
+                    row["engine_over_bare"] = round(row["engine_tok_s"] / row["bare_tok_s"], 3)
+                row["http_ttft_p50_ms"] = round(1000 * statistics.median(f for x in h_steps for f in x["ttfts"]), 1)
+                row["engine_ttft_p50_ms"] = round(1000 * statistics.median(f for x in e_steps for f in x["ttfts"]), 1)
+                bare_cells = (
+                    f" bare {row['bare_tok_s']} (HTTP/bare {row['http_over_bare']:.2f}, engine/bare {row['engine_over_bare']:.2f}) |"
+                    if b_runs
+                    else ""
+                )
                 print(
-                    f"| {model} | {c} | {row['engine_tok_s']} | {row['http_tok_s']} | {row['ratio']:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) |",
+                    f"| {model} | {c} | {row['engine_tok_s']} | {row['http_tok_s']} | {row['ratio']:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) |"
+                    f" TTFT p50 ms engine {row['engine_ttft_p50_ms']} / HTTP {row['http_ttft_p50_ms']} |{bare_cells}",
                     flush=True,
                 )
                 rows.append(row)
@@ -377,7 +411,7 @@ def main() -> None:
                     spy.wait()
             await client.close()
 
-        asyncio.run(measure(model, engine, max_tokens))
+        asyncio.run(measure(model, engine, max_tokens, bare))
         asyncio.run(engine.stop())
     serve.shutdown()
     ray.shutdown()
@@ -389,6 +423,8 @@ def main() -> None:
             "in_process": args.engine_gil_switch_ms or 5.0,
         },
         "coalesce": {"tokens": args.coalesce_tokens, "ms": args.coalesce_ms, "max_ms": args.coalesce_max_ms},
+        "temperature": TEMPERATURE,
+        "llm_engine": scheduling,
         "seconds_per_side_per_round": args.seconds,
         "rounds": args.rounds,
         "throughput": rows,

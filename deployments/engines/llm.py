@@ -1,10 +1,12 @@
 """The LLM engine: mlx-lm's own BatchGenerator driven by one loop on one MLX thread.
 
 Requests join and leave the running batch at any step (continuous batching). The asyncio side only
-validates, enqueues and reads deltas: every MLX call, tokenizer call and KV cache lives on the
-engine's worker thread, because MLX streams are thread-local. Deltas of one engine step reach the
-event loop in one hand-off, whatever the number of streams. Prompt prefixes are reused across
-requests through mlx-lm's LRUPromptCache."""
+validates, enqueues and reads deltas. A request's chat template and tokenizing run on the engine's
+preparation thread, so the MLX thread does only what needs MLX: every MLX call and KV cache lives on
+the engine's worker thread, because MLX streams are thread-local. Arrivals that come while the batch
+decodes join it together (`admit_hold_steps`), so their prefill and their merge into the batch are
+paid once per group. Deltas of one engine step reach the event loop in one hand-off, whatever the
+number of streams. Prompt prefixes are reused across requests through mlx-lm's LRUPromptCache."""
 
 import asyncio
 import gc
@@ -14,7 +16,9 @@ import math
 import queue
 import secrets
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, cast
 
@@ -160,6 +164,19 @@ class _Stream:
     pending: list[Delta] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class _Arrival:
+    """A request tokenized and checked on the preparation thread, waiting to join the batch."""
+
+    rid: int
+    request: GenerationRequest
+    tokens: list[int]
+    loop: asyncio.AbstractEventLoop
+    out: DeltaSink
+    grammar: GrammarProcessor | None
+    step: int = 0  # the engine's step count when it reached the MLX thread
+
+
 class LLMEngine(Engine):
     kind = "llm"
 
@@ -169,23 +186,35 @@ class LLMEngine(Engine):
         path: str,
         *,
         max_batch: int = 64,
-        prefill_batch: int = 8,
+        prefill_batch: int = 32,
         prefill_step: int = 2048,
         context_length: int | None = None,
         prompt_cache_entries: int = 16,  # 0: no prefix reuse
         prompt_cache_bytes: int = 512 * 1024**2,
         reserve_context_tokens: int = 4096,
         reserve_concurrency: int = 1,
+        admit_hold_steps: int = 8,  # these three: the served defaults (router/api/builder.py LLMEngineOptions)
+        prompt_cache_min_tokens: int = 256,
     ):
         super().__init__(name, path)
         self.max_batch = max_batch
-        self.prefill_batch = prefill_batch
+        self.prefill_batch = min(prefill_batch, max_batch)  # a group never exceeds the batch
         self.prefill_step = prefill_step
         self._context_length = context_length
         self._prompt_cache_entries = prompt_cache_entries
         self._prompt_cache_bytes = prompt_cache_bytes
         self.reserve_context_tokens = reserve_context_tokens
         self.reserve_concurrency = reserve_concurrency
+        # While the batch decodes, an arrival waits up to this many steps for others to join it
+        # (or until a prefill group of `prefill_batch` is full); an idle batch admits at once.
+        self.admit_hold_steps = admit_hold_steps
+        self._steps = 0
+        # A prefix is kept (a finished request's prompt + completion) and reused only from this
+        # many tokens: reusing one copies the cached KV (all of it) and merges a ragged cache into
+        # the batch, and keeping one holds its KV; both cost more than prefilling a short prefix
+        # such as a chat template's header again (docs/serve-path.md).
+        self.prompt_cache_min_tokens = prompt_cache_min_tokens
+        self._prep: ThreadPoolExecutor | None = None  # templating and tokenizing, in arrival order
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count()
@@ -194,11 +223,15 @@ class LLMEngine(Engine):
         self._stopping = threading.Event()
         self._retired_counters: dict[str, float] = {}  # of generators replaced after a broken step
         self._samplers: dict[tuple, Any] = {}  # unseeded sampling settings -> their one sampler (_shared_sampler)
+        self._arriving = 0  # started, not yet in the batch (being prepared or held); under _arriving_lock
+        self._arriving_lock = threading.Lock()  # three threads change it: the caller's, preparation, MLX
+        self._held: deque[_Arrival] = deque()  # prepared arrivals waiting to join the batch (MLX thread)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def _load(self) -> None:
         self._worker = MLXWorker(self.name)
         await self._worker.run(self._load_on_worker)
+        self._prep = ThreadPoolExecutor(1, thread_name_prefix=f"prep-{self.name}")
         self._loop_done = self._worker.submit(self._run_loop)
 
     def _load_on_worker(self) -> None:
@@ -230,6 +263,8 @@ class LLMEngine(Engine):
         )
 
     async def _stop(self) -> None:
+        if self._prep is not None:  # what it is preparing reaches the loop, which answers it
+            await asyncio.to_thread(self._prep.shutdown, True)
         self._stopping.set()
         self._commands.put(("wake", None))
         if self._loop_done is not None:
@@ -238,7 +273,7 @@ class LLMEngine(Engine):
             self._worker.shutdown()
 
     def running_requests(self) -> int:
-        return len(self._streams)
+        return len(self._streams) + self._arriving
 
     def counters(self) -> dict[str, float]:
         """mlx-lm's own BatchGenerator counters (prompt_tokens, prompt_time, generation_tokens,
@@ -298,13 +333,22 @@ class LLMEngine(Engine):
         if request.constraint is not None and grammar is None:
             raise RequestError("internal", "a constrained request starts with the grammar from compile()")
         request_id = next(self._ids)
-        self._commands.put(("add", (request_id, request, asyncio.get_running_loop(), sink, grammar)))
+        assert self._prep is not None  # ready means loaded
+        self._arrived(1)
+        self._prep.submit(self._prepare, request_id, request, asyncio.get_running_loop(), sink, grammar)
         return request_id
 
     def cancel(self, request_id: int) -> None:
         """Stop a started request: its KV cache is freed at once and a `cancelled` delta ends it
-        (nothing happens for one that already ended)."""
-        self._commands.put(("cancel", request_id))
+        (nothing happens for one that already ended). Sent through the preparation thread, so it
+        reaches the MLX thread after its request did."""
+        prep = self._prep
+        try:
+            if prep is None:
+                raise RuntimeError("not loaded")
+            prep.submit(self._commands.put, ("cancel", request_id))
+        except RuntimeError:  # stopping: the preparation thread is shut; the loop still answers
+            self._commands.put(("cancel", request_id))
 
     async def complete(self, request: GenerationRequest) -> Delta:
         """The whole completion as one Delta (text, tokens, finish reason, usage)."""
@@ -335,13 +379,31 @@ class LLMEngine(Engine):
             for stream in streams.values():
                 self._finish(stream, "error", error=self._detail, code="internal")
             _hand_off(list(streams.values()))
+            self._answer_unadmitted()
             raise
         leftovers = list(streams.values())
         for stream in leftovers:
             self._finish(stream, "cancelled", error="engine stopped", code="engine_stopped")
         _hand_off(leftovers)
+        self._answer_unadmitted()
         self._streams = {}
         self._release_on_worker()
+
+    def _answer_unadmitted(self) -> None:
+        """Arrivals that never joined the batch (held, or queued when the loop stopped) end too."""
+        stopped = Delta(finish_reason="cancelled", error="engine stopped", error_code="engine_stopped")
+        arrivals = list(self._held)
+        self._held.clear()
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                arrivals.append(payload)
+        for arrival in arrivals:
+            self._arrived(-1)
+            _put(arrival.loop, [(arrival.out, stopped)])
 
     def _release_on_worker(self) -> None:
         """Drop the model, batch and caches on the thread whose stream made them (as mlx-lm's
@@ -359,16 +421,36 @@ class LLMEngine(Engine):
         while not self._stopping.is_set():
             outbox: list[_Stream] = []
             try:
-                command = self._commands.get(block=not by_uid)
+                command = self._commands.get(block=not by_uid and not self._held)
                 self._handle(command, streams, by_uid, outbox)
                 while True:
                     self._handle(self._commands.get_nowait(), streams, by_uid, outbox)
             except queue.Empty:
                 pass
+            if self._held and self._admit_now(busy=bool(by_uid)):
+                self._admit_held(streams, by_uid, outbox)
             self._streams = streams
             if by_uid:
                 self._step(streams, by_uid, outbox)
+                self._steps += 1
             _hand_off(outbox)
+
+    def _admit_now(self, busy: bool) -> bool:
+        """Whether the held arrivals join the batch now: at once when it is idle, else when they
+        fill a prefill group or the oldest has waited admit_hold_steps steps."""
+        return not busy or len(self._held) >= self.prefill_batch or self._steps - self._held[0].step >= self.admit_hold_steps
+
+    def _admit_held(self, streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]) -> None:
+        held, self._held = self._held, deque()
+        for arrival in held:
+            self._arrived(-1)
+            try:
+                stream = self._admit(arrival)
+            except Exception as e:
+                _put(arrival.loop, [(arrival.out, _failure(e))])
+                continue
+            streams[arrival.rid] = stream
+            by_uid[stream.uid] = arrival.rid
 
     def _step(self, streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]) -> None:
         """One BatchGenerator step for every running request."""
@@ -396,24 +478,21 @@ class LLMEngine(Engine):
             streams.pop(rid)
             if r.finish_reason is None:  # cut by a stop string: still in the batch
                 self.generator.remove([r.uid])
-            elif r.prompt_cache is not None and self._prompt_cache_entries > 0:
+            elif r.prompt_cache is not None and self._prompt_cache_entries > 0 and len(r.all_tokens) >= self.prompt_cache_min_tokens:
                 self.prompt_cache.insert_cache(self.name, r.all_tokens[:], r.prompt_cache, cache_type="assistant")
 
     def _handle(self, command: tuple[str, Any], streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]) -> None:
         kind, payload = command
         if kind == "add":
-            rid, request, loop, out, grammar = payload
-            try:
-                stream = self._admit(request, loop, out, grammar)
-            except Exception as e:
-                code = e.code if isinstance(e, RequestError) else "internal"
-                message = e.message if isinstance(e, RequestError) else f"{type(e).__name__}: {e}"
-                failed = Delta(finish_reason="error", error=message, error_code=code)
-                _put(loop, [(out, failed)])
-                return
-            streams[rid] = stream
-            by_uid[stream.uid] = rid
+            payload.step = self._steps
+            self._held.append(payload)
         elif kind == "cancel":
+            held = next((a for a in self._held if a.rid == payload), None)
+            if held is not None:  # not in the batch yet: nothing to free
+                self._held.remove(held)
+                self._arrived(-1)
+                _put(held.loop, [(held.out, Delta(finish_reason="cancelled", usage=Usage(prompt_tokens=len(held.tokens), completion_tokens=0)))])
+                return
             cancelled = streams.pop(payload, None)
             if cancelled is not None:
                 by_uid.pop(cancelled.uid, None)
@@ -422,7 +501,20 @@ class LLMEngine(Engine):
                 self._finish(cancelled, "cancelled")
                 outbox.append(cancelled)
 
-    def _admit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, out: DeltaSink, grammar: GrammarProcessor | None = None) -> _Stream:
+    def _prepare(
+        self, rid: int, request: GenerationRequest, loop: asyncio.AbstractEventLoop, out: DeltaSink, grammar: GrammarProcessor | None
+    ) -> None:
+        """On the preparation thread: template, tokenize and check a request, then hand it to the
+        MLX thread; a request that fails here gets its one error delta from here."""
+        try:
+            tokens = self._checked_tokens(request)
+        except Exception as e:
+            self._arrived(-1)
+            _put(loop, [(out, _failure(e))])
+            return
+        self._commands.put(("add", _Arrival(rid, request, tokens, loop, out, grammar)))
+
+    def _checked_tokens(self, request: GenerationRequest) -> list[int]:
         tokens = self._tokenize(request)
         if not tokens:
             raise RequestError("invalid_request", "the prompt is empty")
@@ -431,11 +523,35 @@ class LLMEngine(Engine):
                 "context_length_exceeded",
                 f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) exceeds the context of {self.context_length} tokens",
             )
-        vocab = self.model.args.vocab_size if hasattr(self.model, "args") else None
+        vocab = self._vocab()
         if vocab and any(t < 0 or t >= vocab for t in tokens):
             raise RequestError("invalid_request", f"prompt token ids must lie in [0, {vocab})")
+        return tokens
+
+    def _arrived(self, n: int) -> None:
+        with self._arriving_lock:
+            self._arriving += n
+
+    def _vocab(self) -> int | None:
+        return self.model.args.vocab_size if hasattr(self.model, "args") else None
+
+    def _reusable_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` the prompt cache could give back, found without copying anything
+        (fetch_nearest_cache's own trie search; mlx-lm is pinned); all of them if unknown."""
+        search = getattr(getattr(self.prompt_cache, "_trie", None), "search", None)
+        if search is None:
+            return len(tokens)
+        found = search(self.name, tokens)
+        if found.exact is not None:
+            return len(tokens)
+        longer = min(len(tokens) - 1, found.common_prefix) if found.longer is not None else 0
+        return max(len(found.shorter or ()), longer)
+
+    def _admit(self, arrival: _Arrival) -> _Stream:
+        """On the MLX thread: the prompt cache's nearest prefix, and the request into the batch."""
+        request, tokens, vocab = arrival.request, arrival.tokens, self._vocab()
         cache, rest = None, tokens
-        if self._prompt_cache_entries > 0:
+        if self._prompt_cache_entries > 0 and self._reusable_prefix(tokens) >= max(1, self.prompt_cache_min_tokens):
             cache, rest = self.prompt_cache.fetch_nearest_cache(self.name, tokens)
         if cache is not None and not rest:
             if can_trim_prompt_cache(cache):
@@ -447,12 +563,12 @@ class LLMEngine(Engine):
         stream = _Stream(
             request=request,
             tokens=tokens,
-            loop=loop,
-            out=out,
+            loop=arrival.loop,
+            out=arrival.out,
             detokenizer=self.tokenizer.detokenizer,
             stops=_stop_filter(request.stop),
             cached=cached,
-            grammar=grammar,
+            grammar=arrival.grammar,
         )
         (stream.uid,) = self.generator.insert(
             [rest],
@@ -460,7 +576,7 @@ class LLMEngine(Engine):
             caches=[cache] if cache is not None else None,
             all_tokens=[tokens[:cached]],
             samplers=[self._shared_sampler(request, vocab)],
-            logits_processors=[_processors(request) + ([grammar] if grammar is not None else [])],  # the mask last
+            logits_processors=[_processors(request) + ([arrival.grammar] if arrival.grammar is not None else [])],  # the mask last
             stop_sequences=[StopSequences([[t] for t in self.eos_ids])],
         )
         return stream
@@ -486,7 +602,14 @@ class LLMEngine(Engine):
         without generating: for token counting. Safe off the MLX thread (tokenizer only)."""
         if self.tokenizer is None:
             raise RequestError("engine_stopped", f"model {self.name} is not loaded")
-        return self._tokenize(request)
+        prep = self._prep
+        if prep is None:
+            return self._tokenize(request)
+        try:
+            job = prep.submit(self._tokenize, request)  # one thread uses the tokenizer
+        except RuntimeError:  # shut down: the engine is stopping
+            raise RequestError("engine_stopped", f"model {self.name} is stopping") from None
+        return job.result()
 
     def _tokenize(self, request: GenerationRequest) -> list[int]:
         if request.prompt_tokens is not None:
@@ -513,7 +636,7 @@ class LLMEngine(Engine):
         text = stream.stops.push(stream.detokenizer.last_segment) if stream.stops else stream.detokenizer.last_segment
         logprobs = self._logprobs(stream.request, r) if stream.request.logprobs and not eos else None
         token_ids = [] if eos else [r.token]
-        stream.pending.append(Delta(text=text, token_ids=token_ids, logprobs=logprobs))
+        stream.pending.append(Delta.model_construct(text=text, token_ids=token_ids, logprobs=logprobs))  # per token: no validation
         if stream.grammar is not None and stream.grammar.error is not None:
             self._finish(stream, "error", error=stream.grammar.error, code="internal")
             return True
@@ -545,10 +668,17 @@ class LLMEngine(Engine):
         stream.pending.append(Delta(finish_reason=reason, usage=usage, error=error, error_code=code, stop_sequence=stop_sequence))
 
 
+def _failure(e: Exception) -> Delta:
+    """The one delta of a request that failed before it produced anything."""
+    code = e.code if isinstance(e, RequestError) else "internal"
+    message = e.message if isinstance(e, RequestError) else f"{type(e).__name__}: {e}"
+    return Delta(finish_reason="error", error=message, error_code=code)
+
+
 def _merged(stream: _Stream) -> Delta:
     """What one step produced for a stream, as one delta."""
     pending, stream.pending = stream.pending, []
-    return Delta(
+    return Delta.model_construct(
         text="".join(d.text for d in pending),
         token_ids=[t for d in pending for t in d.token_ids],
         logprobs=[lp for d in pending for lp in (d.logprobs or [])] if stream.request.logprobs else None,

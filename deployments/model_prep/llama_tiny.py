@@ -44,32 +44,39 @@ CONFIG: dict[str, Any] = {
 }
 
 
-def entry(dest: Path) -> ManifestEntry:
+def entry(dest: Path, name: str = NAME, config: dict[str, Any] = CONFIG, seed: int = SEED) -> ManifestEntry:
     return ManifestEntry(
-        name=NAME,
+        name=name,
         kind=KIND,
         path=Path(dest).name,
         weight_bytes=safetensors_bytes(dest),
-        kv_bytes_per_token=kv_bytes_per_token(CONFIG),  # 16 KiB
+        kv_bytes_per_token=kv_bytes_per_token(config),  # 16 KiB for the 10M
         weights="random",
         architecture="llama",
-        source="random weights (seed 10), Orchard model_prep",
+        source=f"random weights (seed {seed}), Orchard model_prep",
     )
 
 
 def build(dest: Path) -> ManifestEntry:
+    return build_llama(dest, NAME, CONFIG, VERSION, SEED)
+
+
+def build_llama(dest: Path, name: str, config: dict[str, Any], version: str, seed: int) -> ManifestEntry:
+    """A llama of `config`'s shape with random weights and the offline tokenizer (its vocabulary is
+    the config's vocab_size), in the config's torch_dtype."""
     dest = Path(dest)
-    if is_ready(dest, VERSION):
-        return entry(dest)
+    if is_ready(dest, version):
+        return entry(dest, name, config, seed)
     fresh_dir(dest)
-    tokenizer = train_tokenizer(dest, vocab_size=CONFIG["vocab_size"])
-    config = dict(CONFIG, eos_token_id=tokenizer.token_to_id("<|im_end|>"), bos_token_id=None)
-    mx.random.seed(SEED)
+    tokenizer = train_tokenizer(dest, vocab_size=config["vocab_size"])
+    config = dict(config, eos_token_id=tokenizer.token_to_id("<|im_end|>"), bos_token_id=None)
+    mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
+    dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[config["torch_dtype"]]
     # Default inits give logits that saturate; small weights keep sampling meaningful.
-    model.update(tree_map(lambda p: p * 0.02 if p.ndim == 2 else p, model.parameters()))
+    model.update(tree_map(lambda p: (p * 0.02 if p.ndim == 2 else p).astype(dtype), model.parameters()))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dest / "config.json").write_text(json.dumps(config, indent=2))
-    mark_ready(dest, VERSION)
-    return entry(dest)
+    mark_ready(dest, version)
+    return entry(dest, name, config, seed)

@@ -15,6 +15,23 @@ from router.residency.service import ResidencyService
 from router.serving.output.parsing import OutputConfig
 
 
+class LLMEngineOptions(BaseModel):
+    """How every LLM engine schedules its batch (LLMEngine's arguments of the same names)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # An arrival that comes while the batch decodes waits up to this many steps for others (or
+    # until `prefill_batch` are waiting), so a group is prefilled and joins the batch at once: every
+    # group costs a prefill and a merge, each a synchronous evaluation that drains the GPU's queue.
+    # 8 steps and 32 a group: 0.45 -> 1.00 of the bare BatchGenerator at 64 streams on the H200.
+    admit_hold_steps: int = Field(default=8, ge=0, le=64)
+    # Sequences prefilled together (mlx-lm's prefill_batch_size; its default is 8).
+    prefill_batch: int = Field(default=32, ge=1, le=256)
+    # A prompt prefix is kept and reused only from this many tokens: below it, copying and merging
+    # the cached KV costs more than prefilling the prefix again.
+    prompt_cache_min_tokens: int = Field(default=256, ge=0)
+
+
 class AppArgs(BaseModel):
     """The `args:` of ray-config.yaml. Without `models`, every model of the prepared set in
     models_dir is registered (with `overrides` per model)."""
@@ -40,6 +57,8 @@ class AppArgs(BaseModel):
     # GIL held by the event loop or Ray's threads (Python's default: 5 ms, a whole fast GPU step).
     # 0.1 ms: H200, 10M model, 64 streams 0.68 -> 0.93 of in-process; none lost on the CPU.
     gil_switch_ms: float | None = Field(default=0.1, gt=0)
+    # The LLM engines' scheduling (deployments/engines/llm.py; measured in docs/serve-path.md).
+    llm_engine: LLMEngineOptions = Field(default_factory=LLMEngineOptions)
     # Vision: image parts may be data: URLs; http(s) URLs only when the operator allows fetching.
     allow_remote_images: bool = False
     max_audio_bytes: int = Field(default=25 * 1024**2, ge=1)  # OpenAI's transcription limit
@@ -98,6 +117,7 @@ def build_app(args: dict) -> serve.Application:
         "coalesce_ms": a.coalesce_ms,
         "coalesce_max_ms": a.coalesce_max_ms,
         "gil_switch_ms": a.gil_switch_ms,
+        "llm_engine": a.llm_engine.model_dump(),
     }
     # mypy keeps a decorated class's own type: @serve.deployment made these Deployments, which have bind()
     residency = ResidencyService.bind(  # type: ignore[attr-defined]

@@ -71,10 +71,12 @@ class RayEffects:
         if ray_node_id is None:
             raise LoadError("error", f"node {place.node_id} is not known to Ray")
         options = dict(self.server_options, load_now=True)
+        scheduling = options.pop("llm_engine", None) or {}  # the LLM engines' own, not the server's
         if spec.kind == "llm":
             options["engine_options"] = {
                 "reserve_context_tokens": spec.reserve_context_tokens,
                 "reserve_concurrency": spec.reserve_concurrency,
+                **scheduling,
             }
         entry, models_dir = await self._weights_on(place.node_id, self.entries[place.model])
         incarnation = new_incarnation()
