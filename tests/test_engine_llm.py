@@ -336,7 +336,7 @@ def test_arrivals_while_the_batch_decodes_are_held_and_join_as_one_group(models_
         return await anext(stream)
 
     async def scenario():
-        e = LLMEngine("llama-10m", str(models_dir / "llama-10m"), max_batch=8, prefill_batch=3, admit_hold_steps=100_000)
+        e = LLMEngine("llama-10m", str(models_dir / "llama-10m"), max_batch=8, prefill_batch=3, admit_hold_steps=100_000, admit_quiet_steps=100_000)
         await e.load()
         busy = e.generate(greedy("A long one keeps the batch busy", 3000))
         await first_delta(busy)
@@ -380,9 +380,17 @@ def test_arrivals_while_the_batch_decodes_are_held_and_join_as_one_group(models_
     assert stopped_code == ("cancelled", "engine_stopped")
 
 
-def test_a_lone_arrival_joins_a_busy_batch_after_admit_hold_steps(models_dir):
+@pytest.mark.parametrize(
+    ("hold", "quiet", "least", "most"),
+    [(6, 100, 6, 12), (100, 2, 2, 7)],
+    ids=["after admit_hold_steps", "after admit_quiet_steps without another arrival"],
+)
+def test_a_lone_arrival_joins_a_busy_batch(models_dir, hold, quiet, least, most):
+    """It waits for others while the batch decodes: until the hold ends, or until arrivals have
+    stopped for admit_quiet_steps (waiting longer would not grow its group)."""
+
     async def scenario():
-        e = LLMEngine("llama-10m", str(models_dir / "llama-10m"), max_batch=8, admit_hold_steps=6)
+        e = LLMEngine("llama-10m", str(models_dir / "llama-10m"), max_batch=8, admit_hold_steps=hold, admit_quiet_steps=quiet)
         await e.load()
         try:
             busy = e.generate(greedy("Busy for a while", 3000))
@@ -396,7 +404,7 @@ def test_a_lone_arrival_joins_a_busy_batch_after_admit_hold_steps(models_dir):
             await e.stop()
 
     first, waited = run(scenario())
-    assert first.token_ids and 6 <= waited <= 12
+    assert first.token_ids and least <= waited <= most
 
 
 def test_only_long_prefixes_are_kept_and_reused(models_dir):

@@ -134,7 +134,7 @@ async def through_engine(engine: LLMEngine, n: int, max_tokens: int, seconds: fl
 def parse_variant(text: str) -> tuple[str, dict[str, float]]:
     name, _, rest = text.partition(":")
     settings = {k: float(v) for k, v in (kv.split("=") for kv in rest.split(",") if kv)}
-    unknown = set(settings) - {"hold", "cache", "min", "gil", "pb"}
+    unknown = set(settings) - {"hold", "cache", "min", "gil", "pb", "quiet"}
     if unknown:
         raise SystemExit(f"unknown variant setting(s) {sorted(unknown)} in {text!r}")
     return name, settings
@@ -144,6 +144,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, float]]:
 def variant(engine: LLMEngine, settings: dict[str, float]):
     """The engine with one variant's settings for a round, restored after it."""
     saved = (engine.admit_hold_steps, engine._prompt_cache_entries, engine.prompt_cache_min_tokens, engine.prefill_batch, sys.getswitchinterval())
+    quiet = engine.admit_quiet_steps
+    engine.admit_quiet_steps = int(settings.get("quiet", quiet))
     engine.admit_hold_steps = int(settings.get("hold", saved[0]))
     engine._prompt_cache_entries = int(settings.get("cache", saved[1]))
     engine.prompt_cache_min_tokens = int(settings.get("min", saved[2]))
@@ -156,6 +158,7 @@ def variant(engine: LLMEngine, settings: dict[str, float]):
         engine.admit_hold_steps, engine._prompt_cache_entries, engine.prompt_cache_min_tokens = saved[:3]
         engine.prefill_batch = engine.generator.prefill_batch_size = saved[3]
         sys.setswitchinterval(saved[4])
+        engine.admit_quiet_steps = quiet
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=["served"],
         help="engine variants, alternating: NAME or NAME:key=value,... with keys hold (admit_hold_steps), "
-        "cache (prompt cache entries: 0 none), min (prompt_cache_min_tokens), pb (prefill_batch), gil (this process's switch interval, ms)",
+        "cache (prompt cache entries: 0 none), min (prompt_cache_min_tokens), pb (prefill_batch), quiet (admit_quiet_steps), gil (this process's switch interval, ms)",
     )
     ap.add_argument("--prompt-cache", type=int, default=16, help="the engine's prompt_cache_entries (16 as served; 0: none)")
     ap.add_argument("--profile-dir", type=Path, default=None, help="py-spy record of this process in one more engine round per cell")

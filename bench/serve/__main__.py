@@ -241,7 +241,7 @@ def profile(py_spy: str, out: Path, model: str, seconds: float) -> list:
 
 def llm_engine_options(text: str) -> dict:
     """`hold=N,pb=N,min=N` -> LLMEngineOptions' fields, the rest at their defaults."""
-    names = {"hold": "admit_hold_steps", "pb": "prefill_batch", "min": "prompt_cache_min_tokens"}
+    names = {"hold": "admit_hold_steps", "quiet": "admit_quiet_steps", "pb": "prefill_batch", "min": "prompt_cache_min_tokens"}
     given = {names[k]: int(float(v)) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
     return LLMEngineOptions.model_validate(given).model_dump()
 

@@ -193,7 +193,8 @@ class LLMEngine(Engine):
         prompt_cache_bytes: int = 512 * 1024**2,
         reserve_context_tokens: int = 4096,
         reserve_concurrency: int = 1,
-        admit_hold_steps: int = 8,  # these three: the served defaults (router/api/builder.py LLMEngineOptions)
+        admit_hold_steps: int = 8,  # these four: the served defaults (router/api/builder.py LLMEngineOptions)
+        admit_quiet_steps: int = 1,
         prompt_cache_min_tokens: int = 256,
     ):
         super().__init__(name, path)
@@ -208,6 +209,9 @@ class LLMEngine(Engine):
         # While the batch decodes, an arrival waits up to this many steps for others to join it
         # (or until a prefill group of `prefill_batch` is full); an idle batch admits at once.
         self.admit_hold_steps = admit_hold_steps
+        # ... but not once arrivals have stopped: no arrival for this many steps ends the wait.
+        self.admit_quiet_steps = admit_quiet_steps
+        self._last_arrival = 0  # the step count when the last arrival reached the MLX thread
         self._steps = 0
         # A prefix is kept (a finished request's prompt + completion) and reused only from this
         # many tokens: reusing one copies the cached KV (all of it) and merges a ragged cache into
@@ -437,8 +441,11 @@ class LLMEngine(Engine):
 
     def _admit_now(self, busy: bool) -> bool:
         """Whether the held arrivals join the batch now: at once when it is idle, else when they
-        fill a prefill group or the oldest has waited admit_hold_steps steps."""
-        return not busy or len(self._held) >= self.prefill_batch or self._steps - self._held[0].step >= self.admit_hold_steps
+        fill a prefill group, the oldest has waited admit_hold_steps steps, or none has arrived for
+        admit_quiet_steps steps (waiting longer would not grow the group)."""
+        if not busy or len(self._held) >= self.prefill_batch:
+            return True
+        return self._steps - self._held[0].step >= self.admit_hold_steps or self._steps - self._last_arrival >= self.admit_quiet_steps
 
     def _admit_held(self, streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]) -> None:
         held, self._held = self._held, deque()
@@ -484,7 +491,7 @@ class LLMEngine(Engine):
     def _handle(self, command: tuple[str, Any], streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]) -> None:
         kind, payload = command
         if kind == "add":
-            payload.step = self._steps
+            payload.step = self._last_arrival = self._steps
             self._held.append(payload)
         elif kind == "cancel":
             held = next((a for a in self._held if a.rid == payload), None)
