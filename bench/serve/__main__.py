@@ -239,6 +239,43 @@ def profile(py_spy: str, out: Path, model: str, seconds: float) -> list:
     return spies
 
 
+OVERRIDES = {  # room for 64 streams of 1024 tokens each, as the benchmarks run them
+    "llama-10m": {"reserve_context_tokens": 1024, "reserve_concurrency": 64},
+    "smollm2-135m-instruct": {"reserve_context_tokens": 512, "reserve_concurrency": 64},
+    "llama-1b-shape": {"reserve_context_tokens": 1024, "reserve_concurrency": 64},
+}
+
+
+def start_orchard(models_dir: Path, models: list[str], app_args: dict) -> tuple[Cluster, str]:
+    """Orchard on a one-node Ray cluster started by this process (room for every model, nothing
+    evicted), its Serve app on a free port: (the cluster, the base URL)."""
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "labels": {"orchard.node": "head", "orchard.budget_gib": "12"},
+            "include_dashboard": False,
+            "object_store_memory": 80 << 20,
+        },
+    )
+    ray.init(address=cluster.address, log_to_driver=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    overrides = {name: o for name, o in OVERRIDES.items() if name in models}
+    registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in overrides]
+    policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
+    serve.run(build_app({"models_dir": str(models_dir), "models": registry, "policy": policy, **app_args}), name="orchard", route_prefix="/")
+    return cluster, f"http://127.0.0.1:{port}"
+
+
+def stop_orchard(cluster: Cluster) -> None:
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
 def llm_engine_options(text: str) -> dict:
     """`hold=N,pb=N,min=N` -> LLMEngineOptions' fields, the rest at their defaults."""
     names = {"hold": "admit_hold_steps", "quiet": "admit_quiet_steps", "pb": "prefill_batch", "min": "prompt_cache_min_tokens"}
@@ -283,32 +320,7 @@ def main() -> None:
     prepare(models_dir, set(args.models.split(",")), log=lambda *_: None)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2,
-            "labels": {"orchard.node": "head", "orchard.budget_gib": "12"},
-            "include_dashboard": False,
-            "object_store_memory": 80 << 20,
-        },
-    )
-    ray.init(address=cluster.address, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    overrides = {
-        "llama-10m": {"reserve_context_tokens": 1024, "reserve_concurrency": 64},
-        "smollm2-135m-instruct": {"reserve_context_tokens": 512, "reserve_concurrency": 64},
-        "llama-1b-shape": {"reserve_context_tokens": 1024, "reserve_concurrency": 64},
-    }
-    overrides = {name: o for name, o in overrides.items() if name in args.models.split(",")}
-    registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in overrides]
-    policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
     app_args = {
-        "models_dir": str(models_dir),
-        "models": registry,
-        "policy": policy,
         "coalesce_tokens": args.coalesce_tokens,
         "coalesce_ms": args.coalesce_ms,
         "coalesce_max_ms": args.coalesce_max_ms,
@@ -316,8 +328,7 @@ def main() -> None:
     }
     if args.gil_switch_ms is not None:
         app_args["gil_switch_ms"] = args.gil_switch_ms
-    serve.run(build_app(app_args), name="orchard", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
+    cluster, base = start_orchard(models_dir, args.models.split(","), app_args)
     rows, ttft, cold = [], [], []
     max_tokens_of = {"llama-10m": 128, "smollm2-135m-instruct": 48, "llama-1b-shape": 128}
     for model in args.models.split(","):
@@ -413,9 +424,7 @@ def main() -> None:
 
         asyncio.run(measure(model, engine, max_tokens, bare))
         asyncio.run(engine.stop())
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
+    stop_orchard(cluster)
     result = {
         "client": args.client,
         "gil_switch_ms": {

@@ -1,0 +1,240 @@
+"""`python -m bench.peers` (`make bench-peers`): Orchard against the servers a user would compare it
+with, on one model, with one load generator, in one run: mlx-lm's own `mlx_lm.server` and vllm-mlx
+(continuous batching), each started by this script on a free port, and mlx-lm's BatchGenerator bare in
+this process (bench.engine.share's, the ceiling). Closed-loop streaming clients (bench.serve's
+SSEClient: aiohttp, one json.loads per event), temperature 1, every request to max_tokens (the
+tokens counted from each stream's usage). Prints a table, writes JSON (Markdown with --markdown).
+
+vllm-mlx needs mlx-lm 0.31.x while Orchard pins 0.32.2: it runs from its own site folder
+(`--vllm-mlx-site`, made by `make bench-peers`), on top of this venv's other packages."""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import bench.serve.__main__ as serve_bench
+from bench.engine.share import Bare
+from deployments.models import prepare
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(base: str, process: subprocess.Popen | None, timeout_s: float = 180.0) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before it was ready")
+        try:
+            if requests.get(f"{base}/v1/models", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{base} was not ready in {timeout_s:.0f} s")
+
+
+class Peer:
+    """A server in a subprocess: its command, the model name its requests carry."""
+
+    def __init__(self, name: str, command: list[str], model: str, env: dict[str, str] | None = None):
+        self.name, self.command, self.model, self.env = name, command, model, env
+        self.process: subprocess.Popen | None = None
+        self.log = Path(tempfile.gettempdir()) / f"orchard-peer-{name}.log"
+
+    def start(self, port: int) -> str:
+        env = dict(os.environ, **blas_env(), **(self.env or {}))
+        with open(self.log, "wb") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen([*self.command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(base, self.process)
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"{self.name}: {e}; its log: {self.log}") from None
+        return base
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def blas_env() -> dict[str, str]:
+    """The BLAS Orchard's engines use on Linux (deployments/blas.py), for the peers too: without it
+    they would run on the mlx[cpu] wheel's reference BLAS, 5-50x slower, and the comparison would
+    measure BLAS libraries, not servers. LD_PRELOAD does for a peer what the preload does for Orchard."""
+    from deployments.blas import OPENBLAS
+
+    if sys.platform != "linux" or not os.path.exists(OPENBLAS):
+        return {}
+    return {"LD_PRELOAD": OPENBLAS, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "1")}
+
+
+def peers(path: Path, vllm_site: Path, home: str) -> list[Peer]:
+    py = sys.executable
+    return [
+        Peer("mlx_lm.server", [py, "-m", "mlx_lm", "server", "--model", str(path), "--decode-concurrency", "64"], str(path)),
+        Peer(
+            "vllm-mlx",
+            [py, "-m", "vllm_mlx.cli", "serve", str(path), "--continuous-batching", "--completion-batch-size", "64"],
+            str(path),
+            # its own mlx-lm first; an empty HOME, as it writes a prefix cache there when it stops
+            env={"PYTHONPATH": os.pathsep.join([str(vllm_site), str(ROOT)]), "HOME": home},
+        ),
+    ]
+
+
+async def load(base: str, model: str, streams: int, tokens: int, seconds: float) -> dict[str, float]:
+    client = serve_bench.SSEClient(f"{base}/v1")
+    try:
+        await client.one(model, 0, 4)  # warm-up
+        produced, elapsed, ttfts = await serve_bench.closed_loop(lambda i: client.one(model, i, tokens), streams, seconds)
+    finally:
+        await client.close()
+    return {"tok_s": produced / elapsed, "ttft_p50_ms": 1000 * statistics.median(ttfts)}
+
+
+def measure(name: str, run: Callable[[int], dict[str, float]], streams: list[int], rounds: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for n in streams:
+        runs = [run(n) for _ in range(rounds)]
+        out[str(n)] = {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"rounds": runs}
+        print(f"  {name:14} {n:3} streams: {out[str(n)]['tok_s']:8.1f} tok/s, TTFT p50 {out[str(n)]['ttft_p50_ms']:7.1f} ms", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models-dir", type=Path, default=ROOT / "models")
+    ap.add_argument("--model", default="llama-10m")
+    ap.add_argument("--streams", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--servers", default="orchard,mlx_lm.server,vllm-mlx")
+    ap.add_argument("--vllm-mlx-site", type=Path, default=ROOT / ".peers" / "vllm-mlx")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "peers.json")
+    ap.add_argument("--markdown", type=Path, default=None)
+    a = ap.parse_args(argv)
+    serve_bench.TEMPERATURE = a.temperature
+    prepare(a.models_dir, {a.model}, log=lambda *_: None)
+    path = (a.models_dir / a.model).resolve()
+    wanted = a.servers.split(",")
+    results: dict[str, Any] = {}
+    bare = Bare(str(path), max(64, *a.streams), a.temperature)
+    bare.run(2, 4, 0.0)
+
+    def bare_run(n: int) -> dict[str, float]:
+        r = bare.run(n, a.tokens, a.seconds)
+        return {"tok_s": r["tok_s"], "ttft_p50_ms": r["ttft_p50_ms"]}
+
+    print("bare BatchGenerator, in process (first)", flush=True)
+    first_bare = measure("bare", bare_run, a.streams, a.rounds)
+    if "orchard" in wanted:
+        print("orchard", flush=True)
+        cluster, base = serve_bench.start_orchard(a.models_dir.resolve(), [a.model], {})
+        try:
+            results["orchard"] = measure("orchard", lambda n: asyncio.run(load(base, a.model, n, a.tokens, a.seconds)), a.streams, a.rounds)
+        finally:
+            serve_bench.stop_orchard(cluster)
+    with tempfile.TemporaryDirectory(prefix="orchard-peers-home-") as home:
+        for peer in peers(path, a.vllm_mlx_site, home):
+            if peer.name not in wanted:
+                continue
+            print(peer.name, flush=True)
+            base = peer.start(free_port())
+
+            def through(n: int, base: str = base, model: str = peer.model) -> dict[str, float]:
+                return asyncio.run(load(base, model, n, a.tokens, a.seconds))
+
+            try:
+                results[peer.name] = measure(peer.name, through, a.streams, a.rounds)
+            finally:
+                peer.stop()
+    print("bare BatchGenerator, in process (last)", flush=True)
+    last_bare = measure("bare", bare_run, a.streams, a.rounds)
+    bare_ref = {n: statistics.median([first_bare[n]["tok_s"], last_bare[n]["tok_s"]]) for n in first_bare}
+    bare_ttft = {n: statistics.median([first_bare[n]["ttft_p50_ms"], last_bare[n]["ttft_p50_ms"]]) for n in first_bare}
+    rows = []
+    for server, by_streams in results.items():
+        for n, r in by_streams.items():
+            rows.append(
+                {
+                    "server": server,
+                    "streams": int(n),
+                    "tok_s": round(r["tok_s"], 1),
+                    "over_bare": round(r["tok_s"] / bare_ref[n], 3),
+                    "ttft_p50_ms": round(r["ttft_p50_ms"], 1),
+                }
+            )
+    result = {
+        "model": a.model,
+        "tokens": a.tokens,
+        "temperature": a.temperature,
+        "seconds": a.seconds,
+        "rounds": a.rounds,
+        "bare": {"tok_s": bare_ref, "ttft_p50_ms": bare_ttft, "first": first_bare, "last": last_bare},
+        "rows": rows,
+        "raw": results,
+        "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()},
+    }
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(result, indent=2) + "\n")
+    text = render(result)
+    print(text)
+    if a.markdown is not None:
+        a.markdown.write_text(HEAD.format(model=a.model, tokens=a.tokens, temperature=a.temperature, seconds=a.seconds, rounds=a.rounds) + text)
+        print(f"wrote {a.markdown}")
+    return 0
+
+
+def render(r: dict) -> str:
+    lines = ["| server | streams | tok/s | / bare BatchGenerator | TTFT p50 ms (bare's) |", "|---|---:|---:|---:|---:|"]
+    for x in sorted(r["rows"], key=lambda x: (x["streams"], x["server"])):
+        n = str(x["streams"])
+        lines.append(f"| {x['server']} | {n} | {x['tok_s']:,.1f} | {x['over_bare']:.2f} | {x['ttft_p50_ms']} ({r['bare']['ttft_p50_ms'][n]:.1f}) |")
+    bare = ", ".join(f"{n} streams {v:,.1f}" for n, v in r["bare"]["tok_s"].items())
+    return "\n".join(lines) + f"\n\nThe bare BatchGenerator in process, median of the runs before and after the servers: {bare} tok/s.\n"
+
+
+HEAD = """# Orchard against its peers
+
+Produced by `make bench-peers` (`python -m bench.peers --markdown docs/peers-benchmark.md`); JSON in
+`bench/results/peers.json`. One run on this 2-core Linux VM (CPU MLX, OpenBLAS): the {model} model,
+closed-loop streaming chat clients (aiohttp), temperature {temperature}, {tokens} tokens a request,
+{seconds:.0f} s per cell, median of {rounds} rounds. Each server runs alone, started by the script:
+Orchard (its Serve app on a one-node Ray cluster, as bench.serve runs it), `mlx_lm.server`
+(`--decode-concurrency 64`) and vllm-mlx 0.6.0 (`--continuous-batching --completion-batch-size 64`,
+from its own site folder with mlx-lm 0.31.3). "bare" is mlx-lm's BatchGenerator driven in the
+benchmark process with the same prompts, before and after the servers: the ceiling. The client
+shares the 2 cores with every server; on this machine the engine computes on the CPU, so a server's
+own processes take from its engine. Every server computes with the same BLAS: Debian's OpenBLAS, one
+thread (Orchard preloads it, deployments/blas.py; the peers get it through LD_PRELOAD).
+
+"""
+
+if __name__ == "__main__":
+    raise SystemExit(main())
