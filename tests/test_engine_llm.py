@@ -427,3 +427,37 @@ def test_only_long_prefixes_are_kept_and_reused(models_dir):
     long_enough = first.usage.prompt_tokens + 8 + 1
     first, second, kept = run(twice(long_enough))
     assert second.usage.cached_tokens == 0 and kept == 0 and second.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize(("budget", "groups"), [(16384, 1), (40, 3)])
+def test_a_group_is_split_to_keep_prefill_within_max_prefill_tokens(models_dir, budget, groups):
+    """Three 30-token prompts fill a group of three and join together, unless max_prefill_tokens
+    allows fewer tokens in prefill at once: then each waits for the one before to finish its
+    prefill (the engine's own counters: groups and requests admitted)."""
+
+    async def scenario():
+        e = LLMEngine(
+            "llama-10m",
+            str(models_dir / "llama-10m"),
+            max_batch=8,
+            prefill_batch=3,
+            admit_hold_steps=100_000,
+            admit_quiet_steps=100_000,
+            max_prefill_tokens=budget,
+        )
+        await e.load()
+        try:
+            busy = e.generate(greedy("Busy while the group gathers", 3000))
+            await anext(busy)
+            before = e.counters()
+            three = [GenerationRequest(prompt_tokens=list(range(100 + i, 130 + i)), max_tokens=4, temperature=0) for i in range(3)]
+            done = await asyncio.gather(*(e.complete(r) for r in three))
+            after = e.counters()
+            await busy.aclose()
+            return done, after["admitted_groups"] - before["admitted_groups"], after["admitted_requests"] - before["admitted_requests"]
+        finally:
+            await e.stop()
+
+    done, admitted_groups, admitted_requests = run(scenario())
+    assert [d.usage.completion_tokens for d in done] == [4, 4, 4]
+    assert (admitted_groups, admitted_requests) == (groups, 3)

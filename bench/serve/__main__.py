@@ -278,7 +278,13 @@ def stop_orchard(cluster: Cluster) -> None:
 
 def llm_engine_options(text: str) -> dict:
     """`hold=N,pb=N,min=N` -> LLMEngineOptions' fields, the rest at their defaults."""
-    names = {"hold": "admit_hold_steps", "quiet": "admit_quiet_steps", "pb": "prefill_batch", "min": "prompt_cache_min_tokens"}
+    names = {
+        "hold": "admit_hold_steps",
+        "quiet": "admit_quiet_steps",
+        "pb": "prefill_batch",
+        "budget": "max_prefill_tokens",
+        "min": "prompt_cache_min_tokens",
+    }
     given = {names[k]: int(float(v)) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
     return LLMEngineOptions.model_validate(given).model_dump()
 

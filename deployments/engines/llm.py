@@ -193,8 +193,9 @@ class LLMEngine(Engine):
         prompt_cache_bytes: int = 512 * 1024**2,
         reserve_context_tokens: int = 4096,
         reserve_concurrency: int = 1,
-        admit_hold_steps: int = 8,  # these four: the served defaults (router/api/builder.py LLMEngineOptions)
+        admit_hold_steps: int = 8,  # these five: the served defaults (router/api/builder.py LLMEngineOptions)
         admit_quiet_steps: int = 1,
+        max_prefill_tokens: int = 16384,
         prompt_cache_min_tokens: int = 256,
     ):
         super().__init__(name, path)
@@ -212,6 +213,13 @@ class LLMEngine(Engine):
         # ... but not once arrivals have stopped: no arrival for this many steps ends the wait.
         self.admit_quiet_steps = admit_quiet_steps
         self._last_arrival = 0  # the step count when the last arrival reached the MLX thread
+        # Prompt tokens admitted and not yet through prefill, at most (one longer prompt alone may
+        # exceed it): a group of 32 long prompts would otherwise prefill 32 x prefill_step tokens in
+        # one step, stalling every stream and spiking memory. 16384 = mlx-lm's own worst case (8 x 2048).
+        self.max_prefill_tokens = max_prefill_tokens
+        self._prefilling: dict[int, int] = {}  # request id -> prompt tokens it still prefills (MLX thread)
+        self._due = False  # held arrivals of a group already let in, waiting only for prefill room
+        self._admitted = {"admitted_groups": 0, "admitted_requests": 0}
         self._steps = 0
         # A prefix is kept (a finished request's prompt + completion) and reused only from this
         # many tokens: reusing one copies the cached KV (all of it) and merges a ragged cache into
@@ -285,7 +293,8 @@ class LLMEngine(Engine):
         grow, so two readings give the rows per step and the time per step of a window."""
         generator = getattr(self, "generator", None)
         now = asdict(generator._counters) if generator is not None else {}
-        return {k: self._retired_counters.get(k, 0) + v for k, v in now.items()} or dict(self._retired_counters)
+        mlx_lm_counters = {k: self._retired_counters.get(k, 0) + v for k, v in now.items()} or dict(self._retired_counters)
+        return mlx_lm_counters | self._admitted  # and the engine's own: groups admitted into the batch
 
     def memory(self) -> MemoryReport:
         generator = getattr(self, "generator", None)
@@ -443,13 +452,21 @@ class LLMEngine(Engine):
         """Whether the held arrivals join the batch now: at once when it is idle, else when they
         fill a prefill group, the oldest has waited admit_hold_steps steps, or none has arrived for
         admit_quiet_steps steps (waiting longer would not grow the group)."""
-        if not busy or len(self._held) >= self.prefill_batch:
+        if not busy or self._due or len(self._held) >= self.prefill_batch:
             return True
         return self._steps - self._held[0].step >= self.admit_hold_steps or self._steps - self._last_arrival >= self.admit_quiet_steps
 
     def _admit_held(self, streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]) -> None:
-        held, self._held = self._held, deque()
-        for arrival in held:
+        """The held arrivals into the batch, in order, as far as max_prefill_tokens allows (the
+        rest wait for the prefills in flight to finish)."""
+        prefilling = sum(self._prefilling.values())
+        joined = 0
+        while self._held:
+            arrival = self._held[0]
+            if prefilling and prefilling + len(arrival.tokens) > self.max_prefill_tokens:
+                break  # the rest of this group joins as soon as there is room: it waits no more
+
+            self._held.popleft()
             self._arrived(-1)
             try:
                 stream = self._admit(arrival)
@@ -458,6 +475,13 @@ class LLMEngine(Engine):
                 continue
             streams[arrival.rid] = stream
             by_uid[stream.uid] = arrival.rid
+            self._prefilling[arrival.rid] = len(arrival.tokens) - stream.cached
+            prefilling += self._prefilling[arrival.rid]
+            joined += 1
+        self._due = bool(self._held)
+        if joined:
+            self._admitted["admitted_groups"] += 1
+            self._admitted["admitted_requests"] += joined
 
     def _step(self, streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]) -> None:
         """One BatchGenerator step for every running request."""
@@ -469,6 +493,7 @@ class LLMEngine(Engine):
                 self._finish(stream, "error", error=f"{type(e).__name__}: {e}", code="internal")
                 outbox.append(stream)
             by_uid.clear()
+            self._prefilling.clear()
             self.generator = self._new_generator()
             _reseed_rng()  # a sampler that raised in its trace left a tracer in mx.random.state
             self._samplers.clear()  # and a shared one that broke must not serve the next request
@@ -477,6 +502,7 @@ class LLMEngine(Engine):
             rid = by_uid.get(r.uid)
             if rid is None:
                 continue
+            self._prefilling.pop(rid, None)  # its first token: its prefill is done
             stream = streams[rid]
             outbox.append(stream)
             if not self._advance(stream, r):
@@ -497,10 +523,12 @@ class LLMEngine(Engine):
             held = next((a for a in self._held if a.rid == payload), None)
             if held is not None:  # not in the batch yet: nothing to free
                 self._held.remove(held)
+                self._due = self._due and bool(self._held)
                 self._arrived(-1)
                 _put(held.loop, [(held.out, Delta(finish_reason="cancelled", usage=Usage(prompt_tokens=len(held.tokens), completion_tokens=0)))])
                 return
             cancelled = streams.pop(payload, None)
+            self._prefilling.pop(payload, None)
             if cancelled is not None:
                 by_uid.pop(cancelled.uid, None)
                 self.generator.remove([cancelled.uid])  # drops its KV cache now

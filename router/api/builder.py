@@ -30,6 +30,10 @@ class LLMEngineOptions(BaseModel):
     admit_quiet_steps: int = Field(default=1, ge=0, le=64)
     # Sequences prefilled together (mlx-lm's prefill_batch_size; its default is 8).
     prefill_batch: int = Field(default=32, ge=1, le=256)
+    # ... and at most this many prompt tokens admitted and not yet prefilled (one longer prompt
+    # alone excepted): groups of long prompts are split, so no step prefills more than mlx-lm's
+    # default could (8 x 2048) and memory does not spike.
+    max_prefill_tokens: int = Field(default=16384, ge=1)
     # A prompt prefix is kept and reused only from this many tokens: below it, copying and merging
     # the cached KV costs more than prefilling the prefix again.
     prompt_cache_min_tokens: int = Field(default=256, ge=0)
