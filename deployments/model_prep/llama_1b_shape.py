@@ -1,5 +1,5 @@
 """Llama-3.2-1B's shape (2048 hidden, 16 layers, 32 query / 8 KV heads, 8192 MLP) with random
-bfloat16 weights: the accelerator benchmarks' model (issue 11), 2.2 GB. Built only when named
+bfloat16 weights: the accelerator benchmarks' model (issue 11), 1.95 GB. Built only when named
 (`python -m deployments.models prepare DIR --only llama-1b-shape`). Its vocabulary is the offline
 tokenizer's 2048 tokens, not Llama's 128k: the output projection is 0.5% of the layers' work instead
 of ~20%, so a step is a little shorter than the real model's, which only makes the serving path's
