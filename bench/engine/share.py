@@ -32,10 +32,10 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
+from bench.engine.__main__ import TOPICS  # the engine benchmark's prompts (MLX only, as here)
 from deployments.engines.llm import GenerationRequest, LLMEngine
 
 ROOT = Path(__file__).resolve().parents[2]
-TOPICS = ["the sea", "a city at night", "bread", "mountains", "a small robot", "rain", "music", "the moon"]
 
 
 def messages(i: int) -> list[dict]:

@@ -30,18 +30,12 @@ import requests  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from bench.engine.share import Bare  # noqa: E402
+from bench.engine.share import Bare, messages  # noqa: E402  (the same prompts on every side)
 from cluster.placement import find_model_server  # noqa: E402
 from deployments.engines.llm import GenerationRequest, LLMEngine  # noqa: E402
 from deployments.models import prepare  # noqa: E402
 from router.api.builder import AppArgs, LLMEngineOptions, build_app  # noqa: E402
 from router.residency.registry import from_manifest  # noqa: E402
-
-TOPICS = ["the sea", "a city at night", "bread", "mountains", "a small robot", "rain", "music", "the moon"]
-
-
-def messages(i: int) -> list[dict]:
-    return [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]} (number {i})."}]
 
 
 class SSEClient:
