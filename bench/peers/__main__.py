@@ -116,6 +116,44 @@ async def load(base: str, model: str, streams: int, tokens: int, seconds: float)
     return {"tok_s": produced / elapsed, "ttft_p50_ms": 1000 * statistics.median(ttfts)}
 
 
+async def short_requests(base: str, route: str, body: Callable[[int], dict], clients: int, seconds: float) -> dict[str, float]:
+    """50 lone requests (their p50 latency), then `clients` closed-loop clients sending short
+    requests (a 1-token chat, a 1-string embedding) for `seconds` (requests per second). Every
+    request has its own text (`body(i)`): no server answers from an exact-repeat cache."""
+    import aiohttp
+
+    url = f"{base}/v1/{route}"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        sent = 0
+
+        async def one() -> float:
+            nonlocal sent
+            sent += 1
+            started = time.perf_counter()
+            async with session.post(url, json=body(sent)) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"{url}: HTTP {r.status}: {await r.text()}")
+                await r.read()
+            return time.perf_counter() - started
+
+        for _ in range(5):  # warm-up
+            await one()
+        lone = sorted([await one() for _ in range(50)])
+        deadline = time.perf_counter() + seconds
+        done = 0
+
+        async def client() -> None:
+            nonlocal done
+            while time.perf_counter() < deadline:
+                await one()
+                done += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        rate = done / (time.perf_counter() - started)
+    return {"req_s": rate, "lone_p50_ms": 1000 * lone[len(lone) // 2]}
+
+
 def measure(name: str, run: Callable[[int], dict[str, float]], streams: list[int], rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in streams:
@@ -136,9 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--servers", default="orchard,mlx_lm.server,vllm-mlx")
     ap.add_argument("--vllm-mlx-site", type=Path, default=ROOT / ".peers" / "vllm-mlx")
-    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "peers.json")
+    ap.add_argument("--short", action="store_true", help="short requests instead (issue 11's goal 3): 1-token chats and 1-string embeddings")
+    ap.add_argument("--clients", type=int, nargs="+", default=[8, 32], help="--short: concurrent clients")
+    ap.add_argument("--embedding-model", default="all-minilm-l6-v2")
+    ap.add_argument("--json", type=Path, default=None, help="default: bench/results/peers.json (peers-short.json with --short)")
     ap.add_argument("--markdown", type=Path, default=None)
     a = ap.parse_args(argv)
+    if a.short:
+        return short_main(a)
+    a.json = a.json or ROOT / "bench" / "results" / "peers.json"
     serve_bench.TEMPERATURE = a.temperature
     prepare(a.models_dir, {a.model}, log=lambda *_: None)
     path = (a.models_dir / a.model).resolve()
@@ -209,6 +253,73 @@ def main(argv: list[str] | None = None) -> int:
         a.markdown.write_text(HEAD.format(model=a.model, tokens=a.tokens, temperature=a.temperature, seconds=a.seconds, rounds=a.rounds) + text)
         print(f"wrote {a.markdown}")
     return 0
+
+
+def short_main(a: argparse.Namespace) -> int:
+    """Short requests on one node: Orchard against vllm-mlx (mlx_lm.server serves no embeddings),
+    and what one lease round trip to the residency service costs from a driver."""
+    prepare(a.models_dir, {a.model, a.embedding_model}, log=lambda *_: None)
+    path = (a.models_dir / a.model).resolve()
+    emb_path = (a.models_dir / a.embedding_model).resolve()
+
+    def chat(model: str) -> Callable[[int], dict]:
+        return lambda i: {"model": model, "messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 1, "temperature": 0}
+
+    def emb(model: str) -> Callable[[int], dict]:
+        return lambda i: {"model": model, "input": f"one short string, number {i}"}
+
+    results: dict[str, Any] = {}
+
+    def run_all(name: str, base: str, chat_model: str, emb_model: str) -> None:
+        out = {}
+        for kind, route, body in (
+            ("chat", "chat/completions", chat(chat_model)),
+            ("embeddings", "embeddings", emb(emb_model)),
+        ):
+            for n in a.clients:
+                r = asyncio.run(short_requests(base, route, body, n, a.seconds))
+                out[f"{kind}@{n}"] = r
+                print(f"  {name:9} {kind:10} {n:3} clients: {r['req_s']:7.1f} req/s, lone p50 {r['lone_p50_ms']:6.1f} ms", flush=True)
+        results[name] = out
+
+    if "orchard" in a.servers.split(","):
+        cluster, base = serve_bench.start_orchard(a.models_dir.resolve(), [a.model, a.embedding_model], {})
+        try:
+            run_all("orchard", base, a.model, a.embedding_model)
+            results["orchard_lease_round_trip_ms"] = asyncio.run(lease_round_trip(a.model))
+            print(f"  orchard lease acquire + release from a driver, p50: {results['orchard_lease_round_trip_ms']:.2f} ms", flush=True)
+        finally:
+            serve_bench.stop_orchard(cluster)
+    if "vllm-mlx" in a.servers.split(","):
+        with tempfile.TemporaryDirectory(prefix="orchard-peers-home-") as home:
+            peer = next(p for p in peers(path, a.vllm_mlx_site, home) if p.name == "vllm-mlx")
+            peer.command += ["--embedding-model", str(emb_path)]
+            base = peer.start(free_port())
+            try:
+                run_all("vllm-mlx", base, str(path), str(emb_path))
+            finally:
+                peer.stop()
+    out = a.json or ROOT / "bench" / "results" / "peers-short.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": a.model, "embedding_model": a.embedding_model, "seconds": a.seconds, "results": results}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+async def lease_round_trip(model: str, n: int = 50) -> float:
+    """p50 ms of one acquire + release on the residency service through its Serve handle, the hop
+    every request makes today (issue 11: no controller round trip per request)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("ResidencyService", app_name="orchard")
+    times = []
+    for _ in range(n + 5):
+        started = time.perf_counter()
+        grant = await handle.acquire.remote(model)
+        await handle.release.remote(grant["lease_id"])
+        times.append(time.perf_counter() - started)
+    await handle.shutdown_async()  # on this loop: serve.shutdown() later cannot reach a closed one
+    return 1000 * statistics.median(times[5:])
 
 
 def render(r: dict) -> str:

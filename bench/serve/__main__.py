@@ -258,14 +258,17 @@ def start_orchard(models_dir: Path, models: list[str], app_args: dict) -> tuple[
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     overrides = {name: o for name, o in OVERRIDES.items() if name in models}
-    registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in overrides]
+    registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in models]
     policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
     serve.run(build_app({"models_dir": str(models_dir), "models": registry, "policy": policy, **app_args}), name="orchard", route_prefix="/")
     return cluster, f"http://127.0.0.1:{port}"
 
 
 def stop_orchard(cluster: Cluster) -> None:
-    serve.shutdown()
+    try:
+        serve.shutdown()
+    except RuntimeError:  # a handle made in an event loop that has closed since: the cluster goes anyway
+        pass
     ray.shutdown()
     cluster.shutdown()
 
