@@ -37,7 +37,29 @@ def test_batching_and_padding_do_not_change_vectors(engine):
     together, alone, concurrent = asyncio.run(scenario())
     for i in range(len(texts)):
         assert np.abs(np.array(together.vectors[i]) - np.array(alone[i].vectors[0])).max() < 1e-5
-        assert concurrent[i].vectors == alone[i].vectors
+        # concurrent requests may share a batch (test below): the same vectors, as `together`
+        assert np.abs(np.array(concurrent[i].vectors[0]) - np.array(alone[i].vectors[0])).max() < 1e-5
+
+
+def test_requests_that_arrive_while_a_batch_runs_share_the_next_one(engine):
+    """Eight single-string requests that arrive while the worker is busy run as one forward batch,
+    each getting its own vectors and token count, equal to its solo result."""
+    import time
+
+    texts = [f"request number {i} with {'some ' * i}words" for i in range(8)]
+
+    async def scenario():
+        alone = [await engine.embed([t]) for t in texts]
+        engine._worker.submit(time.sleep, 0.3)  # the worker is busy while all eight arrive
+        before = engine.batches
+        shared = await asyncio.gather(*(engine.embed([t]) for t in texts))
+        return alone, shared, engine.batches - before
+
+    alone, shared, batches = asyncio.run(scenario())
+    assert batches == 1
+    for a, s in zip(alone, shared, strict=True):
+        assert s.prompt_tokens == a.prompt_tokens
+        assert np.abs(np.array(s.vectors[0]) - np.array(a.vectors[0])).max() < 1e-5
 
 
 def test_dimensions_truncate_and_renormalise(engine):

@@ -124,6 +124,12 @@ def run_batches(
 def mean_pooled_embeddings(model, tokenizer, texts: list[str], max_length: int, batch_size: int) -> tuple[np.ndarray, int]:
     """Sentence embeddings as mlx-embeddings computes them (mean-pooled, L2-normalised), and the
     number of tokens run after truncation."""
+    vectors, tokens = mean_pooled_embeddings_each(model, tokenizer, texts, max_length, batch_size)
+    return vectors, sum(tokens)
+
+
+def mean_pooled_embeddings_each(model, tokenizer, texts: list[str], max_length: int, batch_size: int) -> tuple[np.ndarray, list[int]]:
+    """mean_pooled_embeddings with the tokens run for each text."""
     ids = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
     rows = run_batches(
         ids,
@@ -132,4 +138,4 @@ def mean_pooled_embeddings(model, tokenizer, texts: list[str], max_length: int, 
         tokenizer.pad_token_id or 0,
         lambda input_ids, _types, mask: model(input_ids, attention_mask=mask).text_embeds,
     )
-    return np.stack(rows), sum(len(x) for x in ids)
+    return np.stack(rows), [len(x) for x in ids]
