@@ -24,7 +24,7 @@ BUILDERS = (
     "llava_tiny",
 )
 # Built only when named (`--only`): real model shapes for accelerator benchmarks, gigabytes each.
-ON_REQUEST = ("llama_1b_shape",)
+ON_REQUEST = ("llama_1b_shape", "llama_8b_shape")
 
 
 def builder(module: str) -> ModuleType:

@@ -3,6 +3,8 @@ what policy/ needs (weights, KV per token) for every kind."""
 
 import time
 
+import pytest
+
 from deployments.estimate import estimate
 from deployments.manifest import read_manifest
 from deployments.models import main, prepare
@@ -39,3 +41,23 @@ def test_command_line_lists_the_manifest(models_dir, capsys):
     assert main(["list", str(models_dir)]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m-instruct" in out and "whisper-tiny-en" in out
+
+
+@pytest.mark.parametrize(("module", "low", "high"), [("llama_1b_shape", 0.9e9, 1.1e9), ("llama_8b_shape", 6.8e9, 7.1e9)])
+def test_the_benchmark_shapes_are_the_real_models_layers_and_are_built_only_when_named(models_dir, module, low, high):
+    """llama-1b-shape and llama-8b-shape have Llama-3.2-1B's and Llama-3.1-8B's layers (their parameters
+    less the 128k-token embedding: the offline vocabulary is 2048), counted on the lazily built model
+    (nothing is allocated); the plain prepare that made the test set did not build them (gigabytes each)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from deployments.models import ON_REQUEST, builder
+
+    config = builder(module).CONFIG
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    params = sum(p.size for _, p in tree_flatten(model.parameters()))
+    mx.clear_cache()
+    assert low <= params <= high and config["torch_dtype"] == "bfloat16"
+    assert module in ON_REQUEST
+    assert builder(module).NAME not in {e.name for e in read_manifest(models_dir).models}

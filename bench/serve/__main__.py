@@ -237,6 +237,7 @@ OVERRIDES = {  # room for 64 streams of 1024 tokens each, as the benchmarks run 
     "llama-10m": {"reserve_context_tokens": 1024, "reserve_concurrency": 64},
     "smollm2-135m-instruct": {"reserve_context_tokens": 512, "reserve_concurrency": 64},
     "llama-1b-shape": {"reserve_context_tokens": 1024, "reserve_concurrency": 64},
+    "llama-8b-shape": {"reserve_context_tokens": 1024, "reserve_concurrency": 16},
 }
 
 
@@ -247,7 +248,7 @@ def start_orchard(models_dir: Path, models: list[str], app_args: dict) -> tuple[
         initialize_head=True,
         head_node_args={
             "num_cpus": 2,
-            "labels": {"orchard.node": "head", "orchard.budget_gib": "12"},
+            "labels": {"orchard.node": "head", "orchard.budget_gib": "64"},
             "include_dashboard": False,
             "object_store_memory": 80 << 20,
         },
@@ -333,7 +334,7 @@ def main() -> None:
         app_args["gil_switch_ms"] = args.gil_switch_ms
     cluster, base = start_orchard(models_dir, args.models.split(","), app_args)
     rows, ttft, cold = [], [], []
-    max_tokens_of = {"llama-10m": 128, "smollm2-135m-instruct": 48, "llama-1b-shape": 128}
+    max_tokens_of = {"llama-10m": 128, "smollm2-135m-instruct": 48, "llama-1b-shape": 128, "llama-8b-shape": 128}
     for model in args.models.split(","):
         max_tokens = args.max_tokens or max_tokens_of[model]
         engine = LLMEngine(model, str(models_dir / model), max_batch=64, **scheduling)  # as served: prefix reuse on
