@@ -385,7 +385,10 @@ def test_the_dashboard_shows_each_instances_state_size_and_why_it_ended(orchard)
     assert row["state"] == "ALIVE" and "ready" in row["repr_name"] and "MiB" in row["repr_name"], row["repr_name"]
     dead = wait_for(lambda: (r := actor_row(gone)) and r["state"] == "DEAD" and r, 20, "the unloaded actor DEAD")
     cause = json.dumps(dead.get("death_cause"))
-    assert "exit_actor" in cause and "ray.kill" not in cause, cause
+    # Ray words an exit_actor() two ways: "exit_actor() is called." or, when the actor's other
+    # running calls (a watch round's health probe) finish first, "INTENDED_USER_EXIT ... User
+    # requested to exit the actor." (seen once in a full run); a ray.kill says "ray.kill".
+    assert ("exit_actor" in cause or "INTENDED_USER_EXIT" in cause) and "ray.kill" not in cause, cause
     assert "ready" in dead["repr_name"], dead["repr_name"]
 
 
