@@ -10,7 +10,6 @@ headless Chromium (Debian's `chromium`) for a PNG of the Actors view, and stops 
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,12 +22,6 @@ import yaml
 from cluster import local
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _chromium() -> str:
@@ -77,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _chromium()  # fail before starting anything
     temp_root = Path(tempfile.mkdtemp(prefix="orch-shot-", dir="/tmp"))
-    dashboard_port, http_port = _free_port(), _free_port()
+    dashboard_port, http_port = local.free_port(), local.free_port()
     state = local.start(
-        local.parse_nodes("head:1.5,mac-1:0.8"), temp_root=temp_root, port=_free_port(), dashboard_port=dashboard_port, http_port=http_port
+        local.parse_nodes("head:1.5,mac-1:0.8"), temp_root=temp_root, port=local.free_port(), dashboard_port=dashboard_port, http_port=http_port
     )
     try:
         os.environ.update(local.ray_env(temp_root))

@@ -139,7 +139,8 @@ def ray_env(temp_root: Path) -> dict[str, str]:
     return env
 
 
-def _free_port(ip: str) -> int:
+def free_port(ip: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `ip` now (the OS's choice)."""
     with socket.socket() as s:
         s.bind((ip, 0))
         return s.getsockname()[1]
@@ -309,7 +310,7 @@ def start(
         offset = logfile.stat().st_size if logfile.exists() else 0
         cmd = _ray_cli() + ["start", *args, *common, f"--labels={labels}"]
         # Fresh free ports per node: the default 52365 for the dashboard agent would collide between nodes.
-        cmd += [f"--dashboard-agent-listen-port={_free_port(ip)}", f"--metrics-export-port={_free_port(ip)}"]
+        cmd += [f"--dashboard-agent-listen-port={free_port(ip)}", f"--metrics-export-port={free_port(ip)}"]
         node_env = dict(env)
         store = (head_store if node is nodes[0] and head_store is not None else stores / node.name) if stores is not None else None
         if store is not None:
@@ -331,7 +332,7 @@ def start(
     deadline = started + timeout_s
     try:
         head, workers = nodes[0], nodes[1:]
-        head_args = ["--head", f"--port={port}", f"--num-cpus={head_cpus}", f"--ray-client-server-port={_free_port(ip)}"]
+        head_args = ["--head", f"--port={port}", f"--num-cpus={head_cpus}", f"--ray-client-server-port={free_port(ip)}"]
         if dashboard:
             head_args += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
         else:

@@ -173,7 +173,7 @@ def test_local_launcher_start_status_stop_from_a_long_path(tmp_path):
     checkout = _checkout_at_a_long_path(tmp_path)
     assert len(str(checkout)) >= 120
     ip = local.default_ip()
-    port, dashboard_port, http_port = local._free_port(ip), local._free_port("127.0.0.1"), local._free_port("127.0.0.1")
+    port, dashboard_port, http_port = local.free_port(ip), local.free_port("127.0.0.1"), local.free_port("127.0.0.1")
     ports = ["--port", str(port), "--dashboard-port", str(dashboard_port), "--http-port", str(http_port)]
     temp_root: Path | None = None
     pids: list[int] = []
@@ -223,7 +223,7 @@ def test_start_refuses_a_taken_http_port(tmp_path, monkeypatch):
             listener.bind(("127.0.0.1", 0))
             listener.listen()
             http_port = listener.getsockname()[1]
-            kwargs = {"port": local._free_port(local.default_ip()), "dashboard": False, "http_port": http_port, "timeout_s": 5}
+            kwargs = {"port": local.free_port(local.default_ip()), "dashboard": False, "http_port": http_port, "timeout_s": 5}
             with pytest.raises(RuntimeError, match=rf"HTTP port 127\.0\.0\.1:{http_port} is taken by pid {os.getpid()} \("):
                 local.start(local.parse_nodes("head:1"), temp_root=short / "t", **kwargs)
             assert not (short / "t").exists(), "nothing was started or written"

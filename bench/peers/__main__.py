@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,15 +24,10 @@ from typing import Any
 
 import bench.serve.__main__ as serve_bench
 from bench.engine.share import Bare
+from cluster.local import free_port
 from deployments.models import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(base: str, process: subprocess.Popen | None, timeout_s: float = 180.0) -> None:

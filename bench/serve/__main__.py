@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-from cluster.local import SERVE_ENV  # stdlib only
+from cluster.local import SERVE_ENV, free_port  # stdlib only
 
 for _k, _v in SERVE_ENV.items():  # the product's Serve mode
     os.environ.setdefault(_k, _v)
@@ -254,9 +253,7 @@ def start_orchard(models_dir: Path, models: list[str], app_args: dict) -> tuple[
         },
     )
     ray.init(address=cluster.address, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     overrides = {name: o for name, o in OVERRIDES.items() if name in models}
     registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in models]

@@ -1,19 +1,14 @@
 """What the end-to-end modules share to set up a local Ray cluster and talk to Orchard over HTTP."""
 
-import socket
 import time
 
 import requests
 
+from cluster.local import free_port  # noqa: F401  (the e2e modules import it from here)
+
 MIB = 1024**2
 # Ray notices a dead node in ~1.5 s instead of ~14 s (shared/ray/README.md)
 HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_args(name: str, budget_gib: float, cpus: int) -> dict:
