@@ -197,7 +197,7 @@ def _shortfall_text(s: NodeShortfall) -> str:
     return ", ".join(parts)
 
 
-def _blockers(shortfalls: list[NodeShortfall]) -> tuple[Blocker, ...]:
+def blockers_of(shortfalls: list[NodeShortfall]) -> tuple[Blocker, ...]:
     seen: dict[InstanceRef, Blocker] = {}
     for s in shortfalls:
         for c in s.blockers:
@@ -318,7 +318,7 @@ def _refuse(
     detail = "; ".join(_shortfall_text(s) for s in ordered[:3])
     if len(ordered) > 3:
         detail += f"; and {len(ordered) - 3} more nodes"
-    blockers = _blockers(shortfalls)
+    blockers = blockers_of(shortfalls)
     if waiting_plan is None:
         return Reject(
             model=spec.name,

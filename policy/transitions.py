@@ -94,6 +94,15 @@ def finish_request(state: ClusterState, ref: InstanceRef, now: float) -> Cluster
     return _update_instance(state, ref, in_flight=max(0, inst.in_flight - 1), last_used=now)
 
 
+def set_in_flight(state: ClusterState, ref: InstanceRef, in_flight: int, now: float | None = None) -> ClusterState:
+    """The instance's requests in flight, as counted from its leases (a standing lease counts what
+    its ingress reports, at least one); `now` marks it used (last_used) when given."""
+    changes: dict[str, object] = {"in_flight": max(0, in_flight)}
+    if now is not None:
+        changes["last_used"] = now
+    return _update_instance(state, ref, **changes)
+
+
 def mark_stored(state: ClusterState, node_id: str, model: str) -> ClusterState:
     """The model's weights are now in the node's store (a fetch finished; L1)."""
     node = _node(state, node_id)

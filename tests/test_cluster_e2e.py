@@ -223,6 +223,28 @@ def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard):
     assert running == 0 and left == {"leases": 0, "in_flight": 0}, (running, left)
 
 
+def test_requests_share_a_standing_lease_and_give_it_back_after_the_linger(orchard):
+    """The ingress asks the residency service for a lease once, routes the next requests through it
+    (plain and streamed) without asking again, and gives it back once nothing ran on it for 2 s."""
+    http, client = orchard["http"], orchard["client"]
+    assert client.completions.create(model="llama-10m", prompt="Hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+    before = http.get("/v1/cluster").json()["routing"]
+    for i in range(6):
+        assert client.completions.create(model="llama-10m", prompt=f"Hi {i}", max_tokens=2, temperature=0).usage.completion_tokens == 2
+        chunks = list(client.completions.create(model="llama-10m", prompt=f"Go {i}", max_tokens=2, temperature=0, stream=True))
+        assert chunks and chunks[-1].choices[0].finish_reason == "length"
+    after = http.get("/v1/cluster").json()["routing"]
+    assert after["leases_granted"] == before["leases_granted"] and after["standing_leases"] >= 1, (before, after)
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        cluster = http.get("/v1/cluster").json()
+        instance = next(i for n in cluster["nodes"] for i in n["instances"] if i["model"] == "llama-10m")
+        if cluster["routing"]["standing_leases"] == 0 and instance["leases"] == 0 and instance["in_flight"] == 0:
+            break
+        time.sleep(0.3)
+    assert cluster["routing"]["standing_leases"] == 0 and (instance["leases"], instance["in_flight"]) == (0, 0), (cluster["routing"], instance)
+
+
 def test_metrics_are_exported_by_ray(orchard):
     """After the module's earlier tests (loads, streams, the eviction of test_filling_a_node_evicts)."""
     head = next(n for n in ray.nodes() if n["Alive"] and n["Labels"].get("orchard.node") == "head")

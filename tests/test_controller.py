@@ -476,3 +476,129 @@ def test_a_request_behind_a_long_fetch_gets_a_503_with_the_progress_as_contentio
     assert error.code == ("model_fetching" if contention == "fail" else "model_gave_up") and error.retry_after_s
     assert "waits for its weights on n1" in error.message and "copying from n2: 50%" in error.message
     assert c.state.node("n1").instance("a") is not None  # nothing evicted meanwhile
+
+
+# ---- standing leases (an ingress replica routes many requests through one) -----------------------
+ONE_NODE = (("n1", 4),)
+
+
+def test_a_standing_lease_is_busy_while_held_and_counts_what_its_holder_reports():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)], nodes=ONE_NODE)
+        lease = await c.acquire("a", holder="ing-1")
+        inst = lambda: c.state.node("n1").instance("a")  # noqa: E731
+        seen = [inst().in_flight]
+        c.report_usage("ing-1", {lease.lease_id: 5})
+        seen.append(inst().in_flight)
+        c.report_usage("ing-1", {lease.lease_id: 0})
+        seen.append(inst().in_flight)  # held and idle: still busy
+        c.report_usage("ing-2", {lease.lease_id: 9})  # not its holder: ignored
+        seen.append(inst().in_flight)
+        c.release(lease.lease_id)
+        seen.append(inst().in_flight)
+        return lease, seen
+
+    lease, seen = run(scenario())
+    assert lease.holder == "ing-1"
+    assert seen == [1, 5, 1, 1, 0]
+
+
+@pytest.mark.parametrize("contention", ["fail", "wait"])
+def test_an_idle_standing_lease_in_a_placements_way_is_revoked_and_the_eviction_waits_for_it(contention):
+    """b needs a's memory; a is held by an idle standing lease: the controller revokes it (the
+    holder's long poll says so at once), b waits (even with contention "fail", for the grace), and
+    a is evicted only once the holder gave the lease back."""
+
+    async def scenario():
+        config = PLAIN.model_copy(update={"contention": contention, "wait_timeout_s": 5.0})
+        c, fx = make([spec("a", gb=3), spec("b", gb=3)], nodes=ONE_NODE, config=config)
+        lease = await c.acquire("a", holder="ing-1")
+        c.report_usage("ing-1", {lease.lease_id: 0})
+        view = await c.routes("ing-1")
+        asking = asyncio.create_task(c.acquire("b"))
+        revoked = await asyncio.wait_for(c.routes("ing-1", view["version"]), 1.0)
+        await asyncio.sleep(0.05)
+        stopped_before = list(fx.stopped)
+        still_there = c.state.node("n1").instance("a") is not None
+        c.release(lease.lease_id)  # the holder gives it back
+        b = await asyncio.wait_for(asking, 2.0)
+        return lease, view, revoked, stopped_before, still_there, b, fx
+
+    lease, view, revoked, stopped_before, still_there, b, fx = run(scenario())
+    assert view["valid"] == [lease.lease_id] and view["revoked"] == [] and view["copies"] == {"a": 1}
+    assert revoked["revoked"] == [lease.lease_id] and revoked["valid"] == []
+    assert stopped_before == [] and still_there
+    assert b.model == "b" and [ref.model for ref, _ in fx.stopped] == ["a"]
+
+
+def test_a_standing_lease_in_use_is_never_revoked_and_its_instance_never_evicted():
+    async def scenario():
+        c, fx = make([spec("a", gb=3), spec("b", gb=3)], nodes=ONE_NODE, config=PLAIN.model_copy(update={"contention": "fail"}))
+        lease = await c.acquire("a", holder="ing-1")
+        c.report_usage("ing-1", {lease.lease_id: 2})
+        with pytest.raises(OrchardError) as refused:
+            await c.acquire("b")
+        return c, fx, lease, refused.value, await c.routes("ing-1")
+
+    c, fx, lease, refused, view = run(scenario())
+    assert refused.code == "model_busy"
+    assert fx.stopped == [] and view["valid"] == [lease.lease_id] and view["revoked"] == []
+
+
+def test_standing_leases_of_a_holder_that_stopped_reporting_expire():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)], nodes=ONE_NODE)
+        lease = await c.acquire("a", holder="ing-1")
+        kept = await c.acquire("a", holder="ing-2")
+        fx.t += 10
+        c.report_usage("ing-2", {kept.lease_id: 1})
+        c.tick()
+        alive = {x.lease_id for x in c.leases()}
+        fx.t += 10
+        c.tick()
+        left = {x.lease_id for x in c.leases()}
+        fx.t += 10
+        c.tick()
+        return c, lease, kept, alive, left
+
+    c, lease, kept, alive, left = run(scenario())
+    assert alive == {lease.lease_id, kept.lease_id} and left == {kept.lease_id}
+    assert c.leases() == [] and c.state.node("n1").instance("a").in_flight == 0
+    expired = [e for e in c.events() if e.kind == "lease_expired"]
+    assert [e.reason for e in expired] == ["ingress ing-1 stopped reporting", "ingress ing-2 stopped reporting"]
+
+
+def test_the_routes_long_poll_answers_on_change_and_drops_leases_of_an_unloaded_instance():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)], nodes=ONE_NODE)
+        lease = await c.acquire("a", holder="ing-1")
+        c.release(lease.lease_id)
+        held = await c.acquire("a", holder="ing-1")
+        view = await c.routes("ing-1")
+        quiet = await c.routes("ing-1", view["version"], timeout_s=0.05)  # nothing changed: the timeout
+        waiting = asyncio.create_task(c.routes("ing-1", view["version"]))
+        await asyncio.sleep(0.01)
+        c.unload("a")
+        return held, view, quiet, await asyncio.wait_for(waiting, 1.0)
+
+    held, view, quiet, after = run(scenario())
+    assert view["valid"] == [held.lease_id] and view["leases_upto"] == 2
+    assert quiet["version"] == view["version"]
+    assert after["version"] > view["version"] and after["valid"] == [] and after["copies"] == {}
+
+
+def test_an_operator_load_revokes_an_idle_standing_lease_in_its_way():
+    async def scenario():
+        c, fx = make([spec("a", gb=3), spec("b", gb=3)], nodes=ONE_NODE)
+        lease = await c.acquire("a", holder="ing-1")
+        c.report_usage("ing-1", {lease.lease_id: 0})
+        loading = asyncio.create_task(c.load("b", "n1"))
+        for _ in range(100):
+            if (await c.routes("ing-1", timeout_s=0))["revoked"]:
+                break
+            await asyncio.sleep(0.01)
+        c.release(lease.lease_id)
+        return await asyncio.wait_for(loading, 2.0), fx
+
+    ref, fx = run(scenario())
+    assert (ref.model, ref.node_id) == ("b", "n1") and [r.model for r, _ in fx.stopped] == ["a"]

@@ -4,6 +4,7 @@ settings. Serve makes one per replica process (router/api/app.py); routes get it
 
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,9 +23,10 @@ class Ingress:
         *,
         allow_remote_images: bool = False,
         max_audio_bytes: int = 25 * 1024**2,
+        route_linger_s: float = 2.0,
     ):
         self.residency = residency
-        self.leases = Leases(residency)
+        self.leases = Leases(residency, holder=f"ingress-{uuid.uuid4().hex[:8]}", linger_s=route_linger_s)
         self.mux = StreamMux()
         self.chunk_timeout_s = chunk_timeout_s
         self.principals = list(principals or [])
@@ -47,6 +49,9 @@ class Ingress:
         """The replica is shutting down: close every channel (each actor cancels what was open)."""
         with contextlib.suppress(Exception):
             self.mux.close()
+        if self.leases.standing is not None:
+            with contextlib.suppress(Exception):
+                self.leases.standing.close()
 
 
 _CURRENT: list[Ingress] = []

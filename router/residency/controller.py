@@ -7,7 +7,16 @@ instance on a node, drain and stop one, publish an event). State is touched only
 it needs no lock. Unit tests drive it with an in-memory Effects; the Ray one lives beside it.
 
 The controller is never on the token path: `acquire` returns a lease naming the instance, the
-ingress streams straight from it, and `release` ends the lease."""
+ingress streams straight from it, and `release` ends the lease.
+
+Nor need it be on every request's path: a lease acquired with a `holder` (an ingress replica) is a
+standing lease, which that replica routes many requests through without asking again. It counts as
+busy while held, with the in-flight count its holder reports in batches (`report_usage`), so the
+policy's rule that a busy instance is never evicted holds exactly: an instance is idle only once
+every lease on it has ended. The holder gives a standing lease back after a linger with nothing in
+flight, when `routes` (its long poll of this controller) says the lease is revoked, or never, if it
+stops reporting (the lease then expires). A standing lease is revoked when an idle one is all that
+stands between a waiting request and a placement (`_revoke_idle`)."""
 
 import asyncio
 import itertools
@@ -37,20 +46,20 @@ from policy import (
 )
 from policy._frozen import Frozen
 from policy.cluster_state import LoadFailureReason
+from policy.decisions import Blocker, Decision
 from policy.failures import reject_marked
 from policy.memory import gib
-from policy.placement import place_from_plan, plan_placement
+from policy.placement import blockers_of, place_from_plan, plan_placement
 from policy.specs import DeviceKind
 from policy.transitions import (
     apply_place,
     clear_failed,
-    finish_request,
     learn_bandwidth,
     mark_failed,
     mark_loaded,
     mark_stored,
     remove_instance,
-    start_request,
+    set_in_flight,
 )
 from router.errors import OrchardError
 
@@ -99,6 +108,7 @@ class _Waiter:
     started: float
     future: "asyncio.Future[Lease]"
     announced: bool = False  # its `waiting` event is recorded
+    holder: str | None = None  # an ingress replica asking for a standing lease
 
 
 class Lease(Frozen):
@@ -109,6 +119,9 @@ class Lease(Frozen):
     # When this instance was placed (or adopted): a model placed again on the same node is a new
     # actor under the same name, so callers key cached actor handles by (model, node, loaded_at).
     loaded_at: float
+    # The ingress replica that routes requests through this lease until it gives it back (a
+    # standing lease); None: one request's lease.
+    holder: str | None = None
 
 
 class LoadResult(Frozen):
@@ -152,14 +165,28 @@ class ResidencyController:
         *,
         max_events: int = 2000,
         max_lease_s: float = 3600.0,
+        holder_timeout_s: float = 15.0,
+        revoke_grace_s: float = 2.0,
     ):
         self.config = config
         self.effects = effects
         self.state = ClusterState(catalog=dict(catalog))
         self.max_lease_s = max_lease_s
+        # A holder that neither reports nor polls for this long is gone: its standing leases end.
+        self.holder_timeout_s = holder_timeout_s
+        # With contention "fail", how long a request may wait for revoked standing leases to be
+        # given back before it is refused (they come back within milliseconds unless in use).
+        self.revoke_grace_s = revoke_grace_s
+        self._holders: dict[str, float] = {}  # holder -> when it last reported or polled
+        self._reported: dict[str, int] = {}  # standing lease -> the in-flight count its holder reported
+        self._revoked: set[str] = set()  # standing leases asked back, not yet given back
+        self._routes_version = 0  # bumped whenever what `routes` answers may have changed
+        self._routes_changed = asyncio.Event()
+        self.acquires = 0  # leases granted (standing and per request): what routing saved is visible
         self._events: deque[ClusterEvent] = deque(maxlen=max_events)
         self._seq = itertools.count(1)
         self._lease_ids = itertools.count(1)
+        self._lease_number = 0  # the last lease granted
         self._leases: dict[str, Lease] = {}
         self._failed_files: dict[str, str | None] = {}  # model marked failed -> its files' version then
         self._prefetches: set[tuple[str, str]] = set()  # (model, node): weights being fetched before an eviction
@@ -218,7 +245,7 @@ class ResidencyController:
             self._record("unloaded", model=inst.model, node_id=node_id, reason="node dead", bytes=inst.bytes)
         for lease_id, lease in list(self._leases.items()):
             if lease.node_id == node_id:
-                del self._leases[lease_id]
+                self._forget_lease(lease_id)
         dead = node.model_copy(update={"alive": False, "instances": ()})
         self.state = self.state.model_copy(update={"nodes": tuple(dead if n.node_id == node_id else n for n in self.state.nodes)})
         self._record("node_dead", node_id=node_id, reason=reason)
@@ -240,15 +267,18 @@ class ResidencyController:
         self._record("loaded", model=model, node_id=node_id, bytes=nbytes, reason="adopted a running instance")
 
     # ---- requests -----------------------------------------------------------------------------
-    async def acquire(self, model: str) -> Lease:
+    async def acquire(self, model: str, holder: str | None = None) -> Lease:
         """A lease on a ready instance of `model`, placing (and evicting) as the policy decides and
-        waiting while it says so. Raises OrchardError with the policy's reason otherwise.
+        waiting while it says so. Raises OrchardError with the policy's reason otherwise. With a
+        `holder`, a standing lease that ingress replica keeps for many requests (see the top).
 
         The request joins its model's queue of waiters; every state change (a load finished or
         failed, a lease ended, a node reported, an instance died) drains the queues, each waiter
         decided once per change in arrival order, so the oldest request is served first and no
         waiter polls the policy in a loop of its own."""
-        waiter = _Waiter(model=model, started=self.effects.now(), future=asyncio.get_running_loop().create_future())
+        waiter = _Waiter(model=model, started=self.effects.now(), future=asyncio.get_running_loop().create_future(), holder=holder)
+        if holder is not None:
+            self._holders[holder] = waiter.started
         self._waiters.setdefault(model, deque()).append(waiter)
         self._drain()
         try:
@@ -296,15 +326,27 @@ class ResidencyController:
             if not self._begin_place(decision, for_requests=True):
                 return self._waiting_for_fetch(waiter, decision, now)
         if isinstance(decision, Use):
-            self.state = start_request(self.state, decision.instance, now)
             inst = self._instance(decision.instance.node_id, model)
             assert inst is not None  # a Use names an instance the state holds
+            self._lease_number = next(self._lease_ids)
             lease = Lease(
-                lease_id=f"L{next(self._lease_ids)}", model=model, node_id=decision.instance.node_id, acquired_at=now, loaded_at=inst.loaded_at
+                lease_id=f"L{self._lease_number}",
+                model=model,
+                node_id=decision.instance.node_id,
+                acquired_at=now,
+                loaded_at=inst.loaded_at,
+                holder=waiter.holder,
             )
             self._leases[lease.lease_id] = lease
+            if lease.holder is not None:
+                self._reported[lease.lease_id] = 1  # the request that asked for it
+            self._count_in_flight(decision.instance, now)
+            self.acquires += 1
             waiter.future.set_result(lease)
             return True
+        if self._waits_for_revoked(decision, waiter.started, now):
+            self._schedule_drain(self.config.retry_poll_s)
+            return False
         if isinstance(decision, Wait):
             if decision.code == "busy" and not waiter.announced:
                 waiter.announced = True
@@ -362,21 +404,122 @@ class ResidencyController:
         self._drain()
 
     def release(self, lease_id: str) -> None:
-        """End a lease (stream finished, failed, or the client went away). Idempotent."""
+        """End a lease (stream finished, failed, or the client went away; a holder gave its standing
+        lease back). Idempotent."""
         lease = self._leases.pop(lease_id, None)
+        self._reported.pop(lease_id, None)
         if lease is None:
             return
-        node = self.state.node(lease.node_id)
-        if node is not None and node.instance(lease.model) is not None:
-            self.state = finish_request(self.state, InstanceRef(node_id=lease.node_id, model=lease.model), self.effects.now())
+        if lease_id in self._revoked:
+            self._revoked.discard(lease_id)
+            self._routes_update()
+        self._count_in_flight(InstanceRef(node_id=lease.node_id, model=lease.model), self.effects.now())
         self._wake()
+
+    # ---- standing leases ----------------------------------------------------------------------
+    def report_usage(self, holder: str, in_flight: dict[str, int]) -> None:
+        """A holder's requests in flight per standing lease (sent in batches, a few times a second,
+        and at least every few seconds as a sign of life). Unknown leases are ignored: `routes`
+        tells the holder they are gone."""
+        now = self.effects.now()
+        self._holders[holder] = now
+        touched = set()
+        for lease_id, n in in_flight.items():
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.holder != holder or self._reported.get(lease_id) == n:
+                continue
+            self._reported[lease_id] = max(0, int(n))
+            touched.add(InstanceRef(node_id=lease.node_id, model=lease.model))
+        for ref in touched:
+            self._count_in_flight(ref, now)
+
+    async def routes(self, holder: str, version: int = -1, timeout_s: float = 10.0) -> dict:
+        """A holder's long poll: answers at once when `version` is not the current one, else when it
+        changes or after `timeout_s`. {version, valid: its standing leases still good, revoked: those
+        asked back (finish what runs on them, then release), copies: ready instances per model,
+        leases_upto: the last lease number granted when this answer was made}."""
+        self._holders[holder] = self.effects.now()
+        if version == self._routes_version:
+            changed = self._routes_changed
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=timeout_s)
+            except TimeoutError:
+                pass
+        self._holders[holder] = self.effects.now()
+        mine = [lease_id for lease_id, lease in self._leases.items() if lease.holder == holder]
+        copies: dict[str, int] = {}
+        for node in self.state.nodes:
+            for inst in node.instances if node.alive else ():
+                if inst.status == "ready":
+                    copies[inst.model] = copies.get(inst.model, 0) + 1
+        return {
+            "version": self._routes_version,
+            "valid": [lease_id for lease_id in mine if lease_id not in self._revoked],
+            "revoked": [lease_id for lease_id in mine if lease_id in self._revoked],
+            "copies": copies,
+            "leases_upto": self._lease_number,  # a lease of the holder's after this is not in `valid` yet
+        }
+
+    def _waits_for_revoked(self, decision: Decision, started: float, now: float) -> bool:
+        """Revoke the idle standing leases that keep the decision's blockers busy; True when a refusal
+        should wait for them instead (contention "fail", within revoke_grace_s of the request)."""
+        revoking = isinstance(decision, Wait | Reject) and decision.code == "busy" and self._revoke_idle(decision.blockers)
+        return revoking and isinstance(decision, Reject) and now - started < self.revoke_grace_s
+
+    def _revoke_idle(self, blockers: tuple[Blocker, ...]) -> bool:
+        """Ask back the standing leases that are all that keeps a blocking instance busy (their
+        holders report nothing in flight); True when some were, or are being, asked back."""
+        pending = False
+        for blocker in blockers:
+            if blocker.protection != "busy":
+                continue
+            ref = blocker.instance
+            on_it = [lease for lease in self._leases.values() if lease.node_id == ref.node_id and lease.model == ref.model]
+            if not on_it or any(lease.holder is None or self._reported.get(lease.lease_id, 1) > 0 for lease in on_it):
+                continue  # a request's own lease, or one in use: busy indeed
+            fresh = [lease.lease_id for lease in on_it if lease.lease_id not in self._revoked]
+            if fresh:
+                self._revoked.update(fresh)
+                self._routes_update()
+            pending = True
+        return pending
+
+    def _count_in_flight(self, ref: InstanceRef, now: float) -> None:
+        """The instance's in-flight count from its leases: one per request's lease, and what each
+        standing lease's holder reported (at least one while it is held)."""
+        inst = self._instance(ref.node_id, ref.model)
+        if inst is None:
+            return
+        n = 0
+        for lease in self._leases.values():
+            if lease.node_id == ref.node_id and lease.model == ref.model:
+                n += 1 if lease.holder is None else max(1, self._reported.get(lease.lease_id, 1))
+        self.state = set_in_flight(self.state, ref, n, now)
+
+    def _routes_update(self) -> None:
+        """What `routes` answers may have changed: wake the holders' long polls."""
+        self._routes_version += 1
+        self._routes_changed.set()
+        self._routes_changed = asyncio.Event()
+
+    def _expire_holders(self, now: float) -> None:
+        """Standing leases of a holder that stopped reporting and polling (its replica died) end."""
+        for holder, seen in list(self._holders.items()):
+            if now - seen <= self.holder_timeout_s:
+                continue
+            del self._holders[holder]
+            for lease_id, lease in list(self._leases.items()):
+                if lease.holder == holder:
+                    self.release(lease_id)
+                    self._record("lease_expired", model=lease.model, node_id=lease.node_id, reason=f"ingress {holder} stopped reporting")
 
     # ---- ticks and operator actions -----------------------------------------------------------
     def tick(self) -> None:
         """Periodic: expire forgotten leases, unload idle / drained / dead instances, start copies."""
         now = self.effects.now()
+        self._expire_holders(now)
         for lease_id, lease in list(self._leases.items()):
-            if now - lease.acquired_at > self.max_lease_s:
+            if lease.holder is None and now - lease.acquired_at > self.max_lease_s:
                 self.release(lease_id)
                 self._record("lease_expired", model=lease.model, node_id=lease.node_id, reason=f"held over {self.max_lease_s:.0f} s")
         for unload in sweep(self.state, now, self.config):
@@ -400,7 +543,7 @@ class ResidencyController:
             self._failed_files.pop(model, None)
             self._record("retrying", model=model, reason="an operator loads it")
         if node_id is not None:
-            self._place_on(spec, node_id)
+            await self._place_on(spec, node_id)
         while True:
             for n in self.state.nodes:
                 inst = n.instance(model) if n.alive and node_id in (None, n.node_id) else None
@@ -413,12 +556,14 @@ class ResidencyController:
                 if self._instance(node_id, model) is None and (model, node_id) not in self._prefetches:
                     if not self._fetched_for(model, node_id):
                         raise OrchardError("model_unloaded", f"model {model} left {node_id} before it was ready")
-                    self._place_on(spec, node_id)  # its weights arrived: place it now
+                    await self._place_on(spec, node_id)  # its weights arrived: place it now
                 await self._wait_for_change(self.config.retry_poll_s)
                 continue
             now = self.effects.now()
             decision = ensure(model, self.state, now, self.config, waited_s=now - started)
-            if isinstance(decision, Place):
+            if self._waits_for_revoked(decision, started, now):
+                await self._wait_for_change(self.config.retry_poll_s)
+            elif isinstance(decision, Place):
                 if not self._begin_place(decision):
                     await self._wait_for_change(self.config.retry_poll_s)
             elif isinstance(decision, Reject):
@@ -427,19 +572,24 @@ class ResidencyController:
             elif isinstance(decision, Wait):
                 await self._wait_for_change(decision.retry_after_s)
 
-    def _place_on(self, spec: ModelSpec, node_id: str) -> None:
-        node = self.state.node(node_id)
-        if node is None or not node.alive:
-            raise OrchardError("node_not_found", f"no alive node {node_id!r}")
-        if node.instance(spec.name) is not None:
-            return
-        if self._copies(spec.name) >= spec.max_copies:
-            raise OrchardError(
-                "model_already_loaded",
-                f"model {spec.name} already has {self._copies(spec.name)} copies (max_copies={spec.max_copies}): unload it first",
-            )
-        others = frozenset(n.node_id for n in self.state.nodes if n.node_id != node_id)
-        plan, shortfalls, eligible = plan_placement(spec, self.state, self.effects.now(), self.config, exclude_nodes=others)
+    async def _place_on(self, spec: ModelSpec, node_id: str) -> None:
+        started = self.effects.now()
+        while True:
+            node = self.state.node(node_id)
+            if node is None or not node.alive:
+                raise OrchardError("node_not_found", f"no alive node {node_id!r}")
+            if node.instance(spec.name) is not None:
+                return
+            if self._copies(spec.name) >= spec.max_copies:
+                raise OrchardError(
+                    "model_already_loaded",
+                    f"model {spec.name} already has {self._copies(spec.name)} copies (max_copies={spec.max_copies}): unload it first",
+                )
+            others = frozenset(n.node_id for n in self.state.nodes if n.node_id != node_id)
+            plan, shortfalls, eligible = plan_placement(spec, self.state, self.effects.now(), self.config, exclude_nodes=others)
+            if plan is not None or not self._revoke_idle(blockers_of(shortfalls)) or self.effects.now() - started >= self.revoke_grace_s:
+                break
+            await self._wait_for_change(self.config.retry_poll_s)  # idle standing leases in the way come back
         if plan is None:
             why = "its constraints exclude it" if not eligible else "it does not fit even after every allowed eviction, or a cap forbids it"
             self._record("rejected", model=spec.name, node_id=node_id, reason=why)
@@ -617,12 +767,18 @@ class ResidencyController:
         self.state = remove_instance(self.state, ref)
         for lease_id, lease in list(self._leases.items()):
             if lease.node_id == ref.node_id and lease.model == ref.model:
-                del self._leases[lease_id]
+                self._forget_lease(lease_id)
         self._record(kind, model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=reason)
         self._spawn(self.effects.stop_instance(ref, stop_reason))
         self._wake()
 
     # ---- plumbing -----------------------------------------------------------------------------
+    def _forget_lease(self, lease_id: str) -> None:
+        """Drop a lease whose instance is gone (no in-flight count to update)."""
+        self._leases.pop(lease_id, None)
+        self._reported.pop(lease_id, None)
+        self._revoked.discard(lease_id)
+
     def _spec(self, model: str) -> ModelSpec:
         spec = self.state.catalog.get(model)
         if spec is None:
@@ -652,6 +808,8 @@ class ResidencyController:
         event = ClusterEvent(seq=next(self._seq), at=self.effects.now(), kind=kind, **fields)
         self._events.append(event)
         self.effects.publish(event)
+        if kind in _ROUTES_CHANGE:
+            self._routes_update()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -687,3 +845,7 @@ def _error_for(reject: Reject) -> OrchardError:
     if reject.code == "unknown_model":
         return OrchardError("model_not_found", reject.message, "model")
     return OrchardError(f"model_{reject.code}", reject.message, retry_after_s=reject.retry_after_s)
+
+
+# Events after which a holder's standing leases or the ready copies may differ.
+_ROUTES_CHANGE: frozenset[str] = frozenset({"loaded", "evicted", "unloaded", "died", "node_dead", "lease_expired"})

@@ -184,17 +184,20 @@ class ResidencyService:
                 self._background(kill_model_server(name, 0.0, reason="not adopted by a restarted controller"))
 
     # ---- what the ingress calls ----------------------------------------------------------------
-    async def acquire(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0) -> dict[str, Any]:
+    async def acquire(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0, holder: str | None = None) -> dict[str, Any]:
         """A lease on `model` (router.serving.lease reads the grant), counted against the key's
-        limits when `tenant` names some (router/residency/limits.py)."""
+        limits when `tenant` names some (router/residency/limits.py); with `holder` (an ingress
+        replica, for requests no limit counts), a standing lease it routes many requests through."""
         who = Tenant.model_validate(tenant) if tenant else None
+        if who is not None:
+            holder = None  # a key's limits count every request: each has a lease of its own
         ticket = uuid.uuid4().hex
         granted = False
         asked = self.effects.now()
         try:
             if who is not None:
                 self.limiter.admit(who, ticket, reserve_tokens, self.effects.now())
-            lease = await self.controller.acquire(model)
+            lease = await self.controller.acquire(model, holder)
             granted = True
             metrics.on_queue_wait(model, self.effects.now() - asked)
         except OrchardError as e:
@@ -220,6 +223,14 @@ class ResidencyService:
         if ticket is not None:
             self.limiter.finish(ticket, used_tokens, self.effects.now())
         self.controller.release(lease_id)
+
+    async def report_usage(self, holder: str, in_flight: dict[str, int]) -> None:
+        """An ingress replica's requests in flight per standing lease (ResidencyController.report_usage)."""
+        self.controller.report_usage(holder, in_flight)
+
+    async def routes(self, holder: str, version: int = -1) -> dict[str, Any]:
+        """An ingress replica's long poll for its standing leases (ResidencyController.routes)."""
+        return await self.controller.routes(holder, version)
 
     def _reap_tickets(self) -> None:
         """Leases the controller ended itself (expired, their instance gone) free their key's count."""
@@ -388,6 +399,11 @@ class ResidencyService:
                 for n in state.nodes
             ],
             "policy": self.controller.config.model_dump(mode="json"),
+            "routing": {
+                "leases_granted": self.controller.acquires,
+                "standing_leases": sum(1 for lease in leases if lease.holder is not None),
+                "request_leases": sum(1 for lease in leases if lease.holder is None),
+            },
         }
 
     def _count_event(self, event: ClusterEvent) -> None:

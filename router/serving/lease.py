@@ -17,6 +17,7 @@ import ray
 from cluster.placement import NAMESPACE
 from router.errors import OrchardError, raise_for_error
 from router.serving.detached import send_detached
+from router.serving.standing import Standing, StandingLeases
 
 # The x-ratelimit-* headers of the current request, filled from the residency service's answer (a
 # grant or a 429) and written on the response by router/api's middleware, which sets a fresh dict
@@ -32,10 +33,12 @@ def _note_rate_limit(headers: dict[str, str] | None) -> None:
 
 class Lease:
     """A granted lease: the instance (model, node, actor name, incarnation) and what the model is
-    (kind, output-parsing config). `release()` is idempotent."""
+    (kind, output-parsing config). `release()` is idempotent. With `standing`, this request's use
+    of this replica's standing lease (router/serving/standing.py): releasing ends the use."""
 
-    def __init__(self, owner: "Leases", grant: dict[str, Any]):
+    def __init__(self, owner: "Leases", grant: dict[str, Any], standing: Standing | None = None):
         self.owner = owner
+        self.standing = standing
         self.grant = grant
         self.lease_id: str = grant["lease_id"]
         self.model: str = grant["model"]
@@ -61,6 +64,8 @@ class Lease:
         """Tell the residency service this instance's actor failed as dead or unreachable (it checks
         with Ray and drops a dead one at once, instead of at the next watch round)."""
         self.owner.send(self.owner.residency.report_unavailable, self.grant.get("actor_name"), message)
+        if self.standing is not None and self.owner.standing is not None:
+            self.owner.standing.drop(self.standing)
 
     def hand_off(self) -> "Lease":
         """The caller's streaming response releases it from now on (the context exit does not)."""
@@ -71,20 +76,29 @@ class Lease:
         """End the lease; `used_tokens` (prompt + completion, when known) corrects the key's token count."""
         if not self.released:
             self.released = True
-            self.owner.release(self.lease_id, used_tokens)
+            if self.standing is not None and self.owner.standing is not None:
+                self.owner.standing.done(self.standing)
+            else:
+                self.owner.release(self.lease_id, used_tokens)
 
 
 class Leases:
-    """This ingress replica's side of the residency service: acquire, release, actor handles."""
+    """This ingress replica's side of the residency service: acquire, release, actor handles. With
+    `holder` (this replica's name) and `linger_s` > 0, requests no key's limits count go through
+    standing leases (router/serving/standing.py) instead of a lease each."""
 
-    def __init__(self, residency: Any):
+    def __init__(self, residency: Any, holder: str | None = None, linger_s: float = 0.0):
         self.residency = residency
         self._handles: dict[tuple[str, str], tuple[float, Any]] = {}  # (model, node) -> (loaded_at, actor)
+        self.standing = StandingLeases(self, holder, linger_s) if holder is not None and linger_s > 0 else None
 
     async def acquire(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0) -> Lease:
         """A lease on a ready instance of `model`, counted against `tenant`'s limits (a key's name,
         rpm, tpm, max_concurrent) with `reserve_tokens` held until it ends; or the residency
         service's OrchardError (a 429 when a limit says no)."""
+        if tenant is None and self.standing is not None:
+            standing = await self.standing.use(model)
+            return Lease(self, standing.grant, standing)
         grant = await self.residency.acquire.remote(model, tenant, reserve_tokens)
         _note_rate_limit(grant.get("ratelimit"))
         return Lease(self, raise_for_error(grant))

@@ -1,0 +1,214 @@
+"""Standing leases: how an ingress replica routes requests without asking the residency service
+each time.
+
+The first request for a model asks the residency service for a lease as this replica (its
+`holder`): a standing lease, which every later request for the model here uses at once, counted
+locally. The replica reports its in-flight counts per standing lease in batches (a few times a
+second, and every couple of seconds regardless, as its sign of life), and gives a lease back once
+nothing ran on it for `linger_s`. The residency service keeps counting a held standing lease as
+busy, so it never evicts an instance this replica may be sending to; when an idle standing lease is
+all that stands in a placement's way, it revokes it through `routes`, this replica's long poll, and
+the lease comes back as soon as what runs on it has ended. The same poll says which leases are
+gone (the instance died or was unloaded) and how many ready copies each model has: a busy model
+with more copies than this replica holds leases on asks for one more, so the copies share the load.
+
+Requests of keys with limits (rpm, tpm, max_concurrent) never take this path: those limits count
+each request, so each asks for a lease of its own (router/serving/lease.py)."""
+
+import asyncio
+import contextlib
+import contextvars
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from router.errors import raise_for_error
+from router.serving.detached import send_detached
+
+if TYPE_CHECKING:
+    from router.serving.lease import Leases
+
+
+@dataclass(eq=False)
+class Standing:
+    """One standing lease as this replica sees it."""
+
+    grant: dict[str, Any]
+    in_flight: int = 0
+    idle_since: float = field(default_factory=time.monotonic)
+    revoked: bool = False  # asked back: no new requests; given back once in_flight is 0
+    ended: bool = False  # given back, or gone at the residency service
+
+    @property
+    def lease_id(self) -> str:
+        return self.grant["lease_id"]
+
+    @property
+    def number(self) -> int:
+        return int(self.lease_id.lstrip("L"))
+
+
+@dataclass(eq=False)
+class _Ask:
+    """One acquire for a model, shared by the requests that arrive while it is answered."""
+
+    task: asyncio.Task
+    waiters: int = 0
+
+
+def _background(coro: Any) -> asyncio.Task:
+    """A task in an empty context: Serve cancels what a request's context starts with the request
+    (router/serving/detached.py), and these outlive the request that happened to start them."""
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+
+
+class StandingLeases:
+    def __init__(self, leases: "Leases", holder: str, linger_s: float, report_every_s: float = 0.25, heartbeat_s: float = 2.0):
+        self.leases = leases
+        self.residency = leases.residency
+        self.holder = holder
+        self.linger_s = linger_s
+        self.report_every_s = report_every_s
+        self.heartbeat_s = heartbeat_s
+        self.held: dict[str, list[Standing]] = {}  # model -> its standing leases here
+        self.copies: dict[str, int] = {}  # model -> ready copies in the cluster (from `routes`)
+        self._asking: dict[str, _Ask] = {}
+        self._asked_at_copies: dict[str, int] = {}  # model -> copies when this replica last asked for one more
+        self._version = -1
+        self._reported: dict[str, int] | None = None
+        self._reported_at = 0.0
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- the requests' side --------------------------------------------------------------------
+    async def use(self, model: str) -> Standing:
+        """A standing lease on a ready instance of `model`, counted as one more request on it (end it
+        with `done`); raises the residency service's OrchardError when there is none to be had."""
+        self._start()
+        standing = self._pick(model)
+        if standing is None or self._wants_another(model, standing):
+            try:
+                standing = await self._ask(model)
+            except Exception:
+                standing = self._pick(model)  # one more copy was not to be had: use what is held
+                if standing is None:
+                    raise
+        standing.in_flight += 1
+        return standing
+
+    def done(self, standing: Standing) -> None:
+        """One request on `standing` ended."""
+        standing.in_flight = max(0, standing.in_flight - 1)
+        if standing.in_flight == 0:
+            standing.idle_since = time.monotonic()
+            if standing.revoked:
+                self._give_back(standing)
+
+    def drop(self, standing: Standing) -> None:
+        """The lease's instance failed (dead or unreachable): later requests ask again."""
+        self._give_back(standing)
+
+    def _pick(self, model: str) -> Standing | None:
+        usable = [s for s in self.held.get(model, ()) if not s.revoked and not s.ended]
+        return min(usable, key=lambda s: s.in_flight) if usable else None
+
+    def _wants_another(self, model: str, standing: Standing) -> bool:
+        """Whether a busy model has a ready copy this replica holds no lease on (asked once per
+        change in the number of copies)."""
+        copies = self.copies.get(model, 0)
+        held = sum(1 for s in self.held.get(model, ()) if not s.revoked and not s.ended)
+        if standing.in_flight == 0 or copies <= held or self._asked_at_copies.get(model) == copies:
+            return False
+        self._asked_at_copies[model] = copies
+        return True
+
+    async def _ask(self, model: str) -> Standing:
+        ask = self._asking.get(model)
+        if ask is None:
+            ask = self._asking[model] = _Ask(_background(self._acquire(model)))
+            ask.task.add_done_callback(lambda _t: self._asking.pop(model, None) if self._asking.get(model) is ask else None)
+        ask.waiters += 1
+        try:
+            return await asyncio.shield(ask.task)
+        finally:
+            ask.waiters -= 1
+            if ask.waiters == 0 and not ask.task.done():  # every request that asked went away
+                ask.task.cancel()
+
+    async def _acquire(self, model: str) -> Standing:
+        grant = raise_for_error(await self.residency.acquire.remote(model, None, 0, self.holder))
+        for s in self.held.get(model, ()):
+            if not s.ended and not s.revoked and (s.grant["node_id"], s.grant["loaded_at"]) == (grant["node_id"], grant["loaded_at"]):
+                self.leases.release(grant["lease_id"])  # a second lease on an instance already held
+                return s
+        standing = Standing(grant)
+        self.held.setdefault(model, []).append(standing)
+        return standing
+
+    # ---- giving back, reporting, the long poll --------------------------------------------------
+    def _give_back(self, standing: Standing) -> None:
+        if standing.ended:
+            return
+        standing.ended = True
+        self._forget(standing)
+        self.leases.release(standing.lease_id)
+
+    def _forget(self, standing: Standing) -> None:
+        model = standing.grant["model"]
+        held = [s for s in self.held.get(model, ()) if s is not standing]
+        if held:
+            self.held[model] = held
+        else:
+            self.held.pop(model, None)
+
+    def _start(self) -> None:
+        if not self._tasks:
+            self._tasks = [_background(self._report()), _background(self._poll())]
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(self.report_every_s)
+            with contextlib.suppress(Exception):  # a round that failed must not end the reports
+                self.report_round(time.monotonic())
+
+    def report_round(self, now: float) -> None:
+        """Give back what lingered idle long enough; send the in-flight counts when they changed
+        (or every heartbeat_s, so the residency service knows this replica is alive)."""
+        for s in [s for held in self.held.values() for s in held]:
+            if s.in_flight == 0 and now - s.idle_since >= self.linger_s:
+                self._give_back(s)
+        counts = {s.lease_id: s.in_flight for held in self.held.values() for s in held}
+        if counts != self._reported or now - self._reported_at >= self.heartbeat_s:
+            self._reported, self._reported_at = counts, now
+            send_detached(self.residency.report_usage, self.holder, counts)
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                view = await self.residency.routes.remote(self.holder, self._version)
+            except Exception:  # the residency service restarts: its answer will say what is valid
+                self._version = -1
+                await asyncio.sleep(1.0)
+                continue
+            self.apply(view)
+
+    def apply(self, view: dict[str, Any]) -> None:
+        """The residency service's answer to the long poll: revoked leases are given back once idle;
+        leases it no longer knows (granted before its answer was made) are forgotten."""
+        self._version = view["version"]
+        self.copies = view["copies"]
+        valid, revoked, upto = set(view["valid"]), set(view["revoked"]), view["leases_upto"]
+        for s in [s for held in self.held.values() for s in held]:
+            if s.lease_id in revoked:
+                s.revoked = True
+                if s.in_flight == 0:
+                    self._give_back(s)
+            elif s.lease_id not in valid and s.number <= upto:
+                s.ended = True
+                self._forget(s)
+
+    def close(self) -> None:
+        """The replica shuts down: every standing lease goes back."""
+        for task in self._tasks:
+            task.cancel()
+        for s in [s for held in self.held.values() for s in held]:
+            self._give_back(s)
