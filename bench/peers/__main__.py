@@ -30,6 +30,13 @@ from deployments.models import prepare
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# Orchard as shipped, and variants a run may add to --servers to see what a setting buys.
+ORCHARDS: dict[str, dict[str, Any]] = {
+    "orchard": {},
+    "orchard-lease-per-request": {"route_linger_s": 0},  # no standing leases: the residency service is asked per request
+}
+
+
 def wait_ready(base: str, process: subprocess.Popen | None, timeout_s: float = 180.0) -> None:
     import requests
 
@@ -191,11 +198,17 @@ def main(argv: list[str] | None = None) -> int:
 
     print("bare BatchGenerator, in process (first)", flush=True)
     first_bare = measure("bare", bare_run, a.streams, a.rounds)
-    if "orchard" in wanted:
-        print("orchard", flush=True)
-        cluster, base = serve_bench.start_orchard(a.models_dir.resolve(), [a.model], {})
+    for name, app_args in ORCHARDS.items():
+        if name not in wanted:
+            continue
+        print(name, flush=True)
+        cluster, base = serve_bench.start_orchard(a.models_dir.resolve(), [a.model], app_args)
+
+        def through_orchard(n: int, base: str = base) -> dict[str, float]:
+            return asyncio.run(load(base, a.model, n, a.tokens, a.seconds))
+
         try:
-            results["orchard"] = measure("orchard", lambda n: asyncio.run(load(base, a.model, n, a.tokens, a.seconds)), a.streams, a.rounds)
+            results[name] = measure(name, through_orchard, a.streams, a.rounds)
         finally:
             serve_bench.stop_orchard(cluster)
     with tempfile.TemporaryDirectory(prefix="orchard-peers-home-") as home:
@@ -276,12 +289,15 @@ def short_main(a: argparse.Namespace) -> int:
                 print(f"  {name:9} {kind:10} {n:3} clients: {r['req_s']:7.1f} req/s, lone p50 {r['lone_p50_ms']:6.1f} ms", flush=True)
         results[name] = out
 
-    if "orchard" in a.servers.split(","):
-        cluster, base = serve_bench.start_orchard(a.models_dir.resolve(), [a.model, a.embedding_model], {})
+    for name, app_args in ORCHARDS.items():
+        if name not in a.servers.split(","):
+            continue
+        cluster, base = serve_bench.start_orchard(a.models_dir.resolve(), [a.model, a.embedding_model], app_args)
         try:
-            run_all("orchard", base, a.model, a.embedding_model)
-            results["orchard_lease_round_trip_ms"] = asyncio.run(lease_round_trip(a.model))
-            print(f"  orchard lease acquire + release from a driver, p50: {results['orchard_lease_round_trip_ms']:.2f} ms", flush=True)
+            run_all(name, base, a.model, a.embedding_model)
+            if name == "orchard":
+                results["orchard_lease_round_trip_ms"] = asyncio.run(lease_round_trip(a.model))
+                print(f"  orchard lease acquire + release from a driver, p50: {results['orchard_lease_round_trip_ms']:.2f} ms", flush=True)
         finally:
             serve_bench.stop_orchard(cluster)
     if "vllm-mlx" in a.servers.split(","):
