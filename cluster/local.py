@@ -288,7 +288,12 @@ def start(
     if dashboard and _port_open("127.0.0.1", dashboard_port):
         raise RuntimeError(f"dashboard port 127.0.0.1:{dashboard_port} is taken; pass --dashboard-port or --no-dashboard")
     http_host, config_port = serve_http_address()
-    check_http_port(http_host, config_port if http_port is None else http_port)
+    http_port = config_port if http_port is None else http_port
+    # Each worker node's Serve proxy (ray-config.yaml: proxy_location EveryNode) listens on a port of
+    # its own, the head's + 1, + 2, ...: on one machine they would otherwise share the head's.
+    proxy_ports = {node.name: http_port + i for i, node in enumerate(nodes)}
+    for proxy_port in proxy_ports.values():
+        check_http_port(http_host, proxy_port)
     (temp_root / "logs").mkdir(parents=True, exist_ok=True)
     env = ray_env(temp_root)
     address = f"{ip}:{port}"
@@ -312,13 +317,16 @@ def start(
         # Fresh free ports per node: the default 52365 for the dashboard agent would collide between nodes.
         cmd += [f"--dashboard-agent-listen-port={free_port(ip)}", f"--metrics-export-port={free_port(ip)}"]
         node_env = dict(env)
+        if node is not nodes[0]:
+            node_env["RAY_SERVE_WORKER_PROXY_HTTP_PORT"] = str(proxy_ports[node.name])
         store = (head_store if node is nodes[0] and head_store is not None else stores / node.name) if stores is not None else None
         if store is not None:
             store.mkdir(parents=True, exist_ok=True)
             node_env[ENV_STORE] = str(store.resolve())
         with open(logfile, "ab") as out:
             proc = subprocess.Popen(cmd, env=node_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        state["nodes"].append({**node.model_dump(), "pid": proc.pid, "log": str(logfile), "store": node_env.get(ENV_STORE)})
+        http = f"http://{'127.0.0.1' if http_host in ('0.0.0.0', '') else http_host}:{proxy_ports[node.name]}"
+        state["nodes"].append({**node.model_dump(), "pid": proc.pid, "log": str(logfile), "store": node_env.get(ENV_STORE), "http": http})
         _write_state(temp_root, state)
         while True:
             with open(logfile, "rb") as f:
@@ -361,6 +369,7 @@ def start(
     if dashboard:
         log(f"dashboard: {state['dashboard']}")
     log(f"connect with: RAY_ADDRESS={address} RAY_AUTH_MODE=disabled RAY_TMPDIR={temp_root}")
+    log("once Orchard is served, every node's address answers the whole API: " + ", ".join(f"{n['name']} {n['http']}/v1" for n in state["nodes"]))
     if prometheus_port is not None:
         try:
             prometheus.start(temp_root / "ray" / "prom_metrics_service_discovery.json", temp_root / "prometheus", port=prometheus_port)

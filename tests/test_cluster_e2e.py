@@ -28,16 +28,21 @@ MIB = 1024**2
 
 @pytest.fixture(scope="module")
 def orchard(models_dir):
-    """Head (1.5 GiB budget) + mac-1 (0.6 GiB) + mac-2 (0.45 GiB); the Serve app on a free port."""
+    """Head (1.5 GiB budget) + mac-1 (0.6 GiB) + mac-2 (0.45 GiB); the Serve app with a proxy and an
+    ingress replica on every node, each node's proxy on a free port of its own (as `make run`'s)."""
     cluster = Cluster(
         initialize_head=True,
         head_node_args=node_args("head", 1.5, 2) | {"include_dashboard": False, "_system_config": HEALTH},
     )
-    workers = {"mac-1": cluster.add_node(**node_args("mac-1", 0.6, 1)), "mac-2": cluster.add_node(**node_args("mac-2", 0.45, 1))}
+    ports = {"head": free_port(), "mac-1": free_port(), "mac-2": free_port()}
+    workers = {
+        name: cluster.add_node(**node_args(name, budget, 1), env_vars={"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(ports[name])})
+        for name, budget in (("mac-1", 0.6), ("mac-2", 0.45))
+    }
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = ports["head"]
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="EveryNode")
     policy = {
         "safety_margin_bytes": 16 * MIB,
         "safety_margin_fraction": 0,
@@ -53,10 +58,11 @@ def orchard(models_dir):
     models = __import__("router.residency.registry", fromlist=["from_manifest"]).from_manifest(models_dir, overrides)
     models.append({"name": "huge", "kind": "llm", "path": "llama-10m", "weight_bytes": "64GiB"})
     models.append({"name": "llama-big", "kind": "llm", "path": "llama-10m", "weight_bytes": "400MiB"})
-    serve.run(build_app({"models_dir": str(models_dir), "models": models, "policy": policy, "watch_period_s": 0.5}), name="orchard", route_prefix="/")
+    app = {"models_dir": str(models_dir), "models": models, "policy": policy, "watch_period_s": 0.5, "ingress_replicas": "every_node"}
+    serve.run(build_app(app), name="orchard", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    yield {"cluster": cluster, "workers": workers, "client": client, "http": Http(base)}
+    yield {"cluster": cluster, "workers": workers, "client": client, "http": Http(base), "ports": ports}
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
@@ -195,7 +201,8 @@ def test_filling_a_node_evicts(orchard):
     # llama-big answers, is evicted by whisper, and answers again from a new actor of the same name
     client = orchard["client"]
     assert client.completions.create(model="llama-big", prompt="Hi", max_tokens=3, temperature=0).usage.completion_tokens == 3
-    assert http.post("/v1/models/whisper-tiny-en/load", json={"node": "mac-1"}).status_code == 200
+    r = http.post("/v1/models/whisper-tiny-en/load", json={"node": "mac-1"})
+    assert r.status_code == 200, r.text
     assert where(orchard, "llama-big") == []
     assert client.completions.create(model="llama-big", prompt="Hi", max_tokens=3, temperature=0).usage.completion_tokens == 3
 
@@ -243,6 +250,21 @@ def test_requests_share_a_standing_lease_and_give_it_back_after_the_linger(orcha
             break
         time.sleep(0.3)
     assert cluster["routing"]["standing_leases"] == 0 and (instance["leases"], instance["in_flight"]) == (0, 0), (cluster["routing"], instance)
+
+
+def test_every_nodes_address_serves_the_api_through_its_own_ingress(orchard):
+    """ingress_replicas: every_node with proxy_location EveryNode: an ingress replica on each node,
+    and each node's proxy answers the whole API (its own ingress first: Serve routes locally)."""
+    from ray._private.state import actors  # the GCS's actor table (this cluster runs no dashboard for the state API)
+
+    names = {n["NodeID"]: n["Labels"].get("orchard.node") for n in ray.nodes() if n["Alive"]}
+    alive = [a for a in actors().values() if a["State"] == "ALIVE"]
+    ingresses = sorted(names.get(a["Address"]["NodeID"]) for a in alive if a["ActorClassName"] == "ServeReplica:orchard:Ingress")
+    assert ingresses == ["head", "mac-1", "mac-2"]
+    for node, port in orchard["ports"].items():
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert client.completions.create(model="llama-10m", prompt=f"Hi from {node}", max_tokens=2, temperature=0).usage.completion_tokens == 2
+        assert {m.id for m in client.models.list()} >= {"llama-10m", "all-minilm-l6-v2"}
 
 
 def test_metrics_are_exported_by_ray(orchard):

@@ -602,3 +602,20 @@ def test_an_operator_load_revokes_an_idle_standing_lease_in_its_way():
 
     ref, fx = run(scenario())
     assert (ref.model, ref.node_id) == ("b", "n1") and [r.model for r, _ in fx.stopped] == ["a"]
+
+
+def test_a_standing_lease_not_yet_reported_on_is_revoked_when_in_the_way():
+    """Its holder's first report comes within a fraction of a second: until then the request that
+    asked for it may have ended already, so it is asked back rather than refusing the placement."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=3), spec("b", gb=3)], nodes=ONE_NODE, config=PLAIN.model_copy(update={"contention": "fail"}))
+        lease = await c.acquire("a", holder="ing-1")
+        asking = asyncio.create_task(c.acquire("b"))
+        await asyncio.sleep(0.05)
+        revoked = (await c.routes("ing-1", timeout_s=0))["revoked"]
+        c.release(lease.lease_id)
+        return revoked, await asyncio.wait_for(asking, 2.0), lease
+
+    revoked, b, lease = run(scenario())
+    assert revoked == [lease.lease_id] and b.model == "b"

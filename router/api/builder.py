@@ -3,7 +3,9 @@
 `serve deploy` at once with its name; then the residency service and the ingress, bound."""
 
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
+import ray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
@@ -50,7 +52,10 @@ class AppArgs(BaseModel):
     overrides: dict[str, dict] = Field(default_factory=dict)
     policy: dict = Field(default_factory=dict)
     chunk_timeout_s: float = Field(default=60.0, gt=0)
-    ingress_replicas: int = Field(default=1, ge=1)  # more than one: keys' limits still hold (counted by the residency service)
+    # Ingress replicas on the head node (more than one: keys' limits still hold, counted by the
+    # residency service), or "every_node": one on each node alive at deploy time, so that with
+    # `proxy_location: EveryNode` any node's address serves the whole API (docs/cluster.md).
+    ingress_replicas: Annotated[int, Field(ge=1)] | Literal["every_node"] = 1
     # An ingress replica routes requests through standing leases (router/serving/standing.py) and
     # gives one back after this many seconds with nothing in flight on it; 0: a lease per request,
     # asked of the residency service each time (one round trip: 3.4-4.4 ms on this VM).
@@ -120,6 +125,16 @@ def validate_args(args: dict) -> tuple[AppArgs, list[dict], list[Principal]]:
     return a, models, principals
 
 
+def ingress_options(replicas: int | str) -> dict[str, Any]:
+    """The ingress deployment's options: `replicas` on the head, or one on every alive node."""
+    if replicas != "every_node":
+        return {"num_replicas": replicas}
+    if not ray.is_initialized():
+        raise ValueError("ray-config.yaml args.ingress_replicas: every_node counts the nodes of a running Ray cluster; none is connected")
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    return {"num_replicas": nodes, "max_replicas_per_node": 1, "ray_actor_options": {"num_cpus": 0}}
+
+
 def build_app(args: dict) -> serve.Application:
     a, models, principals = validate_args(args)
     models_dir = str(Path(a.models_dir).resolve())
@@ -134,7 +149,7 @@ def build_app(args: dict) -> serve.Application:
     residency = ResidencyService.bind(  # type: ignore[attr-defined]
         models, a.policy, models_dir, a.watch_period_s, server_options, fetch_max_bytes_per_s=a.fetch_max_bytes_per_s
     )
-    return IngressDeployment.options(num_replicas=a.ingress_replicas).bind(  # type: ignore[attr-defined]
+    return IngressDeployment.options(**ingress_options(a.ingress_replicas)).bind(  # type: ignore[attr-defined]
         residency,
         a.chunk_timeout_s,
         principals,

@@ -180,6 +180,7 @@ class ResidencyController:
         self._holders: dict[str, float] = {}  # holder -> when it last reported or polled
         self._reported: dict[str, int] = {}  # standing lease -> the in-flight count its holder reported
         self._revoked: set[str] = set()  # standing leases asked back, not yet given back
+        self._heard: set[str] = set()  # standing leases their holder has reported on since the grant
         self._routes_version = 0  # bumped whenever what `routes` answers may have changed
         self._routes_changed = asyncio.Event()
         self.acquires = 0  # leases granted (standing and per request): what routing saved is visible
@@ -408,6 +409,7 @@ class ResidencyController:
         lease back). Idempotent."""
         lease = self._leases.pop(lease_id, None)
         self._reported.pop(lease_id, None)
+        self._heard.discard(lease_id)
         if lease is None:
             return
         if lease_id in self._revoked:
@@ -426,7 +428,10 @@ class ResidencyController:
         touched = set()
         for lease_id, n in in_flight.items():
             lease = self._leases.get(lease_id)
-            if lease is None or lease.holder != holder or self._reported.get(lease_id) == n:
+            if lease is None or lease.holder != holder:
+                continue
+            self._heard.add(lease_id)
+            if self._reported.get(lease_id) == n:
                 continue
             self._reported[lease_id] = max(0, int(n))
             touched.add(InstanceRef(node_id=lease.node_id, model=lease.model))
@@ -468,14 +473,18 @@ class ResidencyController:
 
     def _revoke_idle(self, blockers: tuple[Blocker, ...]) -> bool:
         """Ask back the standing leases that are all that keeps a blocking instance busy (their
-        holders report nothing in flight); True when some were, or are being, asked back."""
+        holders report nothing in flight, or have not reported since the grant: its request may
+        have ended already, and a lease asked back while in use comes back once that use ends);
+        True when some were, or are being, asked back."""
         pending = False
         for blocker in blockers:
             if blocker.protection != "busy":
                 continue
             ref = blocker.instance
             on_it = [lease for lease in self._leases.values() if lease.node_id == ref.node_id and lease.model == ref.model]
-            if not on_it or any(lease.holder is None or self._reported.get(lease.lease_id, 1) > 0 for lease in on_it):
+            if not on_it or any(
+                lease.holder is None or (self._reported.get(lease.lease_id, 1) > 0 and lease.lease_id in self._heard) for lease in on_it
+            ):
                 continue  # a request's own lease, or one in use: busy indeed
             fresh = [lease.lease_id for lease in on_it if lease.lease_id not in self._revoked]
             if fresh:
@@ -778,6 +787,7 @@ class ResidencyController:
         self._leases.pop(lease_id, None)
         self._reported.pop(lease_id, None)
         self._revoked.discard(lease_id)
+        self._heard.discard(lease_id)
 
     def _spec(self, model: str) -> ModelSpec:
         spec = self.state.catalog.get(model)
