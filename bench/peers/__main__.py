@@ -102,7 +102,7 @@ def peers(path: Path, vllm_site: Path, home: str) -> list[Peer]:
             [py, "-m", "vllm_mlx.cli", "serve", str(path), "--continuous-batching", "--completion-batch-size", "64"],
             str(path),
             # its own mlx-lm first; an empty HOME, as it writes a prefix cache there when it stops
-            env={"PYTHONPATH": os.pathsep.join([str(vllm_site), str(ROOT)]), "HOME": home},
+            env={"PYTHONPATH": os.pathsep.join([str(vllm_site), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "HOME": home},
         ),
     ]
 
@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     path = (a.models_dir / a.model).resolve()
     wanted = a.servers.split(",")
     results: dict[str, Any] = {}
+    failed: dict[str, str] = {}
     bare = Bare(str(path), max(64, *a.streams), a.temperature)
     bare.run(2, 4, 0.0)
 
@@ -216,7 +217,13 @@ def main(argv: list[str] | None = None) -> int:
             if peer.name not in wanted:
                 continue
             print(peer.name, flush=True)
-            base = peer.start(free_port())
+            try:
+                base = peer.start(free_port())
+            except RuntimeError as e:  # a peer that does not start is reported, the others still run
+                tail = peer.log.read_text(errors="replace")[-1500:] if peer.log.exists() else ""
+                failed[peer.name] = f"{e}\n{tail}"
+                print(f"  {peer.name} did not start: {e}\n{tail}", flush=True)
+                continue
 
             def through(n: int, base: str = base, model: str = peer.model) -> dict[str, float]:
                 return asyncio.run(load(base, model, n, a.tokens, a.seconds))
@@ -250,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "bare": {"tok_s": bare_ref, "ttft_p50_ms": bare_ttft, "first": first_bare, "last": last_bare},
         "rows": rows,
         "raw": results,
+        "failed": failed,
         "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()},
     }
     a.json.parent.mkdir(parents=True, exist_ok=True)
