@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.run(engine.load())
     bare.run(2, 4, 0.0)  # warm-up: compile, caches
     asyncio.run(through_engine(engine, 2, 4, 0.0, a.temperature))
+    for n in a.streams:  # every batch shape once, untimed (CUDA compiles kernels per shape on first use)
+        bare.run(n, a.tokens, 1.0)
     rows = []
     variants = dict(parse_variant(v) for v in a.variant)
     print(

@@ -107,10 +107,12 @@ def peers(path: Path, vllm_site: Path, home: str) -> list[Peer]:
     ]
 
 
-async def load(base: str, model: str, streams: int, tokens: int, seconds: float) -> dict[str, float]:
+async def load(base: str, model: str, streams: int, tokens: int, seconds: float, warmup_s: float = 0.0) -> dict[str, float]:
     client = serve_bench.SSEClient(f"{base}/v1")
     try:
         await client.one(model, 0, 4)  # warm-up
+        if warmup_s > 0:  # the same load first, untimed: CUDA compiles kernels per batch shape on first use
+            await serve_bench.closed_loop(lambda i: client.one(model, -1 - i, tokens), streams, warmup_s)
         produced, elapsed, ttfts = await serve_bench.closed_loop(lambda i: client.one(model, i, tokens), streams, seconds)
     finally:
         await client.close()
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--warmup-seconds", type=float, default=0.0, help="an untimed run of each cell first (2 on a GPU: kernels compile per shape)")
     ap.add_argument("--servers", default="orchard,mlx_lm.server,vllm-mlx")
     ap.add_argument("--vllm-mlx-site", type=Path, default=ROOT / ".peers" / "vllm-mlx")
     ap.add_argument("--short", action="store_true", help="short requests instead (issue 11's goal 3): 1-token chats and 1-string embeddings")
@@ -194,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     bare.run(2, 4, 0.0)
 
     def bare_run(n: int) -> dict[str, float]:
+        bare.run(n, a.tokens, a.warmup_seconds)  # every batch shape compiled first (CUDA builds kernels on first use)
         r = bare.run(n, a.tokens, a.seconds)
         return {"tok_s": r["tok_s"], "ttft_p50_ms": r["ttft_p50_ms"]}
 
@@ -206,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster, base = serve_bench.start_orchard(a.models_dir.resolve(), [a.model], app_args)
 
         def through_orchard(n: int, base: str = base) -> dict[str, float]:
-            return asyncio.run(load(base, a.model, n, a.tokens, a.seconds))
+            return asyncio.run(load(base, a.model, n, a.tokens, a.seconds, a.warmup_seconds))
 
         try:
             results[name] = measure(name, through_orchard, a.streams, a.rounds)
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
 
             def through(n: int, base: str = base, model: str = peer.model) -> dict[str, float]:
-                return asyncio.run(load(base, model, n, a.tokens, a.seconds))
+                return asyncio.run(load(base, model, n, a.tokens, a.seconds, a.warmup_seconds))
 
             try:
                 results[peer.name] = measure(peer.name, through, a.streams, a.rounds)

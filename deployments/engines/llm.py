@@ -193,7 +193,7 @@ class LLMEngine(Engine):
         prompt_cache_bytes: int = 512 * 1024**2,
         reserve_context_tokens: int = 4096,
         reserve_concurrency: int = 1,
-        admit_hold_steps: int = 8,  # these five: the served defaults (router/api/builder.py LLMEngineOptions)
+        admit_hold_steps: int = 4,  # these five: the served defaults (router/api/builder.py LLMEngineOptions)
         admit_quiet_steps: int = 1,
         max_prefill_tokens: int = 16384,
         prompt_cache_min_tokens: int = 256,

@@ -25,8 +25,10 @@ class LLMEngineOptions(BaseModel):
     # An arrival that comes while the batch decodes waits up to this many steps for others (or
     # until `prefill_batch` are waiting), so a group is prefilled and joins the batch at once: every
     # group costs a prefill and a merge, each a synchronous evaluation that drains the GPU's queue.
-    # 8 steps and 32 a group: 0.45 -> 1.00 of the bare BatchGenerator at 64 streams on the H200.
-    admit_hold_steps: int = Field(default=8, ge=0, le=64)
+    # 8 steps and 32 a group: 0.45 -> 1.00 of the bare BatchGenerator at 64 streams on the H200;
+    # then 8 -> 4 steps (H200, in process, one run): 16 streams 0.83 -> 1.03 of bare, TTFT p50
+    # 153 -> 102 ms (bare's 83); 64 streams 1.08 -> 1.07, TTFT 239 -> 153 ms (bare's 119).
+    admit_hold_steps: int = Field(default=4, ge=0, le=64)
     # ... but the wait ends once a step has passed with no new arrival (H200, 64 streams: TTFT p50
     # 159 -> 149 ms, the same tok/s; 16 streams: 114 -> 75 ms).
     admit_quiet_steps: int = Field(default=1, ge=0, le=64)
