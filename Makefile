@@ -63,7 +63,7 @@ test: lint
 	$(PY) -m pytest
 
 test-all: lint
-	$(PY) -m pytest -m ''
+	ORCHARD_PROPERTY_EXAMPLES=1500 $(PY) -m pytest -m ''
 
 bench-residency: $(STAMP)
 	$(PY) -m bench.residency --markdown docs/residency-simulation.md

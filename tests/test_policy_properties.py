@@ -1,6 +1,8 @@
 """Property-based tests: random clusters, configs and requests; every decision is checked against
 the brute-force oracle of the spec (tests/support/policy_oracle.py)."""
 
+import os
+
 from hypothesis import HealthCheck, given, settings, strategies as st
 from support.policy_oracle import all_refs, backoff_left, backoff_s, eligible, evictable, feasible_after, fetch_s, need_bytes, protection
 
@@ -165,7 +167,8 @@ def requests(draw, pressure=False):
     return state, draw(configs(pressure)), model, draw(st.sampled_from([0.0, 10.0, 45.0]))
 
 
-SETTINGS = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 250 examples a property in `make test` (its 10-minute budget); `make test-all` runs 1500.
+SETTINGS = settings(max_examples=int(os.environ.get("ORCHARD_PROPERTY_EXAMPLES", "250")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def copies(state, model, status):

@@ -177,7 +177,7 @@ class StandingLeases:
             if s.in_flight == 0 and now - s.idle_since >= self.linger_s:
                 self._give_back(s)
         counts = {s.lease_id: s.in_flight for held in self.held.values() for s in held}
-        if counts != self._reported or now - self._reported_at >= self.heartbeat_s:
+        if counts != self._reported or (counts and now - self._reported_at >= self.heartbeat_s):  # nothing held: nothing to keep alive
             self._reported, self._reported_at = counts, now
             send_detached(self.residency.report_usage, self.holder, counts)
 
