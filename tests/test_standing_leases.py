@@ -1,0 +1,114 @@
+"""The ingress's side of standing leases (router/serving/standing.py) against the real residency
+controller, in one event loop. The residency service's Serve handle is replaced by `Direct`, which
+calls the controller's methods as the service's own would (a unit test of the ingress's
+bookkeeping; the cluster tests run it through Serve and Ray)."""
+
+import asyncio
+
+from support.builders import spec
+from test_controller import PLAIN, make
+
+from router.serving.lease import Leases
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return asyncio.ensure_future(self.fn(*args))
+
+
+class Direct:
+    """The service methods StandingLeases and Leases call, straight on the controller."""
+
+    def __init__(self, controller):
+        self.c = controller
+
+        async def acquire(model, tenant=None, reserve_tokens=0, holder=None):
+            lease = await self.c.acquire(model, holder)
+            return lease.model_dump() | {"kind": "llm", "tool_parser": None, "reasoning": None, "actor_name": f"orchard:{model}@{lease.node_id}#1"}
+
+        async def release(lease_id, used_tokens=None):
+            self.c.release(lease_id)
+
+        async def report_usage(holder, counts):
+            self.c.report_usage(holder, counts)
+
+        async def routes(holder, version=-1):
+            return await self.c.routes(holder, version, timeout_s=0.2)
+
+        self.acquire, self.release = _Method(acquire), _Method(release)
+        self.report_usage, self.routes = _Method(report_usage), _Method(routes)
+
+
+async def settle(s: float = 0.05):
+    await asyncio.sleep(s)
+
+
+def test_requests_share_one_lease_and_it_goes_back_after_the_linger():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)], nodes=(("n1", 4),))
+        leases = Leases(Direct(c), holder="ing-1", linger_s=0.3)
+        first = await leases.acquire("a")
+        second = await leases.acquire("a")  # while the first runs
+        shared = first.lease_id == second.lease_id and c.acquires == 1
+        await settle(0.4)  # a report round: the count reaches the controller
+        counted = c.state.node("n1").instance("a").in_flight
+        first.release()
+        second.release()
+        await settle(0.9)  # the linger passes
+        return shared, counted, c.leases(), leases.standing
+
+    shared, counted, left, standing = asyncio.run(scenario())
+    assert shared and counted == 2
+    assert left == [] and standing.held == {}
+
+
+def test_a_lease_in_use_is_kept_and_once_idle_it_is_revoked_and_given_back_for_the_placement():
+    async def scenario():
+        c, fx = make([spec("a", gb=3), spec("b", gb=3)], nodes=(("n1", 4),), config=PLAIN.model_copy(update={"wait_timeout_s": 5.0}))
+        leases = Leases(Direct(c), holder="ing-1", linger_s=30.0)
+        running = await leases.acquire("a")
+        await settle(0.4)
+        other = asyncio.create_task(c.acquire("b"))  # needs a's memory: a is busy, so it waits
+        await settle(0.4)
+        held_while_running = [x.lease_id for x in c.leases()]
+        running.release()  # idle now: the next report says 0, the controller revokes, the lease goes back
+        b = await asyncio.wait_for(other, 2.0)
+        return held_while_running, running.lease_id, b, fx
+
+    held, lease_id, b, fx = asyncio.run(scenario())
+    assert held == [lease_id]  # in use: never taken away, the eviction waited
+    assert b.model == "b" and [r.model for r, _ in fx.stopped] == ["a"]
+
+
+def test_a_lease_whose_instance_went_away_is_forgotten_and_the_next_request_asks_again():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)], nodes=(("n1", 4),))
+        leases = Leases(Direct(c), holder="ing-1", linger_s=30.0)
+        one = await leases.acquire("a")
+        one.release()
+        await settle(0.1)
+        c.unload("a")
+        await settle(0.5)  # the long poll answers: the lease is gone
+        forgotten = leases.standing.held == {}
+        again = await leases.acquire("a")
+        return forgotten, one.lease_id, again.lease_id, c.acquires
+
+    forgotten, first, second, acquires = asyncio.run(scenario())
+    assert forgotten and first != second and acquires == 2
+
+
+def test_a_busy_model_with_a_second_copy_gets_a_lease_on_it_too():
+    async def scenario():
+        c, fx = make([spec("a", gb=3, max_copies=2)], nodes=(("n1", 4), ("n2", 4)))
+        leases = Leases(Direct(c), holder="ing-1", linger_s=30.0)
+        first = await leases.acquire("a")
+        await c.load("a", "n2" if first.node_id == "n1" else "n1")  # an operator adds a copy
+        await settle(0.5)  # the long poll says there are two
+        second = await leases.acquire("a")  # the first is busy: one more lease, on the other copy
+        return first.node_id, second.node_id, c.acquires
+
+    one, two, acquires = asyncio.run(scenario())
+    assert one != two and acquires == 2
