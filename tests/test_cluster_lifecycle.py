@@ -329,6 +329,22 @@ def test_a_dead_model_server_is_noticed_and_the_model_placed_again(orchard, how)
     assert instances(orchard)["doomed-llama"]["actor"] != before["actor"]  # a new incarnation
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_sent_right_after_its_model_server_died_is_answered_by_a_new_one(orchard, stream):
+    """The ingress still holds its lease on the dead instance (the controller has not noticed yet):
+    the request finds the actor gone before any output and moves, once, to a fresh lease, for which
+    the model is placed again. The client sees an answer, not a 503."""
+    before = _ready(orchard, "doomed-llama")
+    ray.kill(ray.get_actor(before["actor"], namespace="orchard"), no_restart=True)
+    body = {"model": "doomed-llama", "prompt": "Hello", "max_tokens": 3, "logit_bias": NEVER_END}
+    if stream:
+        chunks = list(orchard["client"].completions.create(**body, stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    else:
+        assert orchard["client"].completions.create(**body).usage.completion_tokens == 3
+    assert instances(orchard)["doomed-llama"]["actor"] != before["actor"]  # a new incarnation answered
+
+
 def test_a_reload_right_after_an_unload_never_reaches_the_dying_actor(orchard):
     """Issue 10 item 2: unload, then at once request the model again, three times over."""
     for _ in range(3):

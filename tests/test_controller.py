@@ -619,3 +619,25 @@ def test_a_standing_lease_not_yet_reported_on_is_revoked_when_in_the_way():
 
     revoked, b, lease = run(scenario())
     assert revoked == [lease.lease_id] and b.model == "b"
+
+
+def test_a_placement_blocked_by_a_standing_lease_in_use_waits_for_the_next_report_in_fail_mode():
+    """Reports lag the ingress by a fraction of a second: a lease reported in use may be idle
+    already. With contention "fail" the request waits (up to revoke_grace_s) for the next report,
+    which says 0: the lease is revoked, given back, and the placement goes on."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=3), spec("b", gb=3)], nodes=ONE_NODE, config=PLAIN.model_copy(update={"contention": "fail"}))
+        lease = await c.acquire("a", holder="ing-1")
+        c.report_usage("ing-1", {lease.lease_id: 1})
+        asking = asyncio.create_task(c.acquire("b"))
+        await asyncio.sleep(0.1)
+        before = (await c.routes("ing-1", timeout_s=0))["revoked"]
+        c.report_usage("ing-1", {lease.lease_id: 0})
+        await asyncio.sleep(0.05)
+        after = (await c.routes("ing-1", timeout_s=0))["revoked"]
+        c.release(lease.lease_id)
+        return before, after, await asyncio.wait_for(asking, 2.0), lease
+
+    before, after, b, lease = run(scenario())
+    assert before == [] and after == [lease.lease_id] and b.model == "b"

@@ -426,6 +426,7 @@ class ResidencyController:
         now = self.effects.now()
         self._holders[holder] = now
         touched = set()
+        idle_now = False
         for lease_id, n in in_flight.items():
             lease = self._leases.get(lease_id)
             if lease is None or lease.holder != holder:
@@ -434,9 +435,12 @@ class ResidencyController:
             if self._reported.get(lease_id) == n:
                 continue
             self._reported[lease_id] = max(0, int(n))
+            idle_now = idle_now or n == 0
             touched.add(InstanceRef(node_id=lease.node_id, model=lease.model))
         for ref in touched:
             self._count_in_flight(ref, now)
+        if idle_now:  # a placement waiting on it may revoke it now
+            self._wake()
 
     async def routes(self, holder: str, version: int = -1, timeout_s: float = 10.0) -> dict:
         """A holder's long poll: answers at once when `version` is not the current one, else when it
@@ -472,23 +476,26 @@ class ResidencyController:
         return revoking and isinstance(decision, Reject) and now - started < self.revoke_grace_s
 
     def _revoke_idle(self, blockers: tuple[Blocker, ...]) -> bool:
-        """Ask back the standing leases that are all that keeps a blocking instance busy (their
-        holders report nothing in flight, or have not reported since the grant: its request may
-        have ended already, and a lease asked back while in use comes back once that use ends);
-        True when some were, or are being, asked back."""
+        """Ask back the standing leases that keep a blocking instance busy while idle (their holders
+        report nothing in flight, or have not reported since the grant: its request may have ended
+        already; a lease asked back while in use comes back once that use ends). True when a blocker
+        is held by standing leases alone: one in use may be idle by the next report (a fraction of a
+        second behind), which decides again."""
         pending = False
         for blocker in blockers:
             if blocker.protection != "busy":
                 continue
             ref = blocker.instance
             on_it = [lease for lease in self._leases.values() if lease.node_id == ref.node_id and lease.model == ref.model]
-            if not on_it or any(
-                lease.holder is None or (self._reported.get(lease.lease_id, 1) > 0 and lease.lease_id in self._heard) for lease in on_it
-            ):
-                continue  # a request's own lease, or one in use: busy indeed
-            fresh = [lease.lease_id for lease in on_it if lease.lease_id not in self._revoked]
-            if fresh:
-                self._revoked.update(fresh)
+            if not on_it or any(lease.holder is None for lease in on_it):
+                continue  # a request's own lease: busy indeed
+            idle = [
+                lease.lease_id
+                for lease in on_it
+                if lease.lease_id not in self._revoked and (self._reported.get(lease.lease_id, 1) == 0 or lease.lease_id not in self._heard)
+            ]
+            if idle:
+                self._revoked.update(idle)
                 self._routes_update()
             pending = True
         return pending

@@ -70,7 +70,8 @@ class DeltaStream:
     Its end, or closing it (`aclose`, also on client disconnect), cancels what is left of the
     generation in the engine and releases the lease with the tokens used (a streaming response
     that takes the stream over hands the lease off first). A failure after some output ends the
-    iteration with `Unavailable`."""
+    iteration with `Unavailable`. An instance that stopped or died before any output costs nothing:
+    the generation moves, once, to a fresh lease on the same model (`Lease.move`)."""
 
     def __init__(self, mux: StreamMux, lease: Lease, request: dict, chunk_timeout_s: float):
         self.lease = lease
@@ -78,21 +79,29 @@ class DeltaStream:
         self.ttft_s: float | None = None
         self.tokens = 0
         self.used_tokens: int | None = None  # prompt + completion, from the final delta's usage
+        self.moved = False  # its first instance went away before any output: it runs on another
         self._deltas = self._run(mux, request, chunk_timeout_s)
 
     async def _run(self, mux: StreamMux, request: dict, chunk_timeout_s: float) -> AsyncGenerator[dict, None]:
         stream = None
+        output = False
         try:
-            stream = mux.open(self.lease.actor(), self.lease.label, request)
             while True:
                 try:
-                    delta = await stream.next(chunk_timeout_s)
-                except Unavailable as e:
-                    self.lease.report_unavailable(str(e))
-                    raise
-                if "failure" in delta:
-                    failure = delta["failure"]
-                    raise ModelServerError(failure["code"], failure["message"], failure.get("param"))
+                    if stream is None:
+                        stream = mux.open(self.lease.actor(), self.lease.label, request)
+                    delta = await self._next(stream, chunk_timeout_s)
+                except Exception as e:
+                    if output or self.moved or not instance_gone(e):
+                        raise
+                    # Nothing was generated yet and the instance stopped or died: once, on another lease.
+                    self.moved = True
+                    if stream is not None:
+                        stream.close()
+                        stream = None
+                    await self.lease.move(str(e))
+                    continue
+                output = True
                 self.tokens += len(delta.get("token_ids") or ())
                 usage = delta.get("usage")
                 if usage:
@@ -104,6 +113,17 @@ class DeltaStream:
             if stream is not None:
                 stream.close()
             self.lease.release(self.used_tokens)
+
+    async def _next(self, stream: Any, chunk_timeout_s: float) -> dict:
+        try:
+            delta = await stream.next(chunk_timeout_s)
+        except Unavailable as e:
+            self.lease.report_unavailable(str(e))
+            raise
+        if "failure" in delta:
+            failure = delta["failure"]
+            raise ModelServerError(failure["code"], failure["message"], failure.get("param"))
+        return delta
 
     async def first(self) -> dict:
         try:
@@ -125,12 +145,26 @@ class DeltaStream:
         await self._deltas.aclose()
 
 
+def instance_gone(e: BaseException) -> bool:
+    """Whether a call failed because its instance is stopping or gone (dead, or its actor name no
+    longer found), not because of the request or a silent instance: worth one more try elsewhere."""
+    if isinstance(e, Unavailable):
+        return not e.timed_out
+    return as_error(e).code in ("unavailable", "model_unavailable", "engine_stopped")
+
+
 async def call(lease: Lease, method: Callable[[Any], Awaitable[Any]]) -> Any:
-    """One model-server call (embed, rerank, transcribe, speak, count_tokens) on the lease's actor."""
-    try:
-        return await method(lease.actor())
-    except Exception as e:
-        error = as_error(e)
-        if error.code in ("unavailable", "model_unavailable"):
-            lease.report_unavailable(error.message)
-        raise error from None
+    """One model-server call (embed, rerank, transcribe, speak, count_tokens) on the lease's actor;
+    once more on a fresh lease when the instance stopped or died before answering."""
+    moved = False
+    while True:
+        try:
+            return await method(lease.actor())
+        except Exception as e:
+            error = as_error(e)
+            if error.code in ("unavailable", "model_unavailable"):
+                lease.report_unavailable(error.message)
+            if moved or not instance_gone(e):
+                raise error from None
+            moved = True
+            await lease.move(error.message)

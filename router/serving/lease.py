@@ -7,6 +7,7 @@
 Releasing is the one subtle part: a release sent from the request's own context would be cancelled
 with the request when its client disconnects, so each is sent detached (router/serving/detached.py)."""
 
+import asyncio
 import contextlib
 import contextvars
 from collections.abc import AsyncIterator
@@ -36,8 +37,13 @@ class Lease:
     (kind, output-parsing config). `release()` is idempotent. With `standing`, this request's use
     of this replica's standing lease (router/serving/standing.py): releasing ends the use."""
 
-    def __init__(self, owner: "Leases", grant: dict[str, Any], standing: Standing | None = None):
+    def __init__(self, owner: "Leases", grant: dict[str, Any], standing: Standing | None = None, asked: tuple = (None, 0)):
         self.owner = owner
+        self.standing = standing
+        self.asked = asked  # (tenant, reserve_tokens): how it was asked for, to ask again (`move`)
+        self._take(grant, standing)
+
+    def _take(self, grant: dict[str, Any], standing: Standing | None) -> None:
         self.standing = standing
         self.grant = grant
         self.lease_id: str = grant["lease_id"]
@@ -46,7 +52,7 @@ class Lease:
         self.kind: str = grant["kind"]
         self.tool_parser: str | None = grant.get("tool_parser")
         self.reasoning: Any = grant.get("reasoning")
-        self.handed_off = False
+        self.handed_off = getattr(self, "handed_off", False)
         self.released = False
 
     @property
@@ -66,6 +72,18 @@ class Lease:
         self.owner.send(self.owner.residency.report_unavailable, self.grant.get("actor_name"), message)
         if self.standing is not None and self.owner.standing is not None:
             self.owner.standing.drop(self.standing)
+
+    async def move(self, why: str) -> None:
+        """This request's instance stopped or died before answering anything: end this lease (a
+        standing one is dropped, so no later request uses it) and take a fresh one on the same model,
+        asked for as this one was. The residency service has been told (`report_unavailable`) or is
+        stopping the instance itself; the short pause lets it drop the instance first."""
+        if self.standing is not None and self.owner.standing is not None:
+            self.owner.standing.drop(self.standing)
+        self.release()
+        await asyncio.sleep(0.1)
+        fresh = await self.owner.acquire(self.model, *self.asked)
+        self._take(fresh.grant, fresh.standing)
 
     def hand_off(self) -> "Lease":
         """The caller's streaming response releases it from now on (the context exit does not)."""
@@ -101,7 +119,7 @@ class Leases:
             return Lease(self, standing.grant, standing)
         grant = await self.residency.acquire.remote(model, tenant, reserve_tokens)
         _note_rate_limit(grant.get("ratelimit"))
-        return Lease(self, raise_for_error(grant))
+        return Lease(self, raise_for_error(grant), asked=(tenant, reserve_tokens))
 
     @contextlib.asynccontextmanager
     async def hold(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0) -> AsyncIterator[Lease]:

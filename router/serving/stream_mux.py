@@ -18,7 +18,11 @@ from router.serving.detached import send_detached
 
 
 class Unavailable(Exception):
-    """The instance died or stopped answering mid-request."""
+    """The instance died or stopped answering mid-request (`timed_out`: it only went silent)."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 _GONE = object()  # put in every queue of a channel whose actor went away
@@ -74,7 +78,7 @@ class MuxStream:
             else:
                 item = self.queue.get_nowait()
         except TimeoutError:
-            raise Unavailable(f"{self.reader.label} sent nothing for {timeout_s:.0f} s") from None
+            raise Unavailable(f"{self.reader.label} sent nothing for {timeout_s:.0f} s", timed_out=True) from None
         if item is _GONE:
             raise Unavailable(self.reader.failure or f"{self.reader.label} is unavailable")
         if "failure" in item or item.get("finish_reason") is not None:
