@@ -174,8 +174,9 @@ class ResidencyController:
         self.max_lease_s = max_lease_s
         # A holder that neither reports nor polls for this long is gone: its standing leases end.
         self.holder_timeout_s = holder_timeout_s
-        # With contention "fail", how long a request may wait for revoked standing leases to be
-        # given back before it is refused (they come back within milliseconds unless in use).
+        # How long a request under contention "fail", or an operator's load on a node, may wait for
+        # standing leases in its way to be given back before it is refused (an idle one comes back
+        # within milliseconds of being revoked; one in use once its holder reports it idle).
         self.revoke_grace_s = revoke_grace_s
         self._holders: dict[str, float] = {}  # holder -> when it last reported or polled
         self._reported: dict[str, int] = {}  # standing lease -> the in-flight count its holder reported

@@ -10,6 +10,7 @@ with the request when its client disconnects, so each is sent detached (router/s
 import asyncio
 import contextlib
 import contextvars
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +20,8 @@ from cluster.placement import NAMESPACE
 from router.errors import OrchardError, raise_for_error
 from router.serving.detached import send_detached
 from router.serving.standing import Standing, StandingLeases
+
+log = logging.getLogger("orchard.ingress")
 
 # The x-ratelimit-* headers of the current request, filled from the residency service's answer (a
 # grant or a 429) and written on the response by router/api's middleware, which sets a fresh dict
@@ -39,7 +42,6 @@ class Lease:
 
     def __init__(self, owner: "Leases", grant: dict[str, Any], standing: Standing | None = None, asked: tuple = (None, 0)):
         self.owner = owner
-        self.standing = standing
         self.asked = asked  # (tenant, reserve_tokens): how it was asked for, to ask again (`move`)
         self._take(grant, standing)
 
@@ -78,6 +80,7 @@ class Lease:
         standing one is dropped, so no later request uses it) and take a fresh one on the same model,
         asked for as this one was. The residency service has been told (`report_unavailable`) or is
         stopping the instance itself; the short pause lets it drop the instance first."""
+        log.info("%s: %s; moving the request to a fresh lease", self.label, why)
         if self.standing is not None and self.owner.standing is not None:
             self.owner.standing.drop(self.standing)
         self.release()
