@@ -6,6 +6,7 @@ one that fails after some output ends its stream with the protocol's error event
 
 from collections.abc import Callable
 
+from router.api.bodies import json_body
 from router.api.ingress import Ingress
 from router.api.keys import Principal
 from router.api.sse import event_stream
@@ -37,4 +38,4 @@ async def generate(
         except Unavailable as e:
             raise OrchardError("model_unavailable", str(e), retry_after_s=1) from None
         metrics.on_request(body.model, deltas.ttft_s, deltas.tokens, deltas.elapsed_s())
-        return renderer.respond(collected)
+        return json_body(renderer.respond(collected))

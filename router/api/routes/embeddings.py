@@ -3,6 +3,7 @@
 from fastapi import APIRouter, Depends
 
 from router.api.auth import principal
+from router.api.bodies import json_body
 from router.api.ingress import Ingress, current
 from router.api.keys import Principal
 from router.protocols import openai as oai
@@ -17,7 +18,7 @@ async def embeddings(body: oai.EmbeddingRequest, ingress: Ingress = Depends(curr
     async with ingress.hold(who, body.model) as lease:
         require_kind(lease, ("embedding",), "an embedding model")
         result = await call(lease, lambda actor: actor.embed.remote(body.texts(), body.dimensions))
-    return oai.embedding_response(body.model, result["vectors"], result["prompt_tokens"], body.encoding_format)
+    return json_body(oai.embedding_response(body.model, result["vectors"], result["prompt_tokens"], body.encoding_format))
 
 
 @router.post("/v1/rerank")
@@ -28,4 +29,4 @@ async def rerank(body: RerankRequest, ingress: Ingress = Depends(current), who: 
     async with ingress.hold(who, body.model) as lease:
         require_kind(lease, ("rerank",), "a rerank model")
         result = await call(lease, lambda actor: actor.rerank.remote(body.query, body.texts(), body.top_n))
-    return rerank_response(body, result)
+    return json_body(rerank_response(body, result))
