@@ -27,7 +27,13 @@ class Direct:
 
         async def acquire(model, tenant=None, reserve_tokens=0, holder=None):
             lease = await self.c.acquire(model, holder)
-            return lease.model_dump() | {"kind": "llm", "tool_parser": None, "reasoning": None, "actor_name": f"orchard:{model}@{lease.node_id}#1"}
+            return lease.model_dump() | {
+                "kind": "llm",
+                "tool_parser": None,
+                "reasoning": None,
+                "actor_name": f"orchard:{model}@{lease.node_id}#1",
+                "epoch": self.c.epoch,
+            }
 
         async def release(lease_id, used_tokens=None):
             self.c.release(lease_id)
@@ -112,3 +118,22 @@ def test_a_busy_model_with_a_second_copy_gets_a_lease_on_it_too():
 
     one, two, acquires = asyncio.run(scenario())
     assert one != two and acquires == 2
+
+
+def test_leases_of_an_earlier_controller_are_forgotten_when_a_new_one_answers():
+    """The residency service restarted: its new controller knows none of the replica's standing
+    leases (another epoch), so the replica forgets them and asks the new one."""
+
+    async def scenario():
+        old, _ = make([spec("a", gb=3)], nodes=(("n1", 4),))
+        leases = Leases(Direct(old), holder="ing-1", linger_s=30.0)
+        (await leases.acquire("a")).release()
+        new, _ = make([spec("a", gb=3)], nodes=(("n1", 4),))
+        leases.residency = leases.standing.residency = Direct(new)
+        await settle(0.5)  # the long poll now reaches the new controller
+        forgotten = leases.standing.held == {}
+        again = await leases.acquire("a")
+        return forgotten, again.grant["epoch"] == new.epoch, new.acquires
+
+    forgotten, fresh, acquires = asyncio.run(scenario())
+    assert forgotten and fresh and acquires == 1

@@ -20,6 +20,7 @@ stands between a waiting request and a placement (`_revoke_idle`)."""
 
 import asyncio
 import itertools
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -47,6 +48,7 @@ from policy import (
 from policy._frozen import Frozen
 from policy.cluster_state import LoadFailureReason
 from policy.decisions import Blocker, Decision
+from policy.eviction import ready_copies
 from policy.failures import reject_marked
 from policy.memory import gib
 from policy.placement import blockers_of, place_from_plan, plan_placement
@@ -185,6 +187,9 @@ class ResidencyController:
         self._routes_version = 0  # bumped whenever what `routes` answers may have changed
         self._routes_changed = asyncio.Event()
         self.acquires = 0  # leases granted (standing and per request): what routing saved is visible
+        # This controller's incarnation: a holder's standing leases from an earlier one (the service
+        # restarted) are unknown here, and `routes` says so by another epoch.
+        self.epoch = uuid.uuid4().hex[:12]
         self._events: deque[ClusterEvent] = deque(maxlen=max_events)
         self._seq = itertools.count(1)
         self._lease_ids = itertools.count(1)
@@ -447,7 +452,8 @@ class ResidencyController:
         """A holder's long poll: answers at once when `version` is not the current one, else when it
         changes or after `timeout_s`. {version, valid: its standing leases still good, revoked: those
         asked back (finish what runs on them, then release), copies: ready instances per model,
-        leases_upto: the last lease number granted when this answer was made}."""
+        leases_upto: the last lease number granted when this answer was made, epoch: this
+        controller's incarnation}."""
         self._holders[holder] = self.effects.now()
         if version == self._routes_version:
             changed = self._routes_changed
@@ -457,16 +463,12 @@ class ResidencyController:
                 pass
         self._holders[holder] = self.effects.now()
         mine = [lease_id for lease_id, lease in self._leases.items() if lease.holder == holder]
-        copies: dict[str, int] = {}
-        for node in self.state.nodes:
-            for inst in node.instances if node.alive else ():
-                if inst.status == "ready":
-                    copies[inst.model] = copies.get(inst.model, 0) + 1
         return {
             "version": self._routes_version,
             "valid": [lease_id for lease_id in mine if lease_id not in self._revoked],
             "revoked": [lease_id for lease_id in mine if lease_id in self._revoked],
-            "copies": copies,
+            "copies": ready_copies(self.state),
+            "epoch": self.epoch,
             "leases_upto": self._lease_number,  # a lease of the holder's after this is not in `valid` yet
         }
 

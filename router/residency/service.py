@@ -215,6 +215,7 @@ class ResidencyService:
             "tool_parser": entry.tool_parser,
             "reasoning": entry.reasoning,
             "actor_name": actor,
+            "epoch": self.controller.epoch,
             "ratelimit": self.limiter.headers(who, self.effects.now()) if who else {},
         }
 

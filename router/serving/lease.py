@@ -43,6 +43,7 @@ class Lease:
     def __init__(self, owner: "Leases", grant: dict[str, Any], standing: Standing | None = None, asked: tuple = (None, 0)):
         self.owner = owner
         self.asked = asked  # (tenant, reserve_tokens): how it was asked for, to ask again (`move`)
+        self.handed_off = False
         self._take(grant, standing)
 
     def _take(self, grant: dict[str, Any], standing: Standing | None) -> None:
@@ -54,7 +55,6 @@ class Lease:
         self.kind: str = grant["kind"]
         self.tool_parser: str | None = grant.get("tool_parser")
         self.reasoning: Any = grant.get("reasoning")
-        self.handed_off = getattr(self, "handed_off", False)
         self.released = False
 
     @property

@@ -193,12 +193,16 @@ class StandingLeases:
 
     def apply(self, view: dict[str, Any]) -> None:
         """The residency service's answer to the long poll: revoked leases are given back once idle;
-        leases it no longer knows (granted before its answer was made) are forgotten."""
+        leases it no longer knows (granted before its answer was made, or by an earlier incarnation
+        of it: another epoch) are forgotten."""
         self._version = view["version"]
         self.copies = view["copies"]
         valid, revoked, upto = set(view["valid"]), set(view["revoked"]), view["leases_upto"]
         for s in [s for held in self.held.values() for s in held]:
-            if s.lease_id in revoked:
+            if s.grant.get("epoch") != view["epoch"]:
+                s.ended = True
+                self._forget(s)
+            elif s.lease_id in revoked:
                 s.revoked = True
                 if s.in_flight == 0:
                     self._give_back(s)
