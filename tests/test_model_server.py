@@ -213,8 +213,11 @@ def test_constrained_requests_end_once_whether_finished_failed_or_cancelled(llam
     stream = open_channel(handle, "constrained")
     handle.submit.remote("constrained", "good", good)
     handle.submit.remote("constrained", "bad", bad)
-    handle.submit.remote("constrained", "gone-early", dict(good, max_tokens=2000))
-    handle.cancel.remote("gone-early")  # right after submit: likely still compiling
+    # right after its submit ran (Ray does not order an async actor's calls: a cancel sent with the
+    # submit could run first and find nothing; the ingress waits for the submit the same way): likely
+    # still compiling
+    ray.get(handle.submit.remote("constrained", "gone-early", dict(good, max_tokens=2000)))
+    handle.cancel.remote("gone-early")
     seen: dict[str, list[dict]] = {}
     deadline = time.monotonic() + 30
     while not ({"good", "bad"} <= {rid for rid, items in seen.items() if items[-1].get("finish_reason") or "failure" in items[-1]}):

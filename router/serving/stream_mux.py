@@ -64,11 +64,12 @@ class _Reader:
 class MuxStream:
     """One generation's deltas (dicts) from its channel, with a per-item inactivity timeout."""
 
-    def __init__(self, reader: _Reader, request_id: str, queue: asyncio.Queue):
+    def __init__(self, reader: _Reader, request_id: str, queue: asyncio.Queue, submitted: Any = None):
         self.reader = reader
         self.request_id = request_id
         self.queue = queue
         self.finished = False
+        self.submitted = submitted  # the submit call's ObjectRef: a cancel is sent only after it ran
 
     async def next(self, timeout_s: float) -> dict:
         try:
@@ -90,8 +91,23 @@ class MuxStream:
         a cancel sent in the request's context is cancelled with the request, router/serving/detached.py)."""
         self.reader.queues.pop(self.request_id, None)
         if not self.finished and self.reader.failure is None:
-            send_detached(self.reader.actor.cancel, self.request_id)
+            send_detached(_Cancel(self.reader.actor, self.submitted), self.request_id)
         self.finished = True
+
+
+class _Cancel:
+    """`actor.cancel` sent after the request's submit has run: Ray does not order an async actor's
+    calls, and a cancel that overtook its submit would find nothing and the generation would run on
+    for nobody (seen in the model server's tests). Shaped like a Ray method for send_detached."""
+
+    def __init__(self, actor: Any, submitted: Any):
+        self.actor, self.submitted = actor, submitted
+
+    async def remote(self, request_id: str) -> Any:
+        if self.submitted is not None:
+            with contextlib.suppress(Exception):  # failed or gone: the cancel goes anyway (a no-op then)
+                await self.submitted
+        return await self.actor.cancel.remote(request_id)
 
 
 class StreamMux:
@@ -112,8 +128,8 @@ class StreamMux:
         request_id = uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         reader.queues[request_id] = queue
-        actor.submit.remote(reader.channel_id, request_id, request)
-        return MuxStream(reader, request_id, queue)
+        submitted = actor.submit.remote(reader.channel_id, request_id, request)
+        return MuxStream(reader, request_id, queue, submitted)
 
     def _forget(self, reader: _Reader) -> None:
         if self._readers.get(reader.key) is reader:
