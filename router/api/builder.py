@@ -9,6 +9,7 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
+from cluster.node_agent import alive_nodes
 from policy import PolicyConfig
 from router.api.app import IngressDeployment
 from router.api.keys import KeyEntry, Principal, resolve
@@ -133,8 +134,7 @@ def ingress_options(replicas: int | str) -> dict[str, Any]:
         return {"num_replicas": replicas}
     if not ray.is_initialized():
         raise ValueError("ray-config.yaml args.ingress_replicas: every_node counts the nodes of a running Ray cluster; none is connected")
-    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-    return {"num_replicas": nodes, "max_replicas_per_node": 1, "ray_actor_options": {"num_cpus": 0}}
+    return {"num_replicas": len(alive_nodes()), "max_replicas_per_node": 1, "ray_actor_options": {"num_cpus": 0}}
 
 
 def build_app(args: dict) -> serve.Application:

@@ -152,6 +152,10 @@ class StandingLeases:
         self._forget(standing)
         self.leases.release(standing.lease_id)
 
+    def _all(self) -> list[Standing]:
+        """Every standing lease held here (a copy: giving back changes `held`)."""
+        return [s for held in self.held.values() for s in held]
+
     def _forget(self, standing: Standing) -> None:
         model = standing.grant["model"]
         held = [s for s in self.held.get(model, ()) if s is not standing]
@@ -173,10 +177,10 @@ class StandingLeases:
     def report_round(self, now: float) -> None:
         """Give back what lingered idle long enough; send the in-flight counts when they changed
         (or every heartbeat_s, so the residency service knows this replica is alive)."""
-        for s in [s for held in self.held.values() for s in held]:
+        for s in self._all():
             if s.in_flight == 0 and now - s.idle_since >= self.linger_s:
                 self._give_back(s)
-        counts = {s.lease_id: s.in_flight for held in self.held.values() for s in held}
+        counts = {s.lease_id: s.in_flight for s in self._all()}
         if counts != self._reported or (counts and now - self._reported_at >= self.heartbeat_s):  # nothing held: nothing to keep alive
             self._reported, self._reported_at = counts, now
             send_detached(self.residency.report_usage, self.holder, counts)
@@ -198,7 +202,7 @@ class StandingLeases:
         self._version = view["version"]
         self.copies = view["copies"]
         valid, revoked, upto = set(view["valid"]), set(view["revoked"]), view["leases_upto"]
-        for s in [s for held in self.held.values() for s in held]:
+        for s in self._all():
             if s.grant.get("epoch") != view["epoch"]:
                 s.ended = True
                 self._forget(s)
@@ -214,5 +218,5 @@ class StandingLeases:
         """The replica shuts down: every standing lease goes back."""
         for task in self._tasks:
             task.cancel()
-        for s in [s for held in self.held.values() for s in held]:
+        for s in self._all():
             self._give_back(s)
