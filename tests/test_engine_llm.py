@@ -2,6 +2,7 @@
 stop strings never leak, unicode streams correctly, and bad requests fail alone."""
 
 import asyncio
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -454,10 +455,15 @@ def test_a_group_is_split_to_keep_prefill_within_max_prefill_tokens(models_dir, 
             done = await asyncio.gather(*(e.complete(r) for r in three))
             after = e.counters()
             await busy.aclose()
-            return done, after["admitted_groups"] - before["admitted_groups"], after["admitted_requests"] - before["admitted_requests"]
+            delta = {k: after[k] - before[k] for k in after}
+            return done, delta, time.monotonic() - started
         finally:
             await e.stop()
 
-    done, admitted_groups, admitted_requests = run(scenario())
+    started = time.monotonic()
+    done, delta, elapsed = run(scenario())
     assert [d.usage.completion_tokens for d in done] == [4, 4, 4]
-    assert (admitted_groups, admitted_requests) == (groups, 3)
+    assert (delta["admitted_groups"], delta["admitted_requests"]) == (groups, 3)
+    # where their first tokens waited: three first tokens, each after its wait for admission
+    assert delta["first_tokens"] == 3
+    assert 0 < delta["admit_wait_s"] < delta["first_token_s"] < 3 * elapsed

@@ -187,7 +187,12 @@ async def with_steps(read_counters, run) -> tuple[int, float, dict]:
     after = await read_counters()
     steps = max(1, after["generation_steps"] - before["generation_steps"])
     rows = (after["generation_tokens"] - before["generation_tokens"]) / steps
-    return tokens, seconds, {"rows_per_step": rows, "ms_per_step": 1000 * elapsed / steps, "ttfts": ttfts}
+    firsts = max(1, after["first_tokens"] - before["first_tokens"])
+    inside = {  # where a first token waits inside the engine (means over the run), against the client's
+        "inside_ttft_ms": 1000 * (after["first_token_s"] - before["first_token_s"]) / firsts,
+        "inside_admit_wait_ms": 1000 * (after["admit_wait_s"] - before["admit_wait_s"]) / firsts,
+    }
+    return tokens, seconds, {"rows_per_step": rows, "ms_per_step": 1000 * elapsed / steps, "ttfts": ttfts} | inside
 
 
 PROFILED = {
@@ -405,6 +410,12 @@ def main() -> None:
                     row["engine_over_bare"] = round(row["engine_tok_s"] / row["bare_tok_s"], 3)
                 row["http_ttft_p50_ms"] = round(1000 * statistics.median(f for x in h_steps for f in x["ttfts"]), 1)
                 row["engine_ttft_p50_ms"] = round(1000 * statistics.median(f for x in e_steps for f in x["ttfts"]), 1)
+                for side, steps in (("engine", e_steps), ("http", h_steps)):
+                    # the client's mean TTFT, and the part of it spent inside the engine (from its
+                    # start() to the first token; admission's wait first): the rest is the path
+                    row[f"{side}_ttft_mean_ms"] = round(1000 * statistics.mean(f for x in steps for f in x["ttfts"]), 1)
+                    row[f"{side}_inside_ttft_mean_ms"] = round(statistics.median(x["inside_ttft_ms"] for x in steps), 1)
+                    row[f"{side}_inside_admit_wait_mean_ms"] = round(statistics.median(x["inside_admit_wait_ms"] for x in steps), 1)
                 bare_cells = (
                     f" bare {row['bare_tok_s']} (HTTP/bare {row['http_over_bare']:.2f}, engine/bare {row['engine_over_bare']:.2f}) |"
                     if b_runs
@@ -412,7 +423,10 @@ def main() -> None:
                 )
                 print(
                     f"| {model} | {c} | {row['engine_tok_s']} | {row['http_tok_s']} | {row['ratio']:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) |"
-                    f" TTFT p50 ms engine {row['engine_ttft_p50_ms']} / HTTP {row['http_ttft_p50_ms']} |{bare_cells}",
+                    f" TTFT p50 ms engine {row['engine_ttft_p50_ms']} / HTTP {row['http_ttft_p50_ms']} |"
+                    f" TTFT mean ms (inside the engine; admission's wait) engine {row['engine_ttft_mean_ms']}"
+                    f" ({row['engine_inside_ttft_mean_ms']}; {row['engine_inside_admit_wait_mean_ms']})"
+                    f" / HTTP {row['http_ttft_mean_ms']} ({row['http_inside_ttft_mean_ms']}; {row['http_inside_admit_wait_mean_ms']}) |{bare_cells}",
                     flush=True,
                 )
                 rows.append(row)
@@ -459,6 +473,16 @@ def render(r: dict) -> str:
     lines += [
         f"| {x['model']} | {x['concurrency']} | {x['engine_tok_s']} | {x['http_tok_s']} | {x['ratio']:.2f} | {x['ratio_min_max'][0]:.2f}-{x['ratio_min_max'][1]:.2f} "
         f"| {x['engine_rows_per_step']} / {x['http_rows_per_step']} | {x['engine_ms_per_step']} / {x['http_ms_per_step']} |"
+        for x in r["throughput"]
+    ]
+    lines += [
+        "",
+        "| model | concurrency | TTFT mean ms in-process: client / inside the engine / admission's wait | through HTTP: client / inside the engine / admission's wait |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {x['model']} | {x['concurrency']} | {x['engine_ttft_mean_ms']} / {x['engine_inside_ttft_mean_ms']} / {x['engine_inside_admit_wait_mean_ms']} "
+        f"| {x['http_ttft_mean_ms']} / {x['http_inside_ttft_mean_ms']} / {x['http_inside_admit_wait_mean_ms']} |"
         for x in r["throughput"]
     ]
     lines += ["", "| model | TTFT HTTP p50 / p95 ms | TTFT engine p50 / p95 ms |", "|---|---:|---:|"]

@@ -16,6 +16,7 @@ import math
 import queue
 import secrets
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -162,6 +163,8 @@ class _Stream:
     cached: int = 0
     completion: int = 0
     pending: list[Delta] = field(default_factory=list)
+    started: float = 0.0  # time.monotonic() at start(): the engine's own time to first token
+    answered: bool = False  # its first token is out
 
 
 @dataclass(eq=False)
@@ -174,6 +177,7 @@ class _Arrival:
     loop: asyncio.AbstractEventLoop
     out: DeltaSink
     grammar: GrammarProcessor | None
+    started: float = 0.0  # time.monotonic() at start()
     step: int = 0  # the engine's step count when it reached the MLX thread
 
 
@@ -219,7 +223,9 @@ class LLMEngine(Engine):
         self.max_prefill_tokens = max_prefill_tokens
         self._prefilling: dict[int, int] = {}  # request id -> prompt tokens it still prefills (MLX thread)
         self._due = False  # held arrivals of a group already let in, waiting only for prefill room
-        self._admitted = {"admitted_groups": 0, "admitted_requests": 0}
+        # groups admitted into the batch, and where a request's first token waits inside the engine:
+        # from start() to joining the batch (preparation and hold), and to its first token
+        self._admitted = {"admitted_groups": 0, "admitted_requests": 0, "admit_wait_s": 0.0, "first_token_s": 0.0, "first_tokens": 0}
         self._steps = 0
         # A prefix is kept (a finished request's prompt + completion) and reused only from this
         # many tokens: reusing one copies the cached KV (all of it) and merges a ragged cache into
@@ -348,7 +354,7 @@ class LLMEngine(Engine):
         request_id = next(self._ids)
         assert self._prep is not None  # ready means loaded
         self._arrived(1)
-        self._prep.submit(self._prepare, request_id, request, asyncio.get_running_loop(), sink, grammar)
+        self._prep.submit(self._prepare, request_id, request, asyncio.get_running_loop(), sink, grammar, time.monotonic())
         return request_id
 
     def cancel(self, request_id: int) -> None:
@@ -460,7 +466,7 @@ class LLMEngine(Engine):
         """The held arrivals into the batch, in order, as far as max_prefill_tokens allows (the
         rest wait for the prefills in flight to finish)."""
         prefilling = sum(self._prefilling.values())
-        joined = 0
+        joined, now = 0, time.monotonic()
         while self._held:
             arrival = self._held[0]
             if prefilling and prefilling + len(arrival.tokens) > self.max_prefill_tokens:
@@ -473,6 +479,8 @@ class LLMEngine(Engine):
             except Exception as e:
                 _put(arrival.loop, [(arrival.out, _failure(e))])
                 continue
+            stream.started = arrival.started
+            self._admitted["admit_wait_s"] += now - arrival.started
             streams[arrival.rid] = stream
             by_uid[stream.uid] = arrival.rid
             self._prefilling[arrival.rid] = len(arrival.tokens) - stream.cached
@@ -498,12 +506,17 @@ class LLMEngine(Engine):
             _reseed_rng()  # a sampler that raised in its trace left a tracer in mx.random.state
             self._samplers.clear()  # and a shared one that broke must not serve the next request
             return
+        now = time.monotonic()
         for r in responses:
             rid = by_uid.get(r.uid)
             if rid is None:
                 continue
             self._prefilling.pop(rid, None)  # its first token: its prefill is done
             stream = streams[rid]
+            if not stream.answered:
+                stream.answered = True
+                self._admitted["first_token_s"] += now - stream.started
+                self._admitted["first_tokens"] += 1
             outbox.append(stream)
             if not self._advance(stream, r):
                 continue
@@ -537,7 +550,13 @@ class LLMEngine(Engine):
                 outbox.append(cancelled)
 
     def _prepare(
-        self, rid: int, request: GenerationRequest, loop: asyncio.AbstractEventLoop, out: DeltaSink, grammar: GrammarProcessor | None
+        self,
+        rid: int,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        out: DeltaSink,
+        grammar: GrammarProcessor | None,
+        started: float,
     ) -> None:
         """On the preparation thread: template, tokenize and check a request, then hand it to the
         MLX thread; a request that fails here gets its one error delta from here."""
@@ -547,7 +566,7 @@ class LLMEngine(Engine):
             self._arrived(-1)
             _put(loop, [(out, _failure(e))])
             return
-        self._commands.put(("add", _Arrival(rid, request, tokens, loop, out, grammar)))
+        self._commands.put(("add", _Arrival(rid, request, tokens, loop, out, grammar, started)))
 
     def _checked_tokens(self, request: GenerationRequest) -> list[int]:
         tokens = self._tokenize(request)
