@@ -116,11 +116,18 @@ def default_ip() -> str:
 
 # Ray Serve's throughput mode: user code on the replica's own event loop (no thread hop per call)
 # and gRPC between Serve actors. Measured through the full path: llama-10m at 16 streams 0.79x ->
-# 0.86x of the in-process engine (docs/serve-benchmark.md). The mode also turns on "direct ingress"
-# (each ingress replica opens an HTTP port of its own beside the proxy's); Orchard keeps that off:
-# clients use the one proxy URL, and no extra port is opened. Read by every Serve process at
-# import, so it must be in the environment of every node (Macs: export both before `ray start`).
-SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+# 0.86x of the in-process engine (docs/serve-benchmark.md). Direct ingress: each ingress replica
+# also serves HTTP itself, on a port of Ray's direct-ingress range (30000 and up, one per replica on
+# a host), so a client there skips the proxy's hop (docs/cluster.md, docs/serve-path.md); the
+# proxies still serve http_options' port. A replica that stops keeps serving for 2 s (Serve's
+# default, 30 s, is for load balancers that deregister targets; raise it behind one). Read by every
+# Serve process at import, so it must be in the environment of every node (Macs: export them all
+# before `ray start`).
+SERVE_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+}
 
 
 def ray_env(temp_root: Path) -> dict[str, str]:
@@ -289,11 +296,7 @@ def start(
         raise RuntimeError(f"dashboard port 127.0.0.1:{dashboard_port} is taken; pass --dashboard-port or --no-dashboard")
     http_host, config_port = serve_http_address()
     http_port = config_port if http_port is None else http_port
-    # Each worker node's Serve proxy (ray-config.yaml: proxy_location EveryNode) listens on a port of
-    # its own, the head's + 1, + 2, ...: on one machine they would otherwise share the head's.
-    proxy_ports = {node.name: http_port + i for i, node in enumerate(nodes)}
-    for proxy_port in proxy_ports.values():
-        check_http_port(http_host, proxy_port)
+    check_http_port(http_host, http_port)
     (temp_root / "logs").mkdir(parents=True, exist_ok=True)
     env = ray_env(temp_root)
     address = f"{ip}:{port}"
@@ -317,16 +320,13 @@ def start(
         # Fresh free ports per node: the default 52365 for the dashboard agent would collide between nodes.
         cmd += [f"--dashboard-agent-listen-port={free_port(ip)}", f"--metrics-export-port={free_port(ip)}"]
         node_env = dict(env)
-        if node is not nodes[0]:
-            node_env["RAY_SERVE_WORKER_PROXY_HTTP_PORT"] = str(proxy_ports[node.name])
         store = (head_store if node is nodes[0] and head_store is not None else stores / node.name) if stores is not None else None
         if store is not None:
             store.mkdir(parents=True, exist_ok=True)
             node_env[ENV_STORE] = str(store.resolve())
         with open(logfile, "ab") as out:
             proc = subprocess.Popen(cmd, env=node_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        http = f"http://{'127.0.0.1' if http_host in ('0.0.0.0', '') else http_host}:{proxy_ports[node.name]}"
-        state["nodes"].append({**node.model_dump(), "pid": proc.pid, "log": str(logfile), "store": node_env.get(ENV_STORE), "http": http})
+        state["nodes"].append({**node.model_dump(), "pid": proc.pid, "log": str(logfile), "store": node_env.get(ENV_STORE)})
         _write_state(temp_root, state)
         while True:
             with open(logfile, "rb") as f:
@@ -369,7 +369,10 @@ def start(
     if dashboard:
         log(f"dashboard: {state['dashboard']}")
     log(f"connect with: RAY_ADDRESS={address} RAY_AUTH_MODE=disabled RAY_TMPDIR={temp_root}")
-    log("once Orchard is served, every node's address answers the whole API: " + ", ".join(f"{n['name']} {n['http']}/v1" for n in state["nodes"]))
+    log(
+        f"once Orchard is served: http://{'127.0.0.1' if http_host in ('0.0.0.0', '') else http_host}:{http_port}/v1 (the head's Serve proxy),"
+        " and every node's ingress replica on a port of its own (Serve's direct ingress, 30000 and up; GET /v1/cluster lists them as ingress)"
+    )
     if prometheus_port is not None:
         try:
             prometheus.start(temp_root / "ray" / "prom_metrics_service_discovery.json", temp_root / "prometheus", port=prometheus_port)

@@ -28,20 +28,17 @@ MIB = 1024**2
 
 @pytest.fixture(scope="module")
 def orchard(models_dir):
-    """Head (1.5 GiB budget) + mac-1 (0.6 GiB) + mac-2 (0.45 GiB); the Serve app with a proxy and an
-    ingress replica on every node, each node's proxy on a free port of its own (as `make run`'s)."""
+    """Head (1.5 GiB budget) + mac-1 (0.6 GiB) + mac-2 (0.45 GiB); the Serve app as ray-config.yaml
+    serves it: an ingress replica on every node, each also on its own port (Serve's direct ingress),
+    and the head's proxy."""
     cluster = Cluster(
         initialize_head=True,
         head_node_args=node_args("head", 1.5, 2) | {"include_dashboard": False, "_system_config": HEALTH},
     )
-    ports = {"head": free_port(), "mac-1": free_port(), "mac-2": free_port()}
-    workers = {
-        name: cluster.add_node(**node_args(name, budget, 1), env_vars={"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(ports[name])})
-        for name, budget in (("mac-1", 0.6), ("mac-2", 0.45))
-    }
+    workers = {name: cluster.add_node(**node_args(name, budget, 1)) for name, budget in (("mac-1", 0.6), ("mac-2", 0.45))}
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
-    port = ports["head"]
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="EveryNode")
     policy = {
         "safety_margin_bytes": 16 * MIB,
@@ -62,7 +59,7 @@ def orchard(models_dir):
     serve.run(build_app(app), name="orchard", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    yield {"cluster": cluster, "workers": workers, "client": client, "http": Http(base), "ports": ports}
+    yield {"cluster": cluster, "workers": workers, "client": client, "http": Http(base)}
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
@@ -207,10 +204,23 @@ def test_filling_a_node_evicts(orchard):
     assert client.completions.create(model="llama-big", prompt="Hi", max_tokens=3, temperature=0).usage.completion_tokens == 3
 
 
-def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard):
+def direct_urls(orchard) -> dict[str, str]:
+    """Each node's ingress replica's own address (Serve's direct ingress), as /v1/cluster lists them."""
+    deadline = time.time() + 30
+    while True:  # a replica's own server starts once it is ready: the list can lag the deploy
+        ingress = orchard["http"].get("/v1/cluster").json()["ingress"]
+        if len(ingress) == 3 or time.time() > deadline:
+            return {e["node_id"]: e["url"] for e in ingress}
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("via", ["proxy", "direct"])
+def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard, via):
+    """Through the proxy and straight to an ingress replica's own port: each notices the client going."""
     http = orchard["http"]
+    base = http.base if via == "proxy" else direct_urls(orchard)["mac-1"]
     body = {"model": "llama-10m", "prompt": "Go on", "max_tokens": 4000, "temperature": 0, "stream": True}
-    with requests.post(http.base + "/v1/completions", json=body, stream=True, timeout=60) as r:
+    with requests.post(base + "/v1/completions", json=body, stream=True, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         for _ in range(3):
@@ -252,19 +262,28 @@ def test_requests_share_a_standing_lease_and_give_it_back_after_the_linger(orcha
     assert cluster["routing"]["standing_leases"] == 0 and (instance["leases"], instance["in_flight"]) == (0, 0), (cluster["routing"], instance)
 
 
-def test_every_nodes_address_serves_the_api_through_its_own_ingress(orchard):
-    """ingress_replicas: every_node with proxy_location EveryNode: an ingress replica on each node,
-    and each node's proxy answers the whole API (its own ingress first: Serve routes locally)."""
+def test_every_nodes_ingress_replica_serves_the_api_on_its_own_port(orchard):
+    """ingress_replicas: every_node with Serve's direct ingress: an ingress replica on each node, and
+    /v1/cluster lists each one's own address, which serves the whole API without the proxy's hop:
+    plain and streamed answers, the model list, errors in OpenAI's format, unknown routes included."""
     from ray._private.state import actors  # the GCS's actor table (this cluster runs no dashboard for the state API)
 
     names = {n["NodeID"]: n["Labels"].get("orchard.node") for n in ray.nodes() if n["Alive"]}
     alive = [a for a in actors().values() if a["State"] == "ALIVE"]
     ingresses = sorted(names.get(a["Address"]["NodeID"]) for a in alive if a["ActorClassName"] == "ServeReplica:orchard:Ingress")
     assert ingresses == ["head", "mac-1", "mac-2"]
-    for node, port in orchard["ports"].items():
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    urls = direct_urls(orchard)
+    assert sorted(urls) == ["head", "mac-1", "mac-2"] and len(set(urls.values())) == 3, urls
+    assert orchard["http"].base not in urls.values()  # not the proxy's port
+    for node, url in urls.items():
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         assert client.completions.create(model="llama-10m", prompt=f"Hi from {node}", max_tokens=2, temperature=0).usage.completion_tokens == 2
+        chunks = list(client.chat.completions.create(model="llama-10m", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True))
+        assert chunks[-1].choices[0].finish_reason == "length"
         assert {m.id for m in client.models.list()} >= {"llama-10m", "all-minilm-l6-v2"}
+        for method, path, status, code in (("get", "/v1/nope", 404, "route_not_found"), ("post", "/v1/chat/completions", 422, "invalid_value")):
+            r = getattr(requests, method)(url + path, json={"model": "llama-10m", "messages": []}, timeout=30)
+            assert r.status_code in (status, 400) and r.json()["error"]["code"] == code, (node, path, r.status_code, r.text)
 
 
 def test_metrics_are_exported_by_ray(orchard):

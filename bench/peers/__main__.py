@@ -31,10 +31,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # Orchard as shipped, and variants a run may add to --servers to see what a setting buys.
-ORCHARDS: dict[str, dict[str, Any]] = {
-    "orchard": {},
+ORCHARDS: dict[str, dict[str, Any]] = {  # app args, and "via": the address the clients use
+    "orchard": {},  # the ingress replica's own port (Serve's direct ingress, as shipped)
+    "orchard-proxy": {"via": "proxy"},  # through the Serve proxy's port
     "orchard-lease-per-request": {"route_linger_s": 0},  # no standing leases: the residency service is asked per request
 }
+
+
+def without_via(variant: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in variant.items() if k != "via"}
 
 
 def wait_ready(base: str, process: subprocess.Popen | None, timeout_s: float = 180.0) -> None:
@@ -207,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in wanted:
             continue
         print(name, flush=True)
-        cluster, base = serve_bench.start_orchard(a.models_dir.resolve(), [a.model], app_args)
+        cluster, base = serve_bench.start_orchard(a.models_dir.resolve(), [a.model], without_via(app_args), app_args.get("via", "direct"))
 
         def through_orchard(n: int, base: str = base) -> dict[str, float]:
             return asyncio.run(load(base, a.model, n, a.tokens, a.seconds, a.warmup_seconds))
@@ -304,7 +309,9 @@ def short_main(a: argparse.Namespace) -> int:
     for name, app_args in ORCHARDS.items():
         if name not in a.servers.split(","):
             continue
-        cluster, base = serve_bench.start_orchard(a.models_dir.resolve(), [a.model, a.embedding_model], app_args)
+        cluster, base = serve_bench.start_orchard(
+            a.models_dir.resolve(), [a.model, a.embedding_model], without_via(app_args), app_args.get("via", "direct")
+        )
         try:
             run_all(name, base, a.model, a.embedding_model)
             if name == "orchard":

@@ -245,9 +245,11 @@ OVERRIDES = {  # room for 64 streams of 1024 tokens each, as the benchmarks run 
 }
 
 
-def start_orchard(models_dir: Path, models: list[str], app_args: dict) -> tuple[Cluster, str]:
+def start_orchard(models_dir: Path, models: list[str], app_args: dict, via: str = "direct") -> tuple[Cluster, str]:
     """Orchard on a one-node Ray cluster started by this process (room for every model, nothing
-    evicted), its Serve app on a free port: (the cluster, the base URL)."""
+    evicted), its Serve app on a free port: (the cluster, the base URL). `via`: "direct", the
+    ingress replica's own HTTP port (Serve's direct ingress, as shipped: no proxy hop), or "proxy",
+    the Serve proxy's port."""
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
@@ -264,7 +266,19 @@ def start_orchard(models_dir: Path, models: list[str], app_args: dict) -> tuple[
     registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in models]
     policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
     serve.run(build_app({"models_dir": str(models_dir), "models": registry, "policy": policy, **app_args}), name="orchard", route_prefix="/")
-    return cluster, f"http://127.0.0.1:{port}"
+    proxy = f"http://127.0.0.1:{port}"
+    if via == "proxy":
+        return cluster, proxy
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the replica's own server starts after the app is ready
+        ingress = requests.get(f"{proxy}/v1/cluster", timeout=30).json().get("ingress") or []
+        try:
+            if ingress and requests.get(ingress[0]["url"] + "/health", timeout=5).ok:
+                return cluster, ingress[0]["url"]
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("the ingress replica's direct HTTP port did not answer (RAY_SERVE_ENABLE_DIRECT_INGRESS=1?)")
 
 
 def stop_orchard(cluster: Cluster) -> None:

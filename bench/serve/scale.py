@@ -1,9 +1,9 @@
 """`python -m bench.serve.scale`: short requests with an ingress on every node (issue 11, goal 3).
 
-For each cluster size N: a local Ray cluster of N nodes on this machine (cluster_utils; each worker
-node's Serve proxy on a port of its own, as `make run` does), Orchard with `proxy_location:
-EveryNode` and `ingress_replicas: every_node`, one copy of the model loaded on every node, then one
-client process per node, each running closed-loop clients against its own node's address for the
+For each cluster size N: a local Ray cluster of N nodes on this machine (cluster_utils), Orchard
+with `ingress_replicas: every_node` and Serve's direct ingress (each node's ingress replica on a
+port of its own, as `make run` serves), one copy of the model loaded on every node, then one client
+process per node, each running closed-loop clients against its own node's ingress address for the
 same seconds. The aggregate rate should grow with N while the machine has cores to spare (the H200
 machine has 16: measure there; on a 2-core VM every node's proxy and ingress share two cores with
 the clients and the engines). Prints a table, writes JSON (default bench/results/scale.json)."""
@@ -85,7 +85,7 @@ def run_size(n: int, models_dir: Path, model: str, kind: str, clients: int, seco
     from router.residency.registry import from_manifest
 
     names = ["head"] + [f"node-{i}" for i in range(1, n)]
-    ports = {name: free_port() for name in names}
+    port = free_port()
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
@@ -100,20 +100,24 @@ def run_size(n: int, models_dir: Path, model: str, kind: str, clients: int, seco
             num_cpus=cpus,
             labels={"orchard.node": name, "orchard.budget_gib": "16"},
             object_store_memory=80 << 20,
-            env_vars={"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(ports[name])},
         )
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": ports["head"]}, proxy_location="EveryNode")
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="EveryNode")
         registry = [m for m in from_manifest(models_dir, {model: {"max_copies": n}}) if m["name"] == model]
         policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
         app = {"models_dir": str(models_dir), "models": registry, "policy": policy, "ingress_replicas": "every_node"}
         serve.run(build_app(app), name="orchard", route_prefix="/")
-        head = f"http://127.0.0.1:{ports['head']}"
+        head = f"http://127.0.0.1:{port}"
         for name in names:  # one copy on every node
             r = requests.post(f"{head}/v1/models/{model}/load", json={"node": name}, timeout=300)
             r.raise_for_status()
+        urls: dict[str, str] = {}
+        deadline = time.monotonic() + 60
+        while len(urls) < n and time.monotonic() < deadline:  # each replica's own server starts once it is ready
+            urls = {e["node_id"]: e["url"] for e in requests.get(f"{head}/v1/cluster", timeout=30).json()["ingress"]}
+            time.sleep(0.5)
         body: dict[str, Any]
         if kind == "embeddings":
             route, body = "embeddings", {"model": model, "input": "one short string, number"}
@@ -122,10 +126,7 @@ def run_size(n: int, models_dir: Path, model: str, kind: str, clients: int, seco
         ctx = multiprocessing.get_context("spawn")
         out = ctx.Queue()
         start_at = time.time() + 5.0
-        procs = [
-            ctx.Process(target=_client_process, args=(f"http://127.0.0.1:{ports[name]}", route, body, clients, seconds, start_at, out))
-            for name in names
-        ]
+        procs = [ctx.Process(target=_client_process, args=(urls[name], route, body, clients, seconds, start_at, out)) for name in names]
         for p in procs:
             p.start()
         got = [out.get(timeout=seconds + 120) for _ in procs]

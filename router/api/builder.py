@@ -56,8 +56,9 @@ class AppArgs(BaseModel):
     policy: dict = Field(default_factory=dict)
     chunk_timeout_s: float = Field(default=60.0, gt=0)
     # Ingress replicas on the head node (more than one: keys' limits still hold, counted by the
-    # residency service), or "every_node": one on each node alive at deploy time, so that with
-    # `proxy_location: EveryNode` any node's address serves the whole API (docs/cluster.md).
+    # residency service), or "every_node": one on each node alive at deploy time, so that (each
+    # serving HTTP itself under Serve's direct ingress) any node's address serves the whole API
+    # (docs/cluster.md).
     ingress_replicas: Annotated[int, Field(ge=1)] | Literal["every_node"] = 1
     # An ingress replica routes requests through standing leases (router/serving/standing.py) and
     # gives one back after this many seconds with nothing in flight on it; 0: a lease per request,

@@ -1,0 +1,43 @@
+"""Where a client reaches the API without the Serve proxy's hop: the HTTP address each ingress replica
+serves itself under Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, cluster/local.py's
+SERVE_ENV). Read from the Serve controller's instance details, the same record the dashboard's
+`GET /api/serve/applications/` shows (its target groups, and the replicas' nodes)."""
+
+import asyncio
+from typing import Any
+
+import ray
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE  # Serve's own names for its controller
+
+from cluster.node_agent import alive_nodes
+
+
+def direct_urls(details: dict[str, Any], app: str, http_host: str, names: dict[str, str]) -> list[dict[str, str]]:
+    """[{node_id, url}] of `app`'s direct-ingress HTTP targets in `details` (a ServeInstanceDetails
+    dict), by Orchard node name (`names`: Ray node id -> name). A replica listens on http_options'
+    host: that host, unless it listens on every address (then the node's own IP)."""
+    replicas = {
+        r["actor_name"]: names.get(r["node_id"], r["node_id"])
+        for d in details.get("applications", {}).get(app, {}).get("deployments", {}).values()
+        for r in d.get("replicas", [])
+        if r.get("actor_name")
+    }
+    out = []
+    for group in details.get("target_groups", []):
+        if group.get("protocol") != "HTTP" or group.get("app_name") != app:
+            continue
+        for t in group.get("targets", []):
+            if t.get("name") not in replicas:  # a proxy's target (no replica serves directly yet)
+                continue
+            host = t["ip"] if http_host in ("0.0.0.0", "", "::") else http_host
+            out.append({"node_id": replicas[t["name"]], "url": f"http://{host}:{t['port']}"})
+    return sorted(out, key=lambda e: e["node_id"])
+
+
+async def direct_ingress(app: str) -> list[dict[str, str]]:
+    """The direct addresses of `app`'s ingress replicas now ([] when direct ingress is off)."""
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    details = await controller.get_serve_instance_details.remote()
+    host = (details.get("http_options") or {}).get("host", "127.0.0.1")
+    names = {n.ray_node_id: n.node_id for n in await asyncio.to_thread(alive_nodes)}
+    return direct_urls(details, app, host, names)
