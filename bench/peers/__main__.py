@@ -366,7 +366,8 @@ Produced by `make bench-peers` (`python -m bench.peers --markdown docs/peers-ben
 `bench/results/peers.json`. One run on this 2-core Linux VM (CPU MLX, OpenBLAS): the {model} model,
 closed-loop streaming chat clients (aiohttp), temperature {temperature}, {tokens} tokens a request,
 {seconds:.0f} s per cell, median of {rounds} rounds. Each server runs alone, started by the script:
-Orchard (its Serve app on a one-node Ray cluster, as bench.serve runs it), `mlx_lm.server`
+Orchard (its Serve app on a one-node Ray cluster, as bench.serve runs it; the clients use the
+ingress replica's own port, Serve's direct ingress as shipped), `mlx_lm.server`
 (`--decode-concurrency 64`) and vllm-mlx 0.6.0 (`--continuous-batching --completion-batch-size 64`,
 from its own site folder with mlx-lm 0.31.3). "bare" is mlx-lm's BatchGenerator driven in the
 benchmark process with the same prompts, before and after the servers: the ceiling. The client
