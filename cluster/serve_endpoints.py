@@ -4,6 +4,7 @@ SERVE_ENV). Read from the Serve controller's instance details, the same record t
 `GET /api/serve/applications/` shows (its target groups, and the replicas' nodes)."""
 
 import asyncio
+import logging
 from typing import Any
 
 import ray
@@ -11,16 +12,19 @@ from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE 
 
 from cluster.node_agent import alive_nodes
 
+log = logging.getLogger(__name__)
+
 
 def direct_urls(details: dict[str, Any], app: str, http_host: str, names: dict[str, str]) -> list[dict[str, str]]:
     """[{node_id, url}] of `app`'s direct-ingress HTTP targets in `details` (a ServeInstanceDetails
-    dict), by Orchard node name (`names`: Ray node id -> name). A replica listens on http_options'
-    host: that host, unless it listens on every address (then the node's own IP)."""
+    dict), by Orchard node name (`names`: Ray node id -> name, of the alive nodes: a replica on any
+    other node is gone or going). A replica listens on http_options' host: that host, unless it
+    listens on every address (then the node's own IP)."""
     replicas = {
-        r["actor_name"]: names.get(r["node_id"], r["node_id"])
+        r["actor_name"]: names[r["node_id"]]
         for d in details.get("applications", {}).get(app, {}).get("deployments", {}).values()
         for r in d.get("replicas", [])
-        if r.get("actor_name")
+        if r.get("actor_name") and r.get("node_id") in names
     }
     out = []
     for group in details.get("target_groups", []):
@@ -35,9 +39,14 @@ def direct_urls(details: dict[str, Any], app: str, http_host: str, names: dict[s
 
 
 async def direct_ingress(app: str) -> list[dict[str, str]]:
-    """The direct addresses of `app`'s ingress replicas now ([] when direct ingress is off)."""
-    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    details = await controller.get_serve_instance_details.remote()
+    """The direct addresses of `app`'s ingress replicas now ([] when direct ingress is off, or when
+    Serve cannot say: the cluster view must not fail for want of this list, as while a node dies)."""
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        details = await controller.get_serve_instance_details.remote()
+    except Exception as e:  # the controller restarting, or a replica's record half gone
+        log.warning("Serve's instance details are unavailable: %s: %s", type(e).__name__, e)
+        return []
     host = (details.get("http_options") or {}).get("host", "127.0.0.1")
     names = {n.ray_node_id: n.node_id for n in await asyncio.to_thread(alive_nodes)}
     return direct_urls(details, app, host, names)
