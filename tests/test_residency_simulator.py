@@ -60,3 +60,25 @@ def test_with_weights_on_one_node_the_locality_aware_policy_copies_less():
         rows[name] = tally.row()
         assert tally.fetches > 0 and len(tally.ready_delays) > 0 and rows[name]["unsafe_loads"] == 0
     assert rows["aware"]["fetches"] < rows["blind"]["fetches"] and rows["aware"]["gb_fetched"] < rows["blind"]["gb_fetched"]
+
+
+def test_a_store_over_its_disk_budget_removes_its_least_recently_used_unused_folder():
+    """make_room: the oldest folder not loaded there and held elsewhere goes first; a loaded one, the
+    one just fetched, and the cluster's last copy stay, even over budget."""
+    from bench.residency.catalog import with_stores
+    from bench.residency.simulate import make_room
+
+    state = with_stores(empty_cluster(model_specs(), NODES), "home")
+    home, other = state.nodes[0].node_id, state.nodes[1].node_id
+    by_size = sorted(state.catalog, key=lambda m: state.catalog[m].weight_bytes)
+    a, b, c = by_size[-1], by_size[-2], by_size[-3]  # three large models, all stored on home only
+    nodes = tuple(n.model_copy(update={"stored": frozenset({a, b, c})}) if n.node_id == other else n for n in state.nodes)
+    state = state.model_copy(update={"nodes": nodes})
+    used = {(other, a): 1.0, (other, b): 2.0, (other, c): 3.0}  # a is the least recently used
+    budget = state.catalog[b].weight_bytes + state.catalog[c].weight_bytes
+    after, removed = make_room(state, other, c, budget, used)
+    assert removed == 1 and after.node(other).stored == {b, c}
+    # nothing removable: c is kept (just fetched), b is the last copy once home forgets it
+    nodes = tuple(n.model_copy(update={"stored": n.stored - {b}}) if n.node_id == home else n for n in after.nodes)
+    after, removed = make_room(after.model_copy(update={"nodes": nodes}), other, c, 0, used)
+    assert removed == 0 and after.node(other).stored == {b, c}

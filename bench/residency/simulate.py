@@ -41,6 +41,7 @@ class Tally:
     ready_delays: list[float] = field(default_factory=list)  # requests that waited for a load (fetch included)
     fetches: int = 0
     bytes_fetched: int = 0
+    store_removals: int = 0  # stored folders removed to make room under a disk budget
 
     def row(self) -> dict:
         delays = sorted(self.start_delays)
@@ -62,6 +63,7 @@ class Tally:
             "p95_start_delay_s": round(p95, 2),
             "fetches": self.fetches,
             "gb_fetched": round(self.bytes_fetched / GIB, 1),
+            "store_removals": self.store_removals,
             "mean_time_to_ready_s": round(sum(self.ready_delays) / max(1, len(self.ready_delays)), 2),
         }
 
@@ -113,8 +115,32 @@ def overcommitted(state: ClusterState, node_id: str) -> bool:
     return node.foreign_bytes + sum(i.bytes for i in node.instances) > node.usable_bytes
 
 
-def simulate(trace: list[Request], state: ClusterState, decide: Decider, config: PolicyConfig) -> Tally:
+def make_room(state: ClusterState, node_id: str, keep: str, budget: int, last_used: dict[tuple[str, str], float]) -> tuple[ClusterState, int]:
+    """A node's store over its disk budget removes its least recently used folders first: never one
+    loaded or loading there, never `keep` (just fetched), never the cluster's last copy (this
+    simulator has no hub to fetch it from again). Returns the state and how many it removed."""
+    node = state.node(node_id)
+    assert node is not None
+    stored = set(node.stored)
+    used = sum(int(state.catalog[m].weight_bytes) for m in stored)
+    removed = 0
+    in_use = {i.model for i in node.instances}
+    for model in sorted(stored - in_use - {keep}, key=lambda m: (last_used.get((node_id, m), -1.0), m)):
+        if used <= budget:
+            break
+        if not any(n.node_id != node_id and model in n.stored for n in state.nodes):
+            continue
+        stored.discard(model)
+        used -= int(state.catalog[model].weight_bytes)
+        removed += 1
+    nodes = tuple(n.model_copy(update={"stored": frozenset(stored)}) if n.node_id == node_id else n for n in state.nodes)
+    return state.model_copy(update={"nodes": nodes}), removed
+
+
+def simulate(trace: list[Request], state: ClusterState, decide: Decider, config: PolicyConfig, disk_budget: dict[str, int] | None = None) -> Tally:
+    """`disk_budget`: bytes each node's store may hold (make_room keeps it); None: no budget."""
     tally = Tally(requests=len(trace))
+    last_used: dict[tuple[str, str], float] = {}  # (node, model) -> when its stored folder was last used
     events: list[tuple[float, int, str, Any]] = []  # payload by kind: ask i, loaded (ref, s), done (i, ref)
     seq = 0
 
@@ -132,6 +158,7 @@ def simulate(trace: list[Request], state: ClusterState, decide: Decider, config:
     def start(i: int, ref: InstanceRef, now: float) -> None:
         nonlocal state
         state = start_request(state, ref, now)
+        last_used[(ref.node_id, ref.model)] = now
         if overcommitted(state, ref.node_id):
             tally.served_overcommitted += 1
         tally.start_delays.append(now - trace[i].arrival)
@@ -159,7 +186,11 @@ def simulate(trace: list[Request], state: ClusterState, decide: Decider, config:
                 if fetch_s > 0:
                     tally.fetches += 1
                     tally.bytes_fetched += state.catalog[d.model].weight_bytes
-                    state = mark_stored(state, d.node_id, d.model)  # on disk from now on (no disk budget here)
+                    state = mark_stored(state, d.node_id, d.model)  # on disk from now on, room made under a budget
+                    last_used[(d.node_id, d.model)] = now
+                    if disk_budget is not None:
+                        state, removed = make_room(state, d.node_id, d.model, disk_budget[d.node_id], last_used)
+                        tally.store_removals += removed
                 load_s += fetch_s
                 tally.loads += 1
                 if d.model in ever_loaded:
