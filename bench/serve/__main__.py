@@ -315,6 +315,7 @@ def main() -> None:
     parser.add_argument("--models", default="llama-10m,smollm2-135m-instruct")
     parser.add_argument("--seconds", type=float, default=10.0, help="steady-state seconds per side per round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating in-process / HTTP rounds per cell")
+    parser.add_argument("--warmup-seconds", type=float, default=0.0, help="an untimed run of each side per cell first (2 on a GPU)")
     parser.add_argument("--coalesce-tokens", type=int, default=8)
     parser.add_argument("--coalesce-ms", type=float, default=50.0)
     parser.add_argument("--coalesce-max-ms", type=float, default=100.0)
@@ -396,6 +397,11 @@ def main() -> None:
                 # Alternating rounds, median of each: this VM's speed drifts by ~10% over minutes,
                 # which one long run of each side would read as a difference of the paths.
                 e_rates, h_rates, e_steps, h_steps, b_runs = [], [], [], [], []
+                if args.warmup_seconds > 0:  # every side's batch shapes once, untimed (CUDA compiles kernels per shape)
+                    if bare is not None:
+                        bare.run(c, max_tokens, args.warmup_seconds)
+                    await in_process(engine, c, max_tokens, args.warmup_seconds)
+                    await through_http(client, model, c, max_tokens, args.warmup_seconds)
                 for _ in range(args.rounds):
                     if bare is not None:
                         b_runs.append(bare.run(c, max_tokens, args.seconds))
