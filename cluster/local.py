@@ -118,8 +118,8 @@ def default_ip() -> str:
 # and gRPC between Serve actors. Measured through the full path: llama-10m at 16 streams 0.79x ->
 # 0.86x of the in-process engine (docs/serve-benchmark.md). Direct ingress: each ingress replica
 # also serves HTTP itself, on a port of Ray's direct-ingress range (30000 and up, one per replica on
-# a host), so a client there skips the proxy's hop (docs/cluster.md, docs/serve-path.md); the
-# proxies still serve http_options' port. A replica that stops keeps serving for 2 s (Serve's
+# a host), so a client there skips the proxy's hop (docs/cluster.md, docs/serve-path.md); in this
+# mode Serve runs one proxy, on the head, on http_options' port. A replica that stops keeps serving for 2 s (Serve's
 # default, 30 s, is for load balancers that deregister targets; raise it behind one). Read by every
 # Serve process at import, so it must be in the environment of every node (Macs: export them all
 # before `ray start`).

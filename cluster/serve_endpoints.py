@@ -44,9 +44,9 @@ async def direct_ingress(app: str) -> list[dict[str, str]]:
     try:
         controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
         details = await controller.get_serve_instance_details.remote()
+        names = {n.ray_node_id: n.node_id for n in await asyncio.to_thread(alive_nodes)}
     except Exception as e:  # the controller restarting, or a replica's record half gone
         log.warning("Serve's instance details are unavailable: %s: %s", type(e).__name__, e)
         return []
     host = (details.get("http_options") or {}).get("host", "127.0.0.1")
-    names = {n.ray_node_id: n.node_id for n in await asyncio.to_thread(alive_nodes)}
     return direct_urls(details, app, host, names)
