@@ -407,11 +407,17 @@ def _write_state(temp_root: Path, state: dict) -> None:
 
 
 def _cluster_processes(temp_root: Path, leaders: list[int]) -> dict:
-    """This cluster's processes: each node's `ray start` process and its descendants (raylet, GCS, agents,
-    and workers, which Ray puts in sessions of their own and renames `ray::...`), plus orphans whose command
+    """_members' processes, the drivers among them."""
+    return _members(temp_root, leaders)[0]
+
+
+def _members(temp_root: Path, leaders: list[int]) -> tuple[dict, set[int]]:
+    """This cluster's processes, and which of them are drivers: each node's `ray start` process and its
+    descendants (raylet, GCS, agents, and workers, which Ray puts in sessions of their own and renames
+    `ray::...`), plus orphans whose command
     line points into this cluster's Ray session dirs (<temp_root>/ray/session_*: only Ray's own processes
-    name those, and the directory is ours). Never this process or its ancestors (a shell or wrapper whose
-    command line mentions the directory)."""
+    name those, and the directory is ours), and the drivers started for it (`_drivers`). Never this
+    process or its ancestors (a shell or wrapper whose command line mentions the directory)."""
     import psutil
 
     found: dict[int, psutil.Process] = {}
@@ -429,10 +435,40 @@ def _cluster_processes(temp_root: Path, leaders: list[int]) -> dict:
                 found.setdefault(p.pid, p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+    drivers = {p.pid: p for p in _drivers(temp_root, set(found))}
+    found.update(drivers)
     me = psutil.Process()
     for p in [me, *me.parents()]:
         found.pop(p.pid, None)
-    return found
+    return found, set(drivers) & set(found)
+
+
+def _drivers(temp_root: Path, cluster: set[int]) -> list:
+    """Drivers started for this cluster: RAY_TMPDIR=<temp_root> in their environment, as `make run`
+    starts `serve run` (left alone, one went on running after `make stop`), other than the cluster's
+    own processes (`cluster`: `ray start` hands them that environment too)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        if p.pid in cluster:
+            continue
+        try:
+            if p.environ().get("RAY_TMPDIR") == str(temp_root):
+                out.append(p)
+        except (psutil.Error, OSError):  # gone, another user's, or a zombie
+            continue
+    return out
+
+
+def _gone(p) -> bool:
+    """Exited: no such process, or a zombie its own parent has yet to reap (a driver is not ours to wait on)."""
+    import psutil
+
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def stop(temp_root: Path = DEFAULT_DIR, *, grace_s: float = 10.0, log=print) -> int:
@@ -446,11 +482,16 @@ def stop(temp_root: Path = DEFAULT_DIR, *, grace_s: float = 10.0, log=print) -> 
         log("stopped prometheus")
     state = read_state(temp_root)
     leaders = [n["pid"] for n in reversed(state["nodes"])] if state else []
-    procs = _cluster_processes(temp_root, leaders)
+    procs, drivers = _members(temp_root, leaders)
     for pid in leaders:
         try:
             os.kill(pid, signal.SIGTERM)  # `ray start --block` then stops its own processes
         except ProcessLookupError:
+            pass
+    for pid in drivers:  # their cluster is going: they would wait on it for ever
+        try:
+            procs[pid].terminate()
+        except psutil.NoSuchProcess:
             pass
     deadline = time.monotonic() + grace_s
     alive = list(procs.values())
@@ -458,6 +499,7 @@ def stop(temp_root: Path = DEFAULT_DIR, *, grace_s: float = 10.0, log=print) -> 
         for pid in leaders:
             _reaped(pid)
         _, alive = psutil.wait_procs(alive, timeout=0.2)
+        alive = [p for p in alive if not (p.pid in drivers and _gone(p))]
     if alive and os.environ.get("ORCHARD_LOCAL_DEBUG"):
         log("SIGKILL: " + ", ".join(f"{p.pid}:{_name(p)}" for p in alive))
     for p in alive:

@@ -190,6 +190,8 @@ def test_local_launcher_start_status_stop_from_a_long_path(tmp_path):
         state = local.read_state(temp_root)
         pids = [n["pid"] for n in state["nodes"]]
         assert all(local._alive(p) for p in pids)
+        # a driver started for this cluster (as `make run` starts `serve run`): `stop` ends it too
+        driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env={**os.environ, "RAY_TMPDIR": str(temp_root)})
         sockets = temp_root / "ray" / "session_latest" / "sockets"
         assert (sockets / "dash_MetricsHead").exists(), sorted(p.name for p in sockets.iterdir())
         with urllib.request.urlopen(f"http://127.0.0.1:{dashboard_port}/api/v0/nodes", timeout=30) as r:
@@ -208,6 +210,7 @@ def test_local_launcher_start_status_stop_from_a_long_path(tmp_path):
             shutil.rmtree(temp_root, ignore_errors=True)
     assert down.returncode == 0, down.stdout + down.stderr
     assert "stopped 2 node(s)" in down.stdout
+    assert driver.wait(timeout=10) is not None  # ended by `stop` (reaped here: this test is its parent)
     assert not any(local._alive(p) for p in pids)
     assert local._cluster_processes(temp_root, []) == {}
     print(f"local launcher from a {len(str(checkout))}-character path: up in {t_up:.1f} s, all {time.monotonic() - t0:.1f} s")
