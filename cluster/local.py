@@ -483,15 +483,28 @@ def stop(temp_root: Path = DEFAULT_DIR, *, grace_s: float = 10.0, log=print) -> 
     state = read_state(temp_root)
     leaders = [n["pid"] for n in reversed(state["nodes"])] if state else []
     procs, drivers = _members(temp_root, leaders)
+    # Drivers first, while their cluster is still up, as Ctrl-C would stop them (`serve run` then shuts
+    # its app down and exits). One that ignores SIGINT (started in the background) is killed after
+    # 3 s: its cluster is going, it holds no state, and a SIGTERM makes Ray's driver abort with a
+    # stack dump. Then the nodes.
+    for pid in drivers:
+        try:
+            procs[pid].send_signal(signal.SIGINT)
+        except psutil.NoSuchProcess:
+            pass
+    until = time.monotonic() + min(grace_s, 3.0)
+    while drivers and time.monotonic() < until and not all(_gone(procs[pid]) for pid in drivers):
+        time.sleep(0.1)
+    for pid in drivers:
+        if not _gone(procs[pid]):
+            try:
+                procs[pid].kill()
+            except psutil.NoSuchProcess:
+                pass
     for pid in leaders:
         try:
             os.kill(pid, signal.SIGTERM)  # `ray start --block` then stops its own processes
         except ProcessLookupError:
-            pass
-    for pid in drivers:  # their cluster is going: they would wait on it for ever
-        try:
-            procs[pid].terminate()
-        except psutil.NoSuchProcess:
             pass
     deadline = time.monotonic() + grace_s
     alive = list(procs.values())
