@@ -167,8 +167,8 @@ def requests(draw, pressure=False):
     return state, draw(configs(pressure)), model, draw(st.sampled_from([0.0, 10.0, 45.0]))
 
 
-# 250 examples a property in `make test` (its 10-minute budget); `make test-all` runs 1500.
-SETTINGS = settings(max_examples=int(os.environ.get("ORCHARD_PROPERTY_EXAMPLES", "250")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 150 examples a property in `make test` (its 10-minute budget); `make test-all` runs 1500.
+SETTINGS = settings(max_examples=int(os.environ.get("ORCHARD_PROPERTY_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def copies(state, model, status):
