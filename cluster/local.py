@@ -407,17 +407,19 @@ def _write_state(temp_root: Path, state: dict) -> None:
 
 
 def _cluster_processes(temp_root: Path, leaders: list[int]) -> dict:
-    """_members' processes, the drivers among them."""
+    """_members' processes, drivers included."""
     return _members(temp_root, leaders)[0]
 
 
 def _members(temp_root: Path, leaders: list[int]) -> tuple[dict, set[int]]:
     """This cluster's processes, and which of them are drivers: each node's `ray start` process and its
     descendants (raylet, GCS, agents, and workers, which Ray puts in sessions of their own and renames
-    `ray::...`), plus orphans whose command
-    line points into this cluster's Ray session dirs (<temp_root>/ray/session_*: only Ray's own processes
-    name those, and the directory is ours), and the drivers started for it (`_drivers`). Never this
-    process or its ancestors (a shell or wrapper whose command line mentions the directory)."""
+    `ray::...`), plus orphans whose command line points into this cluster's Ray session dirs
+    (<temp_root>/ray/session_*: only Ray's own processes name those, and the directory is ours), plus
+    the drivers started for it: other processes with RAY_TMPDIR=<temp_root> in their environment, as
+    `make run` starts `serve run` (left alone, one went on running after `make stop`; `ray start`
+    hands the cluster's own processes that environment too). Never this process or its ancestors (a
+    shell or wrapper whose command line mentions the directory)."""
     import psutil
 
     found: dict[int, psutil.Process] = {}
@@ -429,36 +431,18 @@ def _members(temp_root: Path, leaders: list[int]) -> tuple[dict, set[int]]:
         except psutil.NoSuchProcess:
             continue
     marker = str(temp_root / "ray" / "session_")
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(marker in a for a in (p.info["cmdline"] or [])):
-                found.setdefault(p.pid, p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    drivers = {p.pid: p for p in _drivers(temp_root, set(found))}
+    ours: list[psutil.Process] = []  # RAY_TMPDIR names this cluster
+    for p in psutil.process_iter(["cmdline", "environ"]):  # a field it may not read comes back None
+        if any(marker in a for a in (p.info["cmdline"] or [])):
+            found.setdefault(p.pid, p)
+        elif (p.info["environ"] or {}).get("RAY_TMPDIR") == str(temp_root):
+            ours.append(p)
+    drivers = {p.pid: p for p in ours if p.pid not in found}
     found.update(drivers)
     me = psutil.Process()
     for p in [me, *me.parents()]:
         found.pop(p.pid, None)
     return found, set(drivers) & set(found)
-
-
-def _drivers(temp_root: Path, cluster: set[int]) -> list:
-    """Drivers started for this cluster: RAY_TMPDIR=<temp_root> in their environment, as `make run`
-    starts `serve run` (left alone, one went on running after `make stop`), other than the cluster's
-    own processes (`cluster`: `ray start` hands them that environment too)."""
-    import psutil
-
-    out = []
-    for p in psutil.process_iter():
-        if p.pid in cluster:
-            continue
-        try:
-            if p.environ().get("RAY_TMPDIR") == str(temp_root):
-                out.append(p)
-        except (psutil.Error, OSError):  # gone, another user's, or a zombie
-            continue
-    return out
 
 
 def _gone(p) -> bool:
