@@ -36,6 +36,8 @@ ORCHARDS: dict[str, dict[str, Any]] = {  # app args, and "via": the address the 
     "orchard-proxy": {"via": "proxy"},  # through the Serve proxy's port
     "orchard-lease-per-request": {"route_linger_s": 0},  # no standing leases: the residency service is asked per request
     "orchard-hold0": {"llm_engine": {"admit_hold_steps": 0}},  # arrivals join the batch at the next step, never held
+    "orchard-hold1": {"llm_engine": {"admit_hold_steps": 1}},  # arrivals held at most 1 step while the batch is busy
+    "orchard-hold2": {"llm_engine": {"admit_hold_steps": 2}},  # ... at most 2 steps
     "orchard-pb8": {"llm_engine": {"prefill_batch": 8}},  # prefill groups of at most 8, as the bare loop refills
 }
 
