@@ -29,36 +29,42 @@ for _k, _v in SERVE_ENV.items():  # the product's Serve mode
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _client_process(base: str, route: str, body: dict, clients: int, seconds: float, start_at: float, out: Any) -> None:
-    """One node's client: `clients` closed-loop clients from `start_at` (time.time()) for `seconds`;
-    puts (requests done, errors, latencies in ms) on `out`."""
+def _client_process(base: str, route: str, body: dict, clients: int, seconds: float, warmup_s: float, start_at: float, out: Any) -> None:
+    """One node's client: `clients` closed-loop clients for `warmup_s` untimed (a GPU compiles its
+    kernels per batch shape: 3 lone requests do not warm a batch of 8), then from `start_at`
+    (time.time()) for `seconds`; puts (requests done, errors, latencies in ms) on `out`."""
     import aiohttp
 
     async def main() -> tuple[int, int, list[float]]:
         done, errors, latencies = 0, 0, []
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as session:
-            for i in range(3):  # warm this node's path
-                async with session.post(f"{base}/v1/{route}", json=_body(body, -1 - i)) as r:
-                    await r.read()
-            await asyncio.sleep(max(0.0, start_at - time.time()))
-            stop = time.perf_counter() + seconds
 
-            async def client(k: int) -> None:
+            async def closed_loop(k: int, stop: float, timed: bool) -> None:
                 nonlocal done, errors
                 n = 0
                 while time.perf_counter() < stop:
                     t0 = time.perf_counter()
-                    async with session.post(f"{base}/v1/{route}", json=_body(body, k * 1_000_000 + n)) as r:
+                    async with session.post(f"{base}/v1/{route}", json=_body(body, k * 1_000_000 + n if timed else -10 - k * 1_000_000 - n)) as r:
                         await r.read()
                         ok = r.status == 200
                     n += 1
+                    if not timed:
+                        continue
                     if ok:
                         done += 1
                         latencies.append(1000 * (time.perf_counter() - t0))
                     else:
                         errors += 1
 
-            await asyncio.gather(*(client(k) for k in range(clients)))
+            for i in range(3):  # warm this node's path
+                async with session.post(f"{base}/v1/{route}", json=_body(body, -1 - i)) as r:
+                    await r.read()
+            if warmup_s > 0:
+                warm_stop = time.perf_counter() + min(warmup_s, max(0.0, start_at - time.time() - 0.5))
+                await asyncio.gather(*(closed_loop(k, warm_stop, False) for k in range(clients)))
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            stop = time.perf_counter() + seconds
+            await asyncio.gather(*(closed_loop(k, stop, True) for k in range(clients)))
         return done, errors, latencies
 
     out.put(asyncio.run(main()))
@@ -74,7 +80,7 @@ def _body(template: dict, i: int) -> dict:
     return body
 
 
-def run_size(n: int, models_dir: Path, model: str, kind: str, clients: int, seconds: float, cpus: int) -> dict[str, Any]:
+def run_size(n: int, models_dir: Path, model: str, kind: str, clients: int, seconds: float, cpus: int, warmup_s: float = 0.0) -> dict[str, Any]:
     import ray
     import requests
     from ray import serve
@@ -125,8 +131,8 @@ def run_size(n: int, models_dir: Path, model: str, kind: str, clients: int, seco
             route, body = "chat/completions", {"model": model, "max_tokens": 1, "temperature": 0}
         ctx = multiprocessing.get_context("spawn")
         out = ctx.Queue()
-        start_at = time.time() + 5.0
-        procs = [ctx.Process(target=_client_process, args=(urls[name], route, body, clients, seconds, start_at, out)) for name in names]
+        start_at = time.time() + 5.0 + warmup_s
+        procs = [ctx.Process(target=_client_process, args=(urls[name], route, body, clients, seconds, warmup_s, start_at, out)) for name in names]
         for p in procs:
             p.start()
         got = [out.get(timeout=seconds + 120) for _ in procs]
@@ -159,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=8, help="closed-loop clients per node")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--cpus-per-node", type=int, default=2)
+    ap.add_argument(
+        "--warmup-seconds", type=float, default=0.0, help="each node's clients run untimed first (2 on a GPU: kernels compile per batch shape)"
+    )
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "scale.json")
     a = ap.parse_args(argv)
     from deployments.models import prepare
@@ -167,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in a.nodes:
         print(f"{n} node(s)", flush=True)
-        row = run_size(n, a.models_dir.resolve(), a.model, a.kind, a.clients, a.seconds, a.cpus_per_node)
+        row = run_size(n, a.models_dir.resolve(), a.model, a.kind, a.clients, a.seconds, a.cpus_per_node, a.warmup_seconds)
         rows.append(row)
         print(
             f"  {row['req_s']:.1f} req/s aggregate, per node {[round(x, 1) for x in row['per_node_req_s']]}, p50 {row['p50_ms']:.1f} ms, errors {row['errors']}",
