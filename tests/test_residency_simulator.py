@@ -62,6 +62,21 @@ def test_with_weights_on_one_node_the_locality_aware_policy_copies_less():
     assert rows["aware"]["fetches"] < rows["blind"]["fetches"] and rows["aware"]["gb_fetched"] < rows["blind"]["gb_fetched"]
 
 
+def test_with_the_weights_on_every_node_nothing_is_copied_and_ready_comes_sooner():
+    """The locality table's floor: every store holds the whole catalog, so no placement copies, and
+    time to ready is below that of the locality-blind policy that copies from one home node."""
+    from bench.residency.catalog import with_stores
+    from bench.residency.simulate import locality_blind
+
+    trace, config = zipf(requests=1000), PolicyConfig()
+    base = empty_cluster(model_specs(), NODES)
+    everywhere = base.model_copy(update={"nodes": tuple(n.model_copy(update={"stored": frozenset(base.catalog)}) for n in base.nodes)})
+    floor = simulate(trace, everywhere, orchard(config), config)
+    blind = simulate(trace, with_stores(base, "home"), locality_blind(config), config)
+    assert floor.fetches == 0 and blind.fetches > 0
+    assert floor.row()["mean_time_to_ready_s"] < blind.row()["mean_time_to_ready_s"]
+
+
 def test_a_store_over_its_disk_budget_removes_its_least_recently_used_unused_folder():
     """make_room: the oldest folder not loaded there and held elsewhere goes first; a loaded one, the
     one just fetched, and the cluster's last copy stay, even over budget."""
