@@ -77,6 +77,22 @@ def test_with_the_weights_on_every_node_nothing_is_copied_and_ready_comes_sooner
     assert floor.row()["mean_time_to_ready_s"] < blind.row()["mean_time_to_ready_s"]
 
 
+def test_background_copies_take_the_copies_off_the_requests_path():
+    """The prefetch experiment: with idle links copying the catalog ahead of demand, placements wait
+    for fewer copies than without, and requests that wait for a load are ready sooner."""
+    from bench.residency.catalog import with_stores
+    from bench.residency.prefetch import most_requested
+
+    trace, config = bursts(hours=0.5), PolicyConfig()
+    state = with_stores(empty_cluster(model_specs(), NODES), "home")
+    plain = simulate(trace, state, orchard(config), config)
+    ahead = simulate(trace, state, orchard(config), config, prefetch=most_requested(config, whole_catalog=True, displace_ratio=2.0))
+    assert plain.prefetches == 0 and ahead.prefetches > 0
+    assert ahead.fetches < plain.fetches
+    assert ahead.row()["mean_time_to_ready_s"] < plain.row()["mean_time_to_ready_s"]
+    assert ahead.row()["unsafe_loads"] == 0 and ahead.rejected == plain.rejected == 0
+
+
 def test_a_store_over_its_disk_budget_removes_its_least_recently_used_unused_folder():
     """make_room: the oldest folder not loaded there and held elsewhere goes first; a loaded one, the
     one just fetched, and the cluster's last copy stay, even over budget."""

@@ -13,11 +13,15 @@ from typing import Any
 from bench.residency.traces import Request
 from policy import ClusterState, InstanceRef, Place, PolicyConfig, Reject, Use, Wait, count_only_lru, ensure
 from policy.config import GIB
-from policy.locality import fetch_seconds
+from policy.locality import bandwidth, fetch_seconds
 from policy.memory import estimated_load_seconds
 from policy.transitions import apply_place, finish_request, mark_loaded, mark_stored, start_request
 
 Decider = Callable[[str, ClusterState, float, float], object]
+# A background copier: (state, node id, demand per model now, the node's disk budget or None) -> the
+# model whose weights to copy to that node next, or None (bench/residency/prefetch.py).
+Prefetcher = Callable[[ClusterState, str, dict[str, float], int | None], str | None]
+DEMAND_HALF_LIFE_S = 1800.0  # a request's weight in a prefetcher's demand halves every 30 minutes
 
 # Anything still waiting after this long is turned away, by every strategy alike.
 WAIT_TIMEOUT_S = 60.0
@@ -42,6 +46,8 @@ class Tally:
     fetches: int = 0
     bytes_fetched: int = 0
     store_removals: int = 0  # stored folders removed to make room under a disk budget
+    prefetches: int = 0  # background copies finished (a prefetcher's)
+    bytes_prefetched: int = 0
 
     def row(self) -> dict:
         delays = sorted(self.start_delays)
@@ -64,6 +70,8 @@ class Tally:
             "fetches": self.fetches,
             "gb_fetched": round(self.bytes_fetched / GIB, 1),
             "store_removals": self.store_removals,
+            "prefetches": self.prefetches,
+            "gb_prefetched": round(self.bytes_prefetched / GIB, 1),
             "mean_time_to_ready_s": round(sum(self.ready_delays) / max(1, len(self.ready_delays)), 2),
         }
 
@@ -137,8 +145,18 @@ def make_room(state: ClusterState, node_id: str, keep: str, budget: int, last_us
     return state.model_copy(update={"nodes": nodes}), removed
 
 
-def simulate(trace: list[Request], state: ClusterState, decide: Decider, config: PolicyConfig, disk_budget: dict[str, int] | None = None) -> Tally:
-    """`disk_budget`: bytes each node's store may hold (make_room keeps it); None: no budget."""
+def simulate(
+    trace: list[Request],
+    state: ClusterState,
+    decide: Decider,
+    config: PolicyConfig,
+    disk_budget: dict[str, int] | None = None,
+    prefetch: Prefetcher | None = None,
+) -> Tally:
+    """`disk_budget`: bytes each node's store may hold (make_room keeps it); None: no budget.
+    `prefetch`: background copies, one at a time per node over its link at the peer bandwidth; a
+    copy a placement waits for takes the link first (the background one resumes after it), or
+    finishes the background copy of the same model."""
     tally = Tally(requests=len(trace))
     last_used: dict[tuple[str, str], float] = {}  # (node, model) -> when its stored folder was last used
     events: list[tuple[float, int, str, Any]] = []  # payload by kind: ask i, loaded (ref, s), done (i, ref)
@@ -154,6 +172,43 @@ def simulate(trace: list[Request], state: ClusterState, decide: Decider, config:
     joined: dict[InstanceRef, list[int]] = defaultdict(list)  # requests waiting for a load
     ever_loaded: set[str] = set()
     waited_once: set[int] = set()
+    demand: dict[str, tuple[float, float]] = {}  # model -> (decayed request count, as of when)
+    copying: dict[str, tuple[str, float, int]] = {}  # node -> (model, when its background copy ends, generation)
+    generation = 0
+
+    def demand_now(now: float) -> dict[str, float]:
+        return {m: v * 0.5 ** ((now - t) / DEMAND_HALF_LIFE_S) for m, (v, t) in demand.items()}
+
+    def kick(now: float) -> None:
+        """Start a background copy on every node whose link is idle, as the prefetcher picks."""
+        nonlocal generation
+        if prefetch is None:
+            return
+        wanted = demand_now(now)
+        for node in state.nodes:
+            if node.node_id in copying or not node.alive:
+                continue
+            model = prefetch(state, node.node_id, wanted, None if disk_budget is None else disk_budget[node.node_id])
+            if model is None or model in node.stored:
+                continue
+            generation += 1
+            end = now + state.catalog[model].weight_bytes / bandwidth(state, config, "peer")
+            copying[node.node_id] = (model, end, generation)
+            push(end, "prefetched", (node.node_id, model, generation))
+
+    def demand_order(node_id: str, now: float) -> dict[tuple[str, str], float]:
+        """With a prefetcher, a store over its budget removes the least requested folders first."""
+        wanted = demand_now(now)
+        return {(node_id, m): wanted.get(m, 0.0) for m in state.catalog}
+
+    def store(node_id: str, model: str, now: float, order: dict[tuple[str, str], float]) -> None:
+        """The weights are on the node's disk from now on; room made under a budget, in `order`."""
+        nonlocal state
+        state = mark_stored(state, node_id, model)
+        last_used[(node_id, model)] = now
+        if disk_budget is not None:
+            state, removed = make_room(state, node_id, model, disk_budget[node_id], order)
+            tally.store_removals += removed
 
     def start(i: int, ref: InstanceRef, now: float) -> None:
         nonlocal state
@@ -170,6 +225,9 @@ def simulate(trace: list[Request], state: ClusterState, decide: Decider, config:
             i = payload
             r = trace[i]
             waited = now - r.arrival
+            if waited == 0:
+                v, t = demand.get(r.model, (0.0, now))
+                demand[r.model] = (v * 0.5 ** ((now - t) / DEMAND_HALF_LIFE_S) + 1.0, now)
             d = decide(r.model, state, now, waited)
             if isinstance(d, Use):
                 if waited == 0:
@@ -184,13 +242,17 @@ def simulate(trace: list[Request], state: ClusterState, decide: Decider, config:
                 assert node is not None
                 fetch_s = fetch_seconds(state.catalog[d.model], node, state, config)  # the weights' real way there
                 if fetch_s > 0:
-                    tally.fetches += 1
-                    tally.bytes_fetched += state.catalog[d.model].weight_bytes
-                    state = mark_stored(state, d.node_id, d.model)  # on disk from now on, room made under a budget
-                    last_used[(d.node_id, d.model)] = now
-                    if disk_budget is not None:
-                        state, removed = make_room(state, d.node_id, d.model, disk_budget[d.node_id], last_used)
-                        tally.store_removals += removed
+                    background = copying.pop(d.node_id, None)
+                    if background is not None and background[0] == d.model:  # it finishes that copy
+                        fetch_s = max(0.0, background[1] - now)
+                    else:
+                        tally.fetches += 1
+                        tally.bytes_fetched += state.catalog[d.model].weight_bytes
+                        if background is not None:  # it takes the link; the background copy resumes after
+                            generation += 1
+                            copying[d.node_id] = (background[0], background[1] + fetch_s, generation)
+                            push(background[1] + fetch_s, "prefetched", (d.node_id, background[0], generation))
+                    store(d.node_id, d.model, now, last_used if prefetch is None else demand_order(d.node_id, now))
                 load_s += fetch_s
                 tally.loads += 1
                 if d.model in ever_loaded:
@@ -219,6 +281,13 @@ def simulate(trace: list[Request], state: ClusterState, decide: Decider, config:
             else:
                 assert isinstance(d, (Reject, Wait))
                 tally.rejected += 1
+        elif kind == "prefetched":
+            node_id, model, gen = payload
+            if copying.get(node_id, (None, 0.0, -1))[2] == gen:
+                del copying[node_id]
+                tally.prefetches += 1
+                tally.bytes_prefetched += state.catalog[model].weight_bytes
+                store(node_id, model, now, demand_order(node_id, now))
         elif kind == "loaded":
             ref, load_s = payload
             state = mark_loaded(state, ref, now, load_s)
@@ -228,4 +297,5 @@ def simulate(trace: list[Request], state: ClusterState, decide: Decider, config:
         else:
             i, ref = payload
             state = finish_request(state, ref, now)
+        kick(now)
     return tally
