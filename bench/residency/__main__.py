@@ -186,8 +186,8 @@ MARKDOWN_TAIL = """
   store at all. Time to ready: arrival to start for the requests that waited for a load. Without a
   disk budget, L1 cuts the copies by a fifth to two fifths and the GB copied by 5-20%, but time to
   ready stays within about 7% of the blind policy either way: every node soon holds most of the
-  catalog, and the copies left are the first ones to each node. "disk 2x memory": each store may hold twice its node's usable memory
-  (192 / 96 / 72 / 48 GB for a 232 GB catalog); a copy over budget removes the node's least recently
+  catalog, and the copies left are the first ones to each node. "disk 2x memory": each store may
+  hold twice its node's usable memory (192 / 96 / 72 / 48 GB for a 232 GB catalog); a copy over budget removes the node's least recently
   used folders first, never one loaded there and never the cluster's last copy (the simulator has no
   hub to fetch it again; Orchard's own store keeps the same order, docs/cluster.md). There L1 halves
   the copies and the folders removed, and time to ready falls to 0.78x / 0.83x on the "home" cases

@@ -242,16 +242,15 @@ def simulate(
                 assert node is not None
                 fetch_s = fetch_seconds(state.catalog[d.model], node, state, config)  # the weights' real way there
                 if fetch_s > 0:
+                    tally.fetches += 1  # a copy this placement waits for
+                    tally.bytes_fetched += state.catalog[d.model].weight_bytes
                     background = copying.pop(d.node_id, None)
                     if background is not None and background[0] == d.model:  # it finishes that copy
                         fetch_s = max(0.0, background[1] - now)
-                    else:
-                        tally.fetches += 1
-                        tally.bytes_fetched += state.catalog[d.model].weight_bytes
-                        if background is not None:  # it takes the link; the background copy resumes after
-                            generation += 1
-                            copying[d.node_id] = (background[0], background[1] + fetch_s, generation)
-                            push(background[1] + fetch_s, "prefetched", (d.node_id, background[0], generation))
+                    elif background is not None:  # it takes the link; the background copy resumes after
+                        generation += 1
+                        copying[d.node_id] = (background[0], background[1] + fetch_s, generation)
+                        push(background[1] + fetch_s, "prefetched", (d.node_id, background[0], generation))
                     store(d.node_id, d.model, now, last_used if prefetch is None else demand_order(d.node_id, now))
                 load_s += fetch_s
                 tally.loads += 1
