@@ -213,7 +213,10 @@ MARKDOWN_TAIL = """
   budget it comes near the floor: 0.55-0.60x on bursts (the goal's 0.7x met), 0.81-0.85x on zipf
   (where the floor itself is 0.76-0.81x). With the budgets it buys nothing (0.82-1.05x, against the
   shipped policy's 0.78-0.99x): the stores churn (a few hundred background copies, nearly as many
-  folders removed), and the copies it makes do not match where the policy next places. Not shipped.
+  folders removed), and the copies it makes do not match where the policy next places. Variants
+  tried under the budgets (no displacement, only free space; least recently used removal instead of
+  least requested; only models already asked for), each on the four budget cases: 0.74-1.48x, none
+  better than the shipped policy on all four. Not shipped.
 """
 
 
