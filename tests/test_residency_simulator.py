@@ -70,8 +70,7 @@ def test_with_the_weights_on_every_node_nothing_is_copied_and_ready_comes_sooner
 
     trace, config = zipf(requests=1000), PolicyConfig()
     base = empty_cluster(model_specs(), NODES)
-    everywhere = base.model_copy(update={"nodes": tuple(n.model_copy(update={"stored": frozenset(base.catalog)}) for n in base.nodes)})
-    floor = simulate(trace, everywhere, orchard(config), config)
+    floor = simulate(trace, with_stores(base, "everywhere"), orchard(config), config)
     blind = simulate(trace, with_stores(base, "home"), locality_blind(config), config)
     assert floor.fetches == 0 and blind.fetches > 0
     assert floor.row()["mean_time_to_ready_s"] < blind.row()["mean_time_to_ready_s"]

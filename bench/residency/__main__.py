@@ -52,9 +52,9 @@ def run_locality(quick: bool) -> dict:
     config = PolicyConfig()
     out: dict = {}
     for trace_name, trace in (("zipf", zipf(requests=int(5000 * scale))), ("bursts", bursts(hours=2.0 * scale))):
-        base = empty_cluster(model_specs())
-        everywhere = base.model_copy(update={"nodes": tuple(n.model_copy(update={"stored": frozenset(base.catalog)}) for n in base.nodes)})
-        floor = simulate(trace, everywhere, orchard(config), config).row()  # no copy is ever needed: the bound of any locality rule
+        floor = simulate(
+            trace, with_stores(empty_cluster(model_specs()), "everywhere"), orchard(config), config
+        ).row()  # no copy is ever needed: the bound of any locality rule
         for budget in (None, DISK_BUDGET_FACTOR):  # no disk budget, then each store at 2x its node's usable memory
             for layout in ("home", "spread"):
                 state = with_stores(empty_cluster(model_specs()), layout)

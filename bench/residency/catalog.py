@@ -78,9 +78,10 @@ def empty_cluster(specs: list[ModelSpec], nodes: list[tuple[str, int, int]] = NO
 
 def with_stores(state: ClusterState, layout: str) -> ClusterState:
     """Where the weights start (rule L1): "home": every model on the first (largest) node's store only;
-    "spread": each model on one node's store, round robin."""
+    "spread": each model on one node's store, round robin; "everywhere": every model on every node."""
     nodes = [n.node_id for n in state.nodes]
     held: dict[str, set[str]] = {n: set() for n in nodes}
     for i, model in enumerate(sorted(state.catalog)):
-        held[nodes[0] if layout == "home" else nodes[i % len(nodes)]].add(model)
+        for node in nodes if layout == "everywhere" else [nodes[0] if layout == "home" else nodes[i % len(nodes)]]:
+            held[node].add(model)
     return state.model_copy(update={"nodes": tuple(n.model_copy(update={"stored": frozenset(held[n.node_id])}) for n in state.nodes)})

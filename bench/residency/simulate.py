@@ -176,8 +176,11 @@ def simulate(
     copying: dict[str, tuple[str, float, int]] = {}  # node -> (model, when its background copy ends, generation)
     generation = 0
 
+    def decayed(count: float, since: float, now: float) -> float:
+        return count * 0.5 ** ((now - since) / DEMAND_HALF_LIFE_S)
+
     def demand_now(now: float) -> dict[str, float]:
-        return {m: v * 0.5 ** ((now - t) / DEMAND_HALF_LIFE_S) for m, (v, t) in demand.items()}
+        return {m: decayed(v, t, now) for m, (v, t) in demand.items()}
 
     def kick(now: float) -> None:
         """Start a background copy on every node whose link is idle, as the prefetcher picks."""
@@ -227,7 +230,7 @@ def simulate(
             waited = now - r.arrival
             if waited == 0:
                 v, t = demand.get(r.model, (0.0, now))
-                demand[r.model] = (v * 0.5 ** ((now - t) / DEMAND_HALF_LIFE_S) + 1.0, now)
+                demand[r.model] = (decayed(v, t, now) + 1.0, now)
             d = decide(r.model, state, now, waited)
             if isinstance(d, Use):
                 if waited == 0:
