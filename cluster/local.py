@@ -119,10 +119,10 @@ def default_ip() -> str:
 # 0.86x of the in-process engine (docs/serve-benchmark.md). Direct ingress: each ingress replica
 # also serves HTTP itself, on a port of Ray's direct-ingress range (30000 and up, one per replica on
 # a host), so a client there skips the proxy's hop (docs/cluster.md, docs/serve-path.md); in this
-# mode Serve runs one proxy, on the head, on http_options' port. A replica that stops keeps serving for 2 s (Serve's
-# default, 30 s, is for load balancers that deregister targets; raise it behind one). Read by every
-# Serve process at import, so it must be in the environment of every node (Macs: export them all
-# before `ray start`).
+# mode Serve runs one proxy, on the head, on http_options' port. A replica that stops keeps serving
+# for 2 s (Serve's default, 30 s, is for load balancers that deregister targets; raise it behind
+# one). Read by every Serve process at import, so it must be in the environment of every node (Macs:
+# export them all before `ray start`).
 SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
@@ -404,11 +404,6 @@ def _write_state(temp_root: Path, state: dict) -> None:
     tmp = temp_root / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(state, indent=2))
     tmp.replace(temp_root / STATE_FILE)
-
-
-def _cluster_processes(temp_root: Path, leaders: list[int]) -> dict:
-    """_members' processes, drivers included."""
-    return _members(temp_root, leaders)[0]
 
 
 def _members(temp_root: Path, leaders: list[int]) -> tuple[dict, set[int]]:

@@ -212,7 +212,7 @@ def test_local_launcher_start_status_stop_from_a_long_path(tmp_path):
     assert "stopped 2 node(s)" in down.stdout
     assert driver.wait(timeout=10) is not None  # ended by `stop` (reaped here: this test is its parent)
     assert not any(local._alive(p) for p in pids)
-    assert local._cluster_processes(temp_root, []) == {}
+    assert local._members(temp_root, []) == ({}, set())  # no process of the cluster, no driver
     print(f"local launcher from a {len(str(checkout))}-character path: up in {t_up:.1f} s, all {time.monotonic() - t0:.1f} s")
 
 
