@@ -194,11 +194,14 @@ class NodeAgent:
                 flight.cancelled.set()
             return flight.cancelled.is_set()
 
-    def fetch(self, manifest: dict, sources: list[str], max_bytes_per_s: float | None = None, keep: list[str] | None = None) -> dict:
+    def fetch(
+        self, manifest: dict, sources: list[str], max_bytes_per_s: float | None = None, keep: list[str] | None = None, speculative: bool = False
+    ) -> dict:
         """Copy `manifest`'s folder into this store from the first source node (Orchard names) whose
         agent serves it to the end, resuming from the partial files after a source fails. Callers for
-        the same folder share one copy. Returns {"ok": True, "bytes", "seconds", "source"} or
-        {"ok": False, "code", "message"}; never raises."""
+        the same folder share one copy. `speculative` (a background copy, rule L4): the folder counts
+        as the least recently used one until a model server loads from it. Returns {"ok": True,
+        "bytes", "seconds", "source"} or {"ok": False, "code", "message"}; never raises."""
         wanted = StoreManifest.model_validate(manifest)
         existing = self.store.manifest(wanted.folder)
         if existing is not None and existing.files == wanted.files:  # asked from a view older than the last copy
@@ -215,6 +218,8 @@ class NodeAgent:
             return flight.result
         try:
             flight.result = self._with_room(flight, keep, lambda: self._copy(flight, max_bytes_per_s))
+            if speculative and flight.result["ok"]:
+                self.store.mark_unused(wanted.folder)
         except Exception as e:  # an I/O error outside the copy's own handling (a store folder that cannot be made)
             flight.result = {"ok": False, "code": "io_error", "message": f"copying {wanted.folder}: {type(e).__name__}: {e}", "removed": []}
         finally:

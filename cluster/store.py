@@ -136,6 +136,13 @@ class Store:
         if target.exists():
             os.utime(target)
 
+    def mark_unused(self, folder: str) -> None:
+        """Mark the folder never used (a background copy): the disk budget removes it before any
+        folder a model server loaded from, until one does (touch)."""
+        target = self.folder(folder) / MANIFEST
+        if target.exists():
+            os.utime(target, (0, 0))
+
     def _last_used(self, folder: str) -> float:
         base = self.folder(folder)
         target = base / MANIFEST if (base / MANIFEST).exists() else base

@@ -3,6 +3,7 @@
 No Ray, no MLX, no clock, no I/O: the caller passes `now` and applies the decision. The rules are
 written down in docs/residency.md, each pointing at its test."""
 
+from policy.background import BackgroundCopy, StoreRoom, plan_background_copies
 from policy.cluster_state import ClusterState, FailedLoad, InstanceRef, InstanceState, LoadFailureReason, NodeState
 from policy.config import CostWeights, PolicyConfig
 from policy.copies import plan_copies
@@ -17,6 +18,7 @@ from policy.sweep import sweep
 from policy.transitions import clear_failed, learn_bandwidth, mark_failed, mark_stored
 
 __all__ = [
+    "BackgroundCopy",
     "Blocker",
     "ClusterState",
     "CostWeights",
@@ -36,6 +38,7 @@ __all__ = [
     "PolicyConfig",
     "Reject",
     "Role",
+    "StoreRoom",
     "Unload",
     "Use",
     "Wait",
@@ -47,6 +50,7 @@ __all__ = [
     "fetch_source",
     "learn_bandwidth",
     "mark_stored",
+    "plan_background_copies",
     "plan_copies",
     "free_bytes",
     "mark_failed",

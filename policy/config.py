@@ -10,6 +10,7 @@ from policy.specs import DeviceKind, ModelKind
 EvictionStrategy = Literal["lru", "cost", "fewest"]
 Contention = Literal["fail", "wait"]
 FitPreference = Literal["pack", "spread"]
+BackgroundCopies = Literal["off", "requested", "catalog"]
 
 GIB = 1024**3
 MIB = 1024**2
@@ -69,6 +70,20 @@ class PolicyConfig(Frozen):
     # store (a Thunderbolt bridge or 10 GbE link moves about this), a download from the Hub.
     peer_bandwidth_bytes_per_s: ByteSize = ByteSize(500 * MIB)
     hub_bandwidth_bytes_per_s: ByteSize = ByteSize(50 * MIB)
+
+    # Background copies (rule L4): while a node has no copy coming in, copy into its store the most
+    # requested model it lacks ("requested"), then, with "catalog", every other one, smallest first;
+    # within its disk budget and free disk less the reserve, never removing a folder for it. Off by
+    # default: it spends links and disk no request asked for.
+    background_copies: BackgroundCopies = "off"
+    # Requests are counted per model with this half-life; a model below the minimum is not copied.
+    demand_half_life_s: float = Field(default=1800.0, gt=0)
+    background_copy_min_demand: float = Field(default=1.0, gt=0)
+    background_copy_disk_reserve_bytes: ByteSize = ByteSize(10 * GIB)
+    # ... and only while the store, with the copy, stays within this share of its disk budget: the
+    # rest is left to copies a placement waits for (background copies that fill a budget are
+    # removed by the next such copy, and copied again: churn the simulator measured).
+    background_copy_budget_share: float = Field(default=0.5, gt=0, le=1)
 
     # A model whose load failed and is not retried (P9) is refused at once for a back-off (P10):
     # base x 2^(consecutive failures - 1), at most the max. 0 turns the back-off off (the next

@@ -73,7 +73,7 @@ def orchard(models_dir, tmp_path_factory, hub):
     serve.run(build_app(args), name="orchard", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    yield {"http": Http(base), "client": client, "stores": stores, "models_dir": models_dir}
+    yield {"http": Http(base), "client": client, "stores": stores, "models_dir": models_dir, "args": args}
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
@@ -258,3 +258,29 @@ def test_bytes_fetched_are_counted_by_source_in_rays_metrics(orchard):
 
     counted = wait_for(lambda: (s := series())["hub"] > 0 and s["peer"] > 0 and s, 60, "fetch byte counters for both sources")
     assert counted["hub"] >= 37_000_000 and counted["peer"] >= 37_000_000  # at least one whole llama-10m each
+
+
+def test_background_copies_bring_a_requested_model_to_the_stores_with_room(orchard):
+    """Rule L4 end to end (runs last: it redeploys with background_copies on). Requests for a model
+    only the head's store holds make the residency service copy it into mac-1's store, with no
+    placement there and nothing removed; mac-2, whose disk budget is over the half background copies
+    may fill, gets none."""
+    http, stores, args = orchard["http"], orchard["stores"], orchard["args"]
+    shutil.copytree(orchard["models_dir"] / "llama-10m", stores["head"] / "llama-warm")
+    warm = args["models"][0] | {"name": "llama-warm", "path": "llama-warm"}
+    policy = args["policy"] | {"background_copies": "requested", "background_copy_disk_reserve_bytes": 0}
+    serve.run(build_app(args | {"models": [*args["models"], warm], "policy": policy}), name="orchard", route_prefix="/")
+    for m in http.get("/v1/models").json()["data"]:
+        if m["orchard"]["nodes"]:
+            assert http.post(f"/v1/models/{m['id']}/unload").status_code == 200
+    since = max((e["seq"] for e in http.get("/v1/cluster/events").json()["data"]), default=0)
+    assert answer(orchard, "llama-warm") and answer(orchard, "llama-warm")
+    wait_for(lambda: "mac-1" in model(orchard, "llama-warm")["stored_on"], 60, "the background copy on mac-1")
+    copied = [e for e in events(orchard, "llama-warm") if e["kind"] == "fetching"]
+    assert [e["node_id"] for e in copied] == ["mac-1"] and "background copy, L4: 2.0 requests" in copied[0]["reason"], copied
+    assert model(orchard, "llama-warm")["nodes"] == ["head"]  # copied, not placed
+    assert (stores["mac-1"] / "llama-warm" / MANIFEST).stat().st_mtime == 0  # the first to go under a disk budget
+    wait_for(lambda: not model(orchard, "llama-warm").get("fetching"), 30, "no copy in flight")
+    later = [e for e in http.get("/v1/cluster/events").json()["data"] if e["seq"] > since]
+    assert not any(e["kind"] == "files_removed" for e in later)
+    assert not any(e["kind"] == "fetching" and e["node_id"] == "mac-2" for e in later)

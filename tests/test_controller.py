@@ -641,3 +641,15 @@ def test_a_placement_blocked_by_a_standing_lease_in_use_waits_for_the_next_repor
 
     before, after, b, lease = run(scenario())
     assert before == [] and after == [lease.lease_id] and b.model == "b"
+
+
+def test_demand_halves_every_half_life_and_forgets_what_decayed_away():
+    from router.residency.demand import Demand
+
+    d = Demand(half_life_s=10.0)
+    d.add("a", 4, now=0.0)
+    d.add("b", 1, now=0.0)
+    assert d.at("a", 10.0) == 2.0 and d.at("a", 20.0) == 1.0
+    d.add("a", 1, now=20.0)
+    assert d.at("a", 20.0) == 2.0 and d.at("ghost", 20.0) == 0.0
+    assert set(d.snapshot(105.0)) == {"a"}  # b: 2^-10.5 of a request, forgotten; a: 2 x 2^-8.5

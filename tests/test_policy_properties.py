@@ -4,7 +4,7 @@ the brute-force oracle of the spec (tests/support/policy_oracle.py)."""
 import os
 
 from hypothesis import HealthCheck, given, settings, strategies as st
-from support.policy_oracle import all_refs, backoff_left, backoff_s, eligible, evictable, feasible_after, fetch_s, need_bytes, protection
+from support.policy_oracle import all_refs, backoff_left, backoff_s, device_on, eligible, evictable, feasible_after, fetch_s, need_bytes, protection
 
 from policy import (
     ClusterState,
@@ -17,10 +17,12 @@ from policy import (
     Place,
     PolicyConfig,
     Reject,
+    StoreRoom,
     Use,
     Wait,
     clear_failed,
     ensure,
+    plan_background_copies,
     plan_copies,
     retry_after_failure,
     sweep,
@@ -304,6 +306,83 @@ def test_plan_copies_starts_only_valid_copies(state, config):
             assert protection(work, work.node(v.node_id), v.model, NOW, config) is None
         assert feasible_after(work, spec, node.node_id, set(place.evict), config)
         work = apply_place(work, place, NOW)
+
+
+@st.composite
+def background_inputs(draw):
+    """A cluster, demand over its catalog, store rooms and nodes with a copy coming in (rule L4)."""
+    state = draw(st.one_of(clusters(), clusters(pressure=True)))
+    config = draw(configs()).model_copy(
+        update={
+            "background_copies": draw(st.sampled_from(["requested", "catalog"])),
+            "background_copy_min_demand": draw(st.sampled_from([0.5, 1.0, 3.0])),
+            "background_copy_budget_share": draw(st.sampled_from([0.5, 1.0])),
+            "background_copy_disk_reserve_bytes": draw(st.sampled_from([0, GIB, 4 * GIB])),
+        }
+    )
+    names = sorted(state.catalog)
+    demand = {m: draw(st.sampled_from([0.2, 1.0, 2.0, 2.0, 2.0, 5.0])) for m in names if draw(st.integers(0, 3)) > 0}
+    ids = [n.node_id for n in state.nodes]
+    rooms = {  # most nodes report a store, most with room for a model or two
+        n.node_id: StoreRoom(
+            free_bytes=draw(st.sampled_from([0, 1, 3, 9, 64, 1024])) * GIB,
+            used_bytes=draw(st.sampled_from([0, 1, 4])) * GIB,
+            budget_bytes=draw(st.sampled_from([None, None, 4 * GIB, 16 * GIB])),
+        )
+        for n in state.nodes
+        if draw(st.integers(0, 4)) > 0
+    }
+    copying = frozenset(draw(st.lists(st.sampled_from(ids), unique=True, max_size=1))) if ids else frozenset()
+    return state, config, demand, rooms, copying
+
+
+def background_candidates(state, config, node, demand, room) -> list[str]:
+    """L4 by hand: every model the node may copy in now, best first."""
+
+    def valid(name: str) -> bool:
+        spec = state.catalog[name]
+        held = any(n.alive and n.node_id != node.node_id and name in n.stored for n in state.nodes)
+        constraints = (spec.allowed_nodes is None or node.node_id in spec.allowed_nodes) and all(
+            node.labels.get(k) == v for k, v in spec.required_labels.items()
+        )
+        margin = config.safety_margin_bytes + int(config.safety_margin_fraction * node.usable_bytes)
+        space = room.free_bytes - config.background_copy_disk_reserve_bytes
+        if room.budget_bytes is not None:
+            space = min(space, int(config.background_copy_budget_share * room.budget_bytes) - room.used_bytes)
+        return (
+            name not in node.stored
+            and held
+            and constraints
+            and device_on(spec, node) is not None
+            and need_bytes(spec, config) <= node.usable_bytes - margin
+            and spec.weight_bytes <= space
+        )
+
+    asked = sorted(
+        (m for m, v in demand.items() if v >= config.background_copy_min_demand), key=lambda m: (-demand[m], state.catalog[m].weight_bytes, m)
+    )
+    rest = (
+        sorted((m for m in state.catalog if m not in asked), key=lambda m: (state.catalog[m].weight_bytes, m))
+        if config.background_copies == "catalog"
+        else []
+    )
+    return [m for m in asked + rest if valid(m)]
+
+
+@SETTINGS
+@given(background_inputs())
+def test_plan_background_copies_picks_the_best_valid_copy_per_idle_node(case):
+    state, config, demand, rooms, copying = case
+    copies = plan_background_copies(state, config, demand, rooms, copying)
+    assert copies == plan_background_copies(state, config, demand, rooms, copying)  # D1
+    chosen = {c.node_id: c.model for c in copies}
+    assert len(chosen) == len(copies)  # at most one per node
+    for node in state.nodes:
+        idle = node.alive and not node.draining and node.node_id in rooms and node.node_id not in copying
+        best = background_candidates(state, config, node, demand, rooms[node.node_id]) if idle else []
+        assert chosen.get(node.node_id) == (best[0] if best else None)
+    off = config.model_copy(update={"background_copies": "off"})
+    assert plan_background_copies(state, off, demand, rooms, copying) == ()
 
 
 @st.composite

@@ -11,6 +11,7 @@ from policy import (
     Place,
     PolicyConfig,
     Reject,
+    StoreRoom,
     Use,
     Wait,
     clear_failed,
@@ -21,6 +22,7 @@ from policy import (
     learn_bandwidth,
     mark_failed,
     mark_stored,
+    plan_background_copies,
     plan_copies,
     retry_after_failure,
 )
@@ -644,3 +646,61 @@ def test_l1_with_the_cost_strategy_a_copy_weighs_against_the_victims_expected_re
     assert ensure("c", st, NOW, slow).node_id == "n1"  # a 2 min copy costs more than a's expected reloads
     lru = slow.model_copy(update={"eviction": "lru"})
     assert ensure("c", st, NOW, lru).node_id == "n2"  # lru's own order first; the copy only breaks ties
+
+
+# L4
+def _rooms(*node_ids: str, free_gb: float = 100.0, used_gb: float = 0.0, budget_gb: float | None = None) -> dict[str, StoreRoom]:
+    budget = None if budget_gb is None else int(budget_gb * GIB)
+    return {n: StoreRoom(free_bytes=int(free_gb * GIB), used_bytes=int(used_gb * GIB), budget_bytes=budget) for n in node_ids}
+
+
+L4 = PLAIN.model_copy(update={"background_copies": "requested", "background_copy_disk_reserve_bytes": 0})
+
+
+def test_l4_off_by_default_copies_nothing():
+    st = cluster([node("n1", 8, stored=frozenset({"a"})), node("n2", 8)], [spec("a", gb=2)])
+    assert plan_background_copies(st, PLAIN, {"a": 5.0}, _rooms("n1", "n2")) == ()
+
+
+def test_l4_copies_the_most_requested_model_a_node_lacks_from_a_holder():
+    a, b, c = spec("a", gb=2), spec("b", gb=2), spec("c", gb=1)
+    st = cluster([node("n1", 8, stored=frozenset({"a", "b", "c"})), node("n2", 8, stored=frozenset({"b"})), node("n3", 8)], [a, b, c])
+    demand = {"a": 3.0, "b": 9.0, "c": 3.0}
+    copies = {x.node_id: x.model for x in plan_background_copies(st, L4, demand, _rooms("n1", "n2", "n3"))}
+    # n1 holds everything; n2 lacks a and c, asked for alike: the smaller first; n3 gets b, the most asked for
+    assert copies == {"n2": "c", "n3": "b"}
+    assert plan_background_copies(st, L4, demand, _rooms("n1", "n2", "n3"), copying=frozenset({"n3"}))[0].node_id == "n2"
+
+
+def test_l4_never_a_model_below_the_minimum_demand_nor_one_no_store_holds():
+    a, b = spec("a", gb=2), spec("b", gb=2, hub=True)
+    st = cluster([node("n1", 8, stored=frozenset({"a"})), node("n2", 8)], [a, b])
+    assert plan_background_copies(st, L4, {"a": 0.5, "b": 50.0}, _rooms("n1", "n2")) == ()  # b only on the Hub: never downloaded in the background
+    dead = cluster([node("n1", 8, stored=frozenset({"a"}), alive=False), node("n2", 8)], [a])
+    assert plan_background_copies(dead, L4, {"a": 5.0}, _rooms("n1", "n2")) == ()
+
+
+def test_l4_only_where_the_model_could_load_and_its_weights_fit_the_room():
+    big, gpu, tagged = spec("big", gb=10), spec("gpu", gb=1, device="cuda"), spec("tagged", gb=1, required_labels={"rack": "a"})
+    holder = node("n1", 16, stored=frozenset({"big", "gpu", "tagged"}), devices=("cuda", "cpu"), labels={"rack": "a"})
+    st = cluster([holder, node("n2", 8)], [big, gpu, tagged])
+    assert plan_background_copies(st, L4, {"big": 9.0, "gpu": 8.0, "tagged": 7.0}, _rooms("n1", "n2")) == ()  # too big, no cuda, no label
+    small = spec("small", gb=3)
+    st = cluster([node("n1", 8, stored=frozenset({"small"})), node("n2", 8)], [small])
+    assert plan_background_copies(st, L4, {"small": 2.0}, _rooms("n2", free_gb=2.5)) == ()  # the disk
+    reserve = L4.model_copy(update={"background_copy_disk_reserve_bytes": 2 * GIB})
+    assert plan_background_copies(st, reserve, {"small": 2.0}, _rooms("n2", free_gb=4.0)) == ()  # the disk less the reserve
+    assert plan_background_copies(st, L4, {"small": 2.0}, _rooms("n2", budget_gb=5.0)) == ()  # half of the budget: 2.5 GB
+    assert plan_background_copies(st, L4, {"small": 2.0}, _rooms("n2", budget_gb=8.0))[0].model == "small"
+    assert plan_background_copies(st, L4, {"small": 2.0}, {}) == ()  # a node with no store report
+    draining = cluster([node("n1", 8, stored=frozenset({"small"})), node("n2", 8, draining=True)], [small])
+    assert plan_background_copies(draining, L4, {"small": 2.0}, _rooms("n2")) == ()
+
+
+def test_l4_catalog_copies_what_nobody_asked_for_after_the_requested_smallest_first():
+    a, b, c = spec("a", gb=3), spec("b", gb=1), spec("c", gb=2)
+    st = cluster([node("n1", 8, stored=frozenset({"a", "b", "c"})), node("n2", 8, stored=frozenset({"b"}))], [a, b, c])
+    catalog = L4.model_copy(update={"background_copies": "catalog"})
+    assert plan_background_copies(st, catalog, {"a": 2.0}, _rooms("n2"))[0].model == "a"
+    assert plan_background_copies(st, catalog, {}, _rooms("n2"))[0].model == "c"
+    assert plan_background_copies(st, L4, {}, _rooms("n2")) == ()

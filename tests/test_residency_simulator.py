@@ -77,15 +77,15 @@ def test_with_the_weights_on_every_node_nothing_is_copied_and_ready_comes_sooner
 
 
 def test_background_copies_take_the_copies_off_the_requests_path():
-    """The prefetch experiment: with idle links copying the catalog ahead of demand, placements wait
+    """Rule L4 in the simulator: with idle links copying the catalog ahead of demand, placements wait
     for fewer copies than without, and requests that wait for a load are ready sooner."""
     from bench.residency.catalog import with_stores
-    from bench.residency.prefetch import most_requested
+    from bench.residency.prefetch import shipped
 
-    trace, config = bursts(hours=0.5), PolicyConfig()
+    trace, config = bursts(hours=0.5), PolicyConfig(background_copies="catalog")
     state = with_stores(empty_cluster(model_specs(), NODES), "home")
     plain = simulate(trace, state, orchard(config), config)
-    ahead = simulate(trace, state, orchard(config), config, prefetch=most_requested(config, whole_catalog=True, displace_ratio=2.0))
+    ahead = simulate(trace, state, orchard(config), config, prefetch=shipped(config))
     assert plain.prefetches == 0 and ahead.prefetches > 0
     assert ahead.fetches < plain.fetches
     assert ahead.row()["mean_time_to_ready_s"] < plain.row()["mean_time_to_ready_s"]

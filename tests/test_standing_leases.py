@@ -38,8 +38,8 @@ class Direct:
         async def release(lease_id, used_tokens=None):
             self.c.release(lease_id)
 
-        async def report_usage(holder, counts):
-            self.c.report_usage(holder, counts)
+        async def report_usage(holder, counts, started=None):
+            self.c.report_usage(holder, counts, started)
 
         async def routes(holder, version=-1):
             return await self.c.routes(holder, version, timeout_s=0.2)
@@ -69,6 +69,27 @@ def test_requests_share_one_lease_and_it_goes_back_after_the_linger():
     shared, counted, left, standing = asyncio.run(scenario())
     assert shared and counted == 2
     assert left == [] and standing.held == {}
+
+
+def test_the_requests_a_holder_starts_are_the_models_demand_and_keyed_ones_count_at_the_lease():
+    """Rule L4's demand: requests through a standing lease are counted by the holder and reported in
+    its batches; a request with a lease of its own (a key's limits) is counted when it asks."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=1), spec("b", gb=1)], nodes=(("n1", 4),))
+        leases = Leases(Direct(c), holder="ing-1", linger_s=5.0)
+        for _ in range(3):
+            (await leases.acquire("a")).release()
+        await settle(0.4)  # a report round
+        before_own = c.demand.at("a", fx.now())
+        own = await c.acquire("b")  # no holder: a lease of its own
+        c.release(own.lease_id)
+        await settle(0.4)
+        return before_own, c.demand.snapshot(fx.now())
+
+    reported, demand = asyncio.run(scenario())
+    assert 2.99 < reported <= 3.0 and 2.99 < demand["a"] <= 3.0  # reported once, not again in later rounds
+    assert 0.99 < demand["b"] <= 1.0
 
 
 def test_a_lease_in_use_is_kept_and_once_idle_it_is_revoked_and_given_back_for_the_placement():

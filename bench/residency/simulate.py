@@ -156,7 +156,9 @@ def simulate(
     """`disk_budget`: bytes each node's store may hold (make_room keeps it); None: no budget.
     `prefetch`: background copies, one at a time per node over its link at the peer bandwidth; a
     copy a placement waits for takes the link first (the background one resumes after it), or
-    finishes the background copy of the same model."""
+    finishes the background copy of the same model. A store over its budget removes its least
+    recently used folders first, and, as Orchard's does (rule L4), a background copy not loaded
+    since it arrived before any other."""
     tally = Tally(requests=len(trace))
     last_used: dict[tuple[str, str], float] = {}  # (node, model) -> when its stored folder was last used
     events: list[tuple[float, int, str, Any]] = []  # payload by kind: ask i, loaded (ref, s), done (i, ref)
@@ -199,18 +201,13 @@ def simulate(
             copying[node.node_id] = (model, end, generation)
             push(end, "prefetched", (node.node_id, model, generation))
 
-    def demand_order(node_id: str, now: float) -> dict[tuple[str, str], float]:
-        """With a prefetcher, a store over its budget removes the least requested folders first."""
-        wanted = demand_now(now)
-        return {(node_id, m): wanted.get(m, 0.0) for m in state.catalog}
-
-    def store(node_id: str, model: str, now: float, order: dict[tuple[str, str], float]) -> None:
-        """The weights are on the node's disk from now on; room made under a budget, in `order`."""
+    def store(node_id: str, model: str, now: float) -> None:
+        """The weights are on the node's disk from now on; room made under a budget, least recently used first."""
         nonlocal state
         state = mark_stored(state, node_id, model)
         last_used[(node_id, model)] = now
         if disk_budget is not None:
-            state, removed = make_room(state, node_id, model, disk_budget[node_id], order)
+            state, removed = make_room(state, node_id, model, disk_budget[node_id], last_used)
             tally.store_removals += removed
 
     def start(i: int, ref: InstanceRef, now: float) -> None:
@@ -254,7 +251,7 @@ def simulate(
                         generation += 1
                         copying[d.node_id] = (background[0], background[1] + fetch_s, generation)
                         push(background[1] + fetch_s, "prefetched", (d.node_id, background[0], generation))
-                    store(d.node_id, d.model, now, last_used if prefetch is None else demand_order(d.node_id, now))
+                    store(d.node_id, d.model, now)
                 load_s += fetch_s
                 tally.loads += 1
                 if d.model in ever_loaded:
@@ -289,7 +286,8 @@ def simulate(
                 del copying[node_id]
                 tally.prefetches += 1
                 tally.bytes_prefetched += state.catalog[model].weight_bytes
-                store(node_id, model, now, demand_order(node_id, now))
+                store(node_id, model, now)
+                last_used[(node_id, model)] = -1.0  # speculative: the first to go until a load uses it
         elif kind == "loaded":
             ref, load_s = payload
             state = mark_loaded(state, ref, now, load_s)

@@ -64,6 +64,7 @@ from policy.transitions import (
     set_in_flight,
 )
 from router.errors import OrchardError
+from router.residency.demand import Demand
 
 EventKind = Literal[
     "placed",
@@ -173,6 +174,7 @@ class ResidencyController:
         self.config = config
         self.effects = effects
         self.state = ClusterState(catalog=dict(catalog))
+        self.demand = Demand(config.demand_half_life_s)  # requests per model, decayed (L4)
         self.max_lease_s = max_lease_s
         # A holder that neither reports nor polls for this long is gone: its standing leases end.
         self.holder_timeout_s = holder_timeout_s
@@ -286,6 +288,8 @@ class ResidencyController:
         waiter = _Waiter(model=model, started=self.effects.now(), future=asyncio.get_running_loop().create_future(), holder=holder)
         if holder is not None:
             self._holders[holder] = waiter.started
+        elif model in self.state.catalog:  # a holder counts its requests itself (report_usage)
+            self.demand.add(model, 1, waiter.started)
         self._waiters.setdefault(model, deque()).append(waiter)
         self._drain()
         try:
@@ -425,12 +429,16 @@ class ResidencyController:
         self._wake()
 
     # ---- standing leases ----------------------------------------------------------------------
-    def report_usage(self, holder: str, in_flight: dict[str, int]) -> None:
+    def report_usage(self, holder: str, in_flight: dict[str, int], started: dict[str, int] | None = None) -> None:
         """A holder's requests in flight per standing lease (sent in batches, a few times a second,
-        and at least every few seconds as a sign of life). Unknown leases are ignored: `routes`
-        tells the holder they are gone."""
+        and at least every few seconds as a sign of life), and the requests it started per model
+        since its last report (the demand L4 counts). Unknown leases are ignored: `routes` tells
+        the holder they are gone."""
         now = self.effects.now()
         self._holders[holder] = now
+        for model, n in (started or {}).items():
+            if model in self.state.catalog and n > 0:
+                self.demand.add(model, n, now)
         touched = set()
         idle_now = False
         for lease_id, n in in_flight.items():

@@ -235,7 +235,26 @@ class RayEffects:
                 self.stores[node_id].get(key, {}).pop(folder, None)
         return bool(result["removed"])
 
-    async def _copy(self, node_id: str, entry: ManifestEntry, folder: str, holders: list[str], root: str) -> str:
+    async def background_copy(self, model: str, node_id: str, why: str) -> None:
+        """Rule L4: the model's weights into `node_id`'s store with no placement asking, from a node
+        whose store holds them (never the Hub). Nothing stored there is removed for it (a copy that
+        no longer fits fails with disk_full), and the copy counts as least recently used until a
+        model server loads from it. LoadError when the copy fails (it recorded fetch_failed)."""
+        entry = self.entries[model]
+        folder = store_folder(entry)
+        mine = self.stores.get(node_id)
+        if folder is None or mine is None or holds(mine, folder):
+            return
+        holders = self.holders(folder, but=node_id)
+        if holders:
+            keep = sorted(set(mine.get("complete", {})) | set(mine.get("unsealed", {})) | set(self._in_use(node_id)))
+            await self._copy(node_id, entry, folder, holders, mine["root"], keep=keep, why=why)
+
+    async def _copy(
+        self, node_id: str, entry: ManifestEntry, folder: str, holders: list[str], root: str, keep: list[str] | None = None, why: str | None = None
+    ) -> str:
+        """Copy `folder` into `node_id`'s store from the first of `holders` that serves it; `why`
+        (a background copy's reason) makes it speculative and keeps every folder in `keep`."""
         target, source = get_agent(node_id), get_agent(holders[0])
         if target is None or source is None:
             raise LoadError("error", f"no node agent on {node_id if target is None else holders[0]} to copy {folder}")
@@ -244,8 +263,9 @@ class RayEffects:
         except Exception as e:
             raise LoadError("error", f"{holders[0]} could not describe {folder}: {unwrap(e).message}") from e
         total = sum(f["size"] for f in manifest["files"])
-        self.record("fetching", model=entry.name, node_id=node_id, bytes=total, reason=f"copying {folder} from {', '.join(holders)}")
-        call = target.fetch.remote(manifest, holders, self.fetch_max_bytes_per_s, self._in_use(node_id))
+        reason = f"copying {folder} from {', '.join(holders)}" + (f" ({why})" if why else "")
+        self.record("fetching", model=entry.name, node_id=node_id, bytes=total, reason=reason)
+        call = target.fetch.remote(manifest, holders, self.fetch_max_bytes_per_s, self._in_use(node_id) if keep is None else keep, why is not None)
         await self._run_fetch(node_id, entry, call, target, folder, f"copying {folder}", "peer")
         return root
 

@@ -17,11 +17,11 @@ from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 
 from cluster.node_agent import alive_nodes, collect_reports, ensure_agents
 from cluster.placement import death_cause, find_model_servers, kill_model_server, live_model_server_names, parse_actor_name
-from policy import InstanceRef, PolicyConfig
+from policy import InstanceRef, PolicyConfig, StoreRoom, plan_background_copies
 from policy.failures import backoff_left
 from router.errors import OrchardError
 from router.residency import metrics as metrics
-from router.residency.controller import ClusterEvent, ResidencyController
+from router.residency.controller import ClusterEvent, LoadError, ResidencyController
 from router.residency.effects import RayEffects, holds, store_folder
 from router.residency.limits import Limiter, RateLimited, Tenant
 from router.residency.registry import from_config
@@ -64,6 +64,8 @@ class ResidencyService:
         self.effects.listeners.append(self._count_event)
         self.watch_period_s = watch_period_s
         self._orphans: set[asyncio.Task] = set()
+        self._copying: dict[str, str] = {}  # node id -> the model its background copy (L4) brings in
+        self._settling: set[str] = set()  # nodes whose background copy ended since the last store reports
         await self._observe_nodes()
         await self._adopt_running_servers()
         await self._resume_operator_loads()
@@ -77,6 +79,7 @@ class ResidencyService:
                 await self._observe_nodes()
                 await self._observe_instances()
                 self.controller.tick()
+                self._start_background_copies()
                 self._reap_tickets()
                 metrics.on_nodes(self.controller.state.nodes)
             except Exception:  # a failed round must not end the watcher
@@ -103,6 +106,39 @@ class ResidencyService:
         for node in self.controller.state.nodes:
             if node.alive and node.node_id not in alive:
                 self.controller.node_dead(node.node_id, "Ray lists the node as dead")
+
+    def _start_background_copies(self) -> None:
+        """Rule L4 (`background_copies` in the policy): start the copies plan_background_copies picks
+        for nodes with no copy coming in, each in the background; one that fails is an event
+        (fetch_failed) like any copy's and is tried again when picked again."""
+        config = self.controller.config
+        if config.background_copies == "off":
+            return
+        rooms = {
+            node_id: StoreRoom(
+                free_bytes=max(0, s.get("free_bytes", 0)), used_bytes=max(0, s.get("used_bytes", 0)), budget_bytes=s.get("budget_bytes")
+            )
+            for node_id, s in self.effects.stores.items()
+        }
+        copying = set(self._copying) | self._settling | {n for n, s in self.effects.stores.items() if s.get("fetching")}
+        self._settling = set()  # the reports just observed show what those copies left
+        now = self.effects.now()
+        for copy in plan_background_copies(self.controller.state, config, self.controller.demand.snapshot(now), rooms, frozenset(copying)):
+            self._copying[copy.node_id] = copy.model
+            asked = (
+                f"{copy.demand:.1f} requests, counted with a {config.demand_half_life_s / 60:g} min half-life" if copy.demand else "not asked for yet"
+            )
+            why = f"background copy, L4: {asked}"
+            self._background(self._background_copy(copy.model, copy.node_id, why))
+
+    async def _background_copy(self, model: str, node_id: str, why: str) -> None:
+        try:
+            await self.effects.background_copy(model, node_id, why)
+        except LoadError as e:
+            log.info("background copy of %s to %s: %s", model, node_id, e.message)
+        finally:
+            self._copying.pop(node_id, None)
+            self._settling.add(node_id)
 
     def _stored(self, store: dict) -> frozenset[str]:
         """The catalog models whose folder a store report lists (L1)."""
@@ -225,9 +261,10 @@ class ResidencyService:
             self.limiter.finish(ticket, used_tokens, self.effects.now())
         self.controller.release(lease_id)
 
-    async def report_usage(self, holder: str, in_flight: dict[str, int]) -> None:
-        """An ingress replica's requests in flight per standing lease (ResidencyController.report_usage)."""
-        self.controller.report_usage(holder, in_flight)
+    async def report_usage(self, holder: str, in_flight: dict[str, int], started: dict[str, int] | None = None) -> None:
+        """An ingress replica's requests in flight per standing lease, and those it started per model
+        (ResidencyController.report_usage)."""
+        self.controller.report_usage(holder, in_flight, started)
 
     async def routes(self, holder: str, version: int = -1) -> dict[str, Any]:
         """An ingress replica's long poll for its standing leases (ResidencyController.routes)."""

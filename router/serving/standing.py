@@ -76,6 +76,7 @@ class StandingLeases:
         self._asked_at_copies: dict[str, int] = {}  # model -> copies when this replica last asked for one more
         self._version = -1
         self._reported: dict[str, int] | None = None
+        self._started: dict[str, int] = {}  # model -> requests started since the last report
         self._reported_at = 0.0
         self._tasks: list[asyncio.Task] = []
 
@@ -93,6 +94,7 @@ class StandingLeases:
                 if standing is None:
                     raise
         standing.in_flight += 1
+        self._started[model] = self._started.get(model, 0) + 1
         return standing
 
     def done(self, standing: Standing) -> None:
@@ -176,14 +178,18 @@ class StandingLeases:
 
     def report_round(self, now: float) -> None:
         """Give back what lingered idle long enough; send the in-flight counts when they changed
-        (or every heartbeat_s, so the residency service knows this replica is alive)."""
+        (or every heartbeat_s, so the residency service knows this replica is alive), with the
+        requests started per model since the last report (the demand rule L4 counts)."""
         for s in self._all():
             if s.in_flight == 0 and now - s.idle_since >= self.linger_s:
                 self._give_back(s)
         counts = {s.lease_id: s.in_flight for s in self._all()}
-        if counts != self._reported or (counts and now - self._reported_at >= self.heartbeat_s):  # nothing held: nothing to keep alive
+        if (
+            counts != self._reported or self._started or (counts and now - self._reported_at >= self.heartbeat_s)
+        ):  # nothing held: nothing to keep alive
+            started, self._started = self._started, {}
             self._reported, self._reported_at = counts, now
-            send_detached(self.residency.report_usage, self.holder, counts)
+            send_detached(self.residency.report_usage, self.holder, counts, started)
 
     async def _poll(self) -> None:
         while True:
