@@ -278,7 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     text = render(result)
     print(text)
     if a.markdown is not None:
-        a.markdown.write_text(HEAD.format(model=a.model, tokens=a.tokens, temperature=a.temperature, seconds=a.seconds, rounds=a.rounds) + text)
+        machine, cpu_note = where()
+        head = HEAD.format(
+            model=a.model, tokens=a.tokens, temperature=a.temperature, seconds=a.seconds, rounds=a.rounds, where=machine, cpu_note=cpu_note
+        )
+        a.markdown.write_text(head + text)
         print(f"wrote {a.markdown}")
     return 0
 
@@ -367,19 +371,31 @@ def render(r: dict) -> str:
 HEAD = """# Orchard against its peers
 
 Produced by `make bench-peers` (`python -m bench.peers --markdown docs/peers-benchmark.md`); JSON in
-`bench/results/peers.json`. One run on this 2-core Linux VM (CPU MLX, OpenBLAS): the {model} model,
+`bench/results/peers.json`. One run on {where}: the {model} model,
 closed-loop streaming chat clients (aiohttp), temperature {temperature}, {tokens} tokens a request,
 {seconds:.0f} s per cell, median of {rounds} rounds. Each server runs alone, started by the script:
 Orchard (its Serve app on a one-node Ray cluster, as bench.serve runs it; the clients use the
 ingress replica's own port, Serve's direct ingress as shipped), `mlx_lm.server`
 (`--decode-concurrency 64`) and vllm-mlx 0.6.0 (`--continuous-batching --completion-batch-size 64`,
 from its own site folder with mlx-lm 0.31.3). "bare" is mlx-lm's BatchGenerator driven in the
-benchmark process with the same prompts, before and after the servers: the ceiling. The client
-shares the 2 cores with every server; on this machine the engine computes on the CPU, so a server's
-own processes take from its engine. Every server computes with the same BLAS: Debian's OpenBLAS, one
-thread (Orchard preloads it, deployments/blas.py; the peers get it through LD_PRELOAD).
+benchmark process with the same prompts, before and after the servers: the ceiling.{cpu_note}
 
 """
+CPU_NOTE = """ The client
+shares the cores with every server; on this machine the engine computes on the CPU, so a server's
+own processes take from its engine. Every server computes with the same BLAS: Debian's OpenBLAS, one
+thread (Orchard preloads it, deployments/blas.py; the peers get it through LD_PRELOAD)."""
+
+
+def where() -> tuple[str, str]:
+    """The machine in words, and the CPU remark when the engine computes on the CPU."""
+    import mlx.core as mx
+
+    cores = os.cpu_count()
+    if mx.default_device() == mx.gpu:
+        return f"{mx.device_info().get('device_name', 'a GPU')} (MLX on the GPU), {cores} cores", ""
+    return f"this {cores}-core {platform.system()} machine (CPU MLX, OpenBLAS)", CPU_NOTE
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

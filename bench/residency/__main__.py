@@ -188,7 +188,7 @@ MARKDOWN_TAIL = """
   used folders first, never one loaded there and never the cluster's last copy (the simulator has no
   hub to fetch it again; Orchard's own store keeps the same order, docs/cluster.md). There L1 halves
   the copies and the folders removed, and time to ready falls to 0.78x / 0.83x on the "home" cases
-  and 0.92x / 0.99x on "spread": the issue's goal of 0.7x is not met on any case.
+  and 0.92x / 0.99x on "spread": the issue's goal of 0.7x is not met on any case by L1-L3 alone (L4, below, meets it on three).
   Loads and waits for busy instances dominate it, and under pressure most placements evict, where a
   copy competes with the victims' expected reloads (L1). Tried and not kept: the copy time first among
   evicting nodes (no gain), and ready-soonest across fitting and evicting nodes alike (0.77-0.89x on
@@ -199,21 +199,22 @@ MARKDOWN_TAIL = """
   blind policy of the same case). It is 0.76-0.81x on zipf without a budget, 0.50-0.51x on bursts,
   and 0.39-0.61x with the budgets: the copies that remain are few, but each holds every request that
   joins its load, and placement alone cannot remove them. What could: copying weights before a node
-  is asked to load them (the most requested models, within the disk budget, in the background,
-  yielding the link to a copy a request waits for). The floor says how much it could buy.
-- "orchard + background copies (experiment)": that idea in the simulator (bench/residency/prefetch.py),
-  not in Orchard: while a node's link is idle it copies the most requested model it lacks (requests
-  counted with a 30-minute half-life; models not yet asked for after, smallest first) that it could
-  load and another node holds, one at a time at the peer bandwidth; a copy a placement waits for takes
-  the link first. Under a budget it fills free space and displaces only unused folders asked for less
-  than half as often, and every store then removes its least requested folders first. Without a
-  budget it comes near the floor: 0.55-0.60x on bursts (the goal's 0.7x met), 0.81-0.85x on zipf
-  (where the floor itself is 0.76-0.81x). With the budgets it buys nothing (0.82-1.05x, against the
-  shipped policy's 0.78-0.99x): the stores churn (a few hundred background copies, nearly as many
-  folders removed), and the copies it makes do not match where the policy next places. Variants
-  tried under the budgets (no displacement, only free space; least recently used removal instead of
-  least requested; only models already asked for), each on the four budget cases: 0.74-1.48x, none
-  better than the shipped policy on all four. Not shipped.
+  is asked to load them. The floor says how much it could buy.
+- "orchard + L4 background copies": rule L4 (docs/residency.md), the shipped policy with
+  `background_copies` on (`requested`, or `catalog`), through the rule's own code
+  (bench/residency/prefetch.py): while a node's link is idle it copies the most requested model it
+  lacks (requests counted with a 30-minute half-life; with `catalog`, models not yet asked for after,
+  smallest first) that it could load and another node holds, one at a time at the peer bandwidth,
+  only into half of a disk budget and never removing a folder for it; a copy a placement waits for
+  takes the link first, and removes background copies not loaded since they arrived before any other
+  folder. Without a budget `catalog` comes near the floor: 0.55-0.60x on bursts (the goal's 0.7x
+  met), 0.83-0.85x on zipf (where the floor itself is 0.76-0.81x); `requested` copies a model only
+  after its first requests, too late for bursts (0.86-0.98x). Under the budgets `catalog` reaches
+  0.70-0.82x on three cases and 1.04x on the fourth, against L1-L3's 0.78-0.99x: background copies
+  that fill a budget are removed by the next copy a request waits for and copied again, and the half
+  of the budget they may use is what bounds that churn (all of it: 0.79-1.00x in one trial run; up to
+  three quarters of the budget and removal by demand were tried in session 10's trials and did not
+  do better). Off by default in Orchard: it spends links and disk no request asked for.
 """
 
 
