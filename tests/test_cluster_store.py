@@ -279,6 +279,7 @@ def test_background_copies_bring_a_requested_model_to_the_stores_with_room(orcha
     copied = [e for e in events(orchard, "llama-warm") if e["kind"] == "fetching"]
     assert [e["node_id"] for e in copied] == ["mac-1"] and "background copy, L4: 2.0 requests" in copied[0]["reason"], copied
     assert model(orchard, "llama-warm")["nodes"] == ["head"]  # copied, not placed
+    assert 1.9 < model(orchard, "llama-warm")["demand"] <= 2.0  # the two requests, as GET /v1/models shows them
     assert (stores["mac-1"] / "llama-warm" / MANIFEST).stat().st_mtime == 0  # the first to go under a disk budget
     wait_for(lambda: not model(orchard, "llama-warm").get("fetching"), 30, "no copy in flight")
     later = [e for e in http.get("/v1/cluster/events").json()["data"] if e["seq"] > since]

@@ -394,6 +394,7 @@ class ResidencyService:
                 "bytes": sum(i.bytes for _, i in copies) or None,
                 "stored_on": sorted(node_id for node_id, s in stores if holds(s, folder)),  # type: ignore[arg-type]  # folder is set when stores is
                 "fetching": fetching,  # node -> done_bytes, total_bytes, source, bytes_per_s, eta_s
+                "demand": round(self.controller.demand.at(name, now), 2),  # requests, decayed (L4)
             }
             if mark is not None:
                 model["failure"] = {
