@@ -38,9 +38,14 @@ class BackgroundCopy(Frozen):
 
 
 def background_copy_for(
-    state: ClusterState, config: PolicyConfig, node: NodeState, demand: Mapping[str, float], room: StoreRoom
+    state: ClusterState,
+    config: PolicyConfig,
+    node: NodeState,
+    demand: Mapping[str, float],
+    room: StoreRoom,
+    not_now: frozenset[tuple[str, str]] = frozenset(),
 ) -> BackgroundCopy | None:
-    """The model `node` should copy in next (L4), or None."""
+    """The model `node` should copy in next (L4), or None; never a (model, node) in `not_now`."""
     holders = {m for n in state.nodes if n.alive and n.node_id != node.node_id for m in n.stored}
     space = room.room(config)
     wanted = sorted((m for m in demand if demand[m] >= config.background_copy_min_demand), key=lambda m: (-demand[m], _weight(state, m), m))
@@ -49,7 +54,7 @@ def background_copy_for(
         wanted += sorted((m for m in state.catalog if m not in asked), key=lambda m: (_weight(state, m), m))
     for model in wanted:
         spec = state.catalog.get(model)
-        if spec is None or model in node.stored or model not in holders:
+        if spec is None or model in node.stored or model not in holders or (model, node.node_id) in not_now:
             continue
         if not _could_load(spec, node, config) or spec.weight_bytes > space:
             continue
@@ -63,14 +68,16 @@ def plan_background_copies(
     demand: Mapping[str, float],
     rooms: Mapping[str, StoreRoom],
     copying: frozenset[str] = frozenset(),
+    not_now: frozenset[tuple[str, str]] = frozenset(),
 ) -> tuple[BackgroundCopy, ...]:
     """Rule L4 in docs/residency.md: with `background_copies` on, every alive node that is not
     draining, reports its store (`rooms`) and has no copy coming in (`copying`: node ids) gets at
     most one copy: the most requested model (by `demand`, decayed request counts; at least
     background_copy_min_demand; ties: the smaller, then the name), then with "catalog" the rest of
     the catalog, smallest first; the first that its store lacks, another alive node's store holds,
-    that could ever be loaded there (constraints, device, usable memory) and whose weights fit in
-    the store's room."""
+    that could ever be loaded there (constraints, device, usable memory), whose weights fit in the
+    store's room, and that is not in `not_now` ((model, node) pairs whose last background copy
+    failed within background_copy_retry_s)."""
     if config.background_copies == "off":
         return ()
     copies = []
@@ -78,7 +85,7 @@ def plan_background_copies(
         room = rooms.get(node.node_id)
         if not node.alive or node.draining or room is None or node.node_id in copying:
             continue
-        copy = background_copy_for(state, config, node, demand, room)
+        copy = background_copy_for(state, config, node, demand, room, not_now)
         if copy is not None:
             copies.append(copy)
     return tuple(copies)

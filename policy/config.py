@@ -84,6 +84,9 @@ class PolicyConfig(Frozen):
     # rest is left to copies a placement waits for (background copies that fill a budget are
     # removed by the next such copy, and copied again: churn the simulator measured).
     background_copy_budget_share: float = Field(default=0.5, gt=0, le=1)
+    # A background copy that failed (source gone, checksum, disk full) is not tried again on that
+    # node for this long; the node copies the next model meanwhile.
+    background_copy_retry_s: float = Field(default=600.0, ge=0)
 
     # A model whose load failed and is not retried (P9) is refused at once for a back-off (P10):
     # base x 2^(consecutive failures - 1), at most the max. 0 turns the back-off off (the next

@@ -333,10 +333,12 @@ def background_inputs(draw):
         if draw(st.integers(0, 4)) > 0
     }
     copying = frozenset(draw(st.lists(st.sampled_from(ids), unique=True, max_size=1))) if ids else frozenset()
-    return state, config, demand, rooms, copying
+    pairs = [(m, n) for m in names for n in ids]
+    not_now = frozenset(draw(st.lists(st.sampled_from(pairs), unique=True, max_size=3))) if pairs else frozenset()
+    return state, config, demand, rooms, copying, not_now
 
 
-def background_candidates(state, config, node, demand, room) -> list[str]:
+def background_candidates(state, config, node, demand, room, not_now) -> list[str]:
     """L4 by hand: every model the node may copy in now, best first."""
 
     def valid(name: str) -> bool:
@@ -351,6 +353,7 @@ def background_candidates(state, config, node, demand, room) -> list[str]:
             space = min(space, int(config.background_copy_budget_share * room.budget_bytes) - room.used_bytes)
         return (
             name not in node.stored
+            and (name, node.node_id) not in not_now
             and held
             and constraints
             and device_on(spec, node) is not None
@@ -372,17 +375,17 @@ def background_candidates(state, config, node, demand, room) -> list[str]:
 @SETTINGS
 @given(background_inputs())
 def test_plan_background_copies_picks_the_best_valid_copy_per_idle_node(case):
-    state, config, demand, rooms, copying = case
-    copies = plan_background_copies(state, config, demand, rooms, copying)
-    assert copies == plan_background_copies(state, config, demand, rooms, copying)  # D1
+    state, config, demand, rooms, copying, not_now = case
+    copies = plan_background_copies(state, config, demand, rooms, copying, not_now)
+    assert copies == plan_background_copies(state, config, demand, rooms, copying, not_now)  # D1
     chosen = {c.node_id: c.model for c in copies}
     assert len(chosen) == len(copies)  # at most one per node
     for node in state.nodes:
         idle = node.alive and not node.draining and node.node_id in rooms and node.node_id not in copying
-        best = background_candidates(state, config, node, demand, rooms[node.node_id]) if idle else []
+        best = background_candidates(state, config, node, demand, rooms[node.node_id], not_now) if idle else []
         assert chosen.get(node.node_id) == (best[0] if best else None)
     off = config.model_copy(update={"background_copies": "off"})
-    assert plan_background_copies(state, off, demand, rooms, copying) == ()
+    assert plan_background_copies(state, off, demand, rooms, copying, not_now) == ()
 
 
 @st.composite

@@ -704,3 +704,12 @@ def test_l4_catalog_copies_what_nobody_asked_for_after_the_requested_smallest_fi
     assert plan_background_copies(st, catalog, {"a": 2.0}, _rooms("n2"))[0].model == "a"
     assert plan_background_copies(st, catalog, {}, _rooms("n2"))[0].model == "c"
     assert plan_background_copies(st, L4, {}, _rooms("n2")) == ()
+
+
+def test_l4_a_copy_that_failed_lately_is_skipped_for_the_next_model():
+    a, b = spec("a", gb=2), spec("b", gb=1)
+    st = cluster([node("n1", 8, stored=frozenset({"a", "b"})), node("n2", 8)], [a, b])
+    demand = {"a": 5.0, "b": 2.0}
+    assert plan_background_copies(st, L4, demand, _rooms("n2"))[0].model == "a"
+    assert plan_background_copies(st, L4, demand, _rooms("n2"), not_now=frozenset({("a", "n2")}))[0].model == "b"
+    assert plan_background_copies(st, L4, demand, _rooms("n2"), not_now=frozenset({("a", "n1")}))[0].model == "a"

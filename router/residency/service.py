@@ -66,6 +66,7 @@ class ResidencyService:
         self._orphans: set[asyncio.Task] = set()
         self._copying: dict[str, str] = {}  # node id -> the model its background copy (L4) brings in
         self._settling: set[str] = set()  # nodes whose background copy ended since the last store reports
+        self._copy_failed: dict[tuple[str, str], float] = {}  # (model, node) -> when its background copy failed
         await self._observe_nodes()
         await self._adopt_running_servers()
         await self._resume_operator_loads()
@@ -110,7 +111,8 @@ class ResidencyService:
     def _start_background_copies(self) -> None:
         """Rule L4 (`background_copies` in the policy): start the copies plan_background_copies picks
         for nodes with no copy coming in, each in the background; one that fails is an event
-        (fetch_failed) like any copy's and is tried again when picked again."""
+        (fetch_failed) like any copy's, and is not tried on that node again for
+        background_copy_retry_s."""
         config = self.controller.config
         if config.background_copies == "off":
             return
@@ -123,7 +125,9 @@ class ResidencyService:
         copying = set(self._copying) | self._settling | {n for n, s in self.effects.stores.items() if s.get("fetching")}
         self._settling = set()  # the reports just observed show what those copies left
         now = self.effects.now()
-        for copy in plan_background_copies(self.controller.state, config, self.controller.demand.snapshot(now), rooms, frozenset(copying)):
+        self._copy_failed = {k: at for k, at in self._copy_failed.items() if now - at < config.background_copy_retry_s}
+        demand = self.controller.demand.snapshot(now)
+        for copy in plan_background_copies(self.controller.state, config, demand, rooms, frozenset(copying), frozenset(self._copy_failed)):
             self._copying[copy.node_id] = copy.model
             asked = (
                 f"{copy.demand:.1f} requests, counted with a {config.demand_half_life_s / 60:g} min half-life" if copy.demand else "not asked for yet"
@@ -135,6 +139,7 @@ class ResidencyService:
         try:
             await self.effects.background_copy(model, node_id, why)
         except LoadError as e:
+            self._copy_failed[(model, node_id)] = self.effects.now()
             log.info("background copy of %s to %s: %s", model, node_id, e.message)
         finally:
             self._copying.pop(node_id, None)
