@@ -157,9 +157,12 @@ class RayEffects:
             reason = "already in the store: a copy that had just finished"
         self.record("fetched", model=entry.name, node_id=node_id, bytes=result["bytes"], seconds=seconds, source=source, reason=reason)
 
-    async def fetch_weights(self, model: str, node_id: str) -> None:
-        """The controller's fetch before an eviction (L1): the weights into `node_id`'s store;
-        LoadError when the copy fails (it recorded fetch_failed)."""
+    async def fetch_weights(self, model: str, node_id: str, background: str | None = None) -> None:
+        """The weights into `node_id`'s store: the controller's fetch before an eviction (L1), an
+        operator's pull, or with `background` (its reason) a background copy (L4): only from a node
+        whose store holds them (never the Hub), removing nothing stored there (a copy that no longer
+        fits fails with disk_full), and counted as least recently used until a model server loads
+        from it. LoadError when the copy fails (it recorded fetch_failed)."""
         entry = self.entries[model]
         folder = store_folder(entry)
         mine = self.stores.get(node_id)
@@ -167,8 +170,9 @@ class RayEffects:
             return
         holders = self.holders(folder, but=node_id)
         if holders:
-            await self._copy(node_id, entry, folder, holders, mine["root"])
-        elif entry.hub:
+            keep = None if background is None else sorted({*mine.get("complete", {}), *mine.get("unsealed", {}), *self._in_use(node_id)})
+            await self._copy(node_id, entry, folder, holders, mine["root"], keep=keep, why=background)
+        elif entry.hub and background is None:
             await self._download(node_id, entry, folder)
 
     def _in_use(self, node_id: str) -> list[str]:
@@ -234,21 +238,6 @@ class RayEffects:
             for key in ("complete", "unsealed", "partial"):
                 self.stores[node_id].get(key, {}).pop(folder, None)
         return bool(result["removed"])
-
-    async def background_copy(self, model: str, node_id: str, why: str) -> None:
-        """Rule L4: the model's weights into `node_id`'s store with no placement asking, from a node
-        whose store holds them (never the Hub). Nothing stored there is removed for it (a copy that
-        no longer fits fails with disk_full), and the copy counts as least recently used until a
-        model server loads from it. LoadError when the copy fails (it recorded fetch_failed)."""
-        entry = self.entries[model]
-        folder = store_folder(entry)
-        mine = self.stores.get(node_id)
-        if folder is None or mine is None or holds(mine, folder):
-            return
-        holders = self.holders(folder, but=node_id)
-        if holders:
-            keep = sorted(set(mine.get("complete", {})) | set(mine.get("unsealed", {})) | set(self._in_use(node_id)))
-            await self._copy(node_id, entry, folder, holders, mine["root"], keep=keep, why=why)
 
     async def _copy(
         self, node_id: str, entry: ManifestEntry, folder: str, holders: list[str], root: str, keep: list[str] | None = None, why: str | None = None

@@ -137,7 +137,7 @@ class ResidencyService:
 
     async def _background_copy(self, model: str, node_id: str, why: str) -> None:
         try:
-            await self.effects.background_copy(model, node_id, why)
+            await self.effects.fetch_weights(model, node_id, background=why)
         except LoadError as e:
             self._copy_failed[(model, node_id)] = self.effects.now()
             log.info("background copy of %s to %s: %s", model, node_id, e.message)
