@@ -102,8 +102,7 @@ def orchard(models_dir, broken_dir):
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
     yield {"base": base, "client": client, "broken_dir": broken_dir, "models_dir": models_dir}
-    serve.shutdown()
-    ray.shutdown()
+    ray.shutdown()  # the whole cluster goes: Serve's graceful drain first would only add ~5 s
     cluster.shutdown()
 
 

@@ -74,8 +74,7 @@ def orchard(models_dir, tmp_path_factory, hub):
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
     yield {"http": Http(base), "client": client, "stores": stores, "models_dir": models_dir, "args": args}
-    serve.shutdown()
-    ray.shutdown()
+    ray.shutdown()  # the whole cluster goes: Serve's graceful drain first would only add ~5 s
     cluster.shutdown()
 
 
