@@ -467,3 +467,4 @@ def test_a_group_is_split_to_keep_prefill_within_max_prefill_tokens(models_dir, 
     # where their first tokens waited: three first tokens, each after its wait for admission
     assert delta["first_tokens"] == 3
     assert 0 < delta["admit_wait_s"] < delta["first_token_s"] < 3 * elapsed
+    assert 0 < delta["admit_prep_s"] < delta["admit_wait_s"]  # preparing is the first part of the wait; the hold is the rest

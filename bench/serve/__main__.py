@@ -191,6 +191,7 @@ async def with_steps(read_counters, run) -> tuple[int, float, dict]:
     inside = {  # where a first token waits inside the engine (means over the run), against the client's
         "inside_ttft_ms": 1000 * (after["first_token_s"] - before["first_token_s"]) / firsts,
         "inside_admit_wait_ms": 1000 * (after["admit_wait_s"] - before["admit_wait_s"]) / firsts,
+        "inside_admit_prep_ms": 1000 * (after.get("admit_prep_s", 0.0) - before.get("admit_prep_s", 0.0)) / firsts,
     }
     return tokens, seconds, {"rows_per_step": rows, "ms_per_step": 1000 * elapsed / steps, "ttfts": ttfts} | inside
 
@@ -436,6 +437,8 @@ def main() -> None:
                     row[f"{side}_ttft_mean_ms"] = round(1000 * statistics.mean(f for x in steps for f in x["ttfts"]), 1)
                     row[f"{side}_inside_ttft_mean_ms"] = round(statistics.median(x["inside_ttft_ms"] for x in steps), 1)
                     row[f"{side}_inside_admit_wait_mean_ms"] = round(statistics.median(x["inside_admit_wait_ms"] for x in steps), 1)
+                    # ... of which preparation (templating and tokenizing, before the MLX thread had it)
+                    row[f"{side}_inside_admit_prep_mean_ms"] = round(statistics.median(x["inside_admit_prep_ms"] for x in steps), 1)
                 bare_cells = (
                     f" bare {row['bare_tok_s']} (HTTP/bare {row['http_over_bare']:.2f}, engine/bare {row['engine_over_bare']:.2f}) |"
                     if b_runs
@@ -444,9 +447,10 @@ def main() -> None:
                 print(
                     f"| {model} | {c} | {row['engine_tok_s']} | {row['http_tok_s']} | {row['ratio']:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) |"
                     f" TTFT p50 ms engine {row['engine_ttft_p50_ms']} / HTTP {row['http_ttft_p50_ms']} |"
-                    f" TTFT mean ms (inside the engine; admission's wait) engine {row['engine_ttft_mean_ms']}"
-                    f" ({row['engine_inside_ttft_mean_ms']}; {row['engine_inside_admit_wait_mean_ms']})"
-                    f" / HTTP {row['http_ttft_mean_ms']} ({row['http_inside_ttft_mean_ms']}; {row['http_inside_admit_wait_mean_ms']}) |{bare_cells}",
+                    f" TTFT mean ms (inside the engine; admission's wait, of it preparing) engine {row['engine_ttft_mean_ms']}"
+                    f" ({row['engine_inside_ttft_mean_ms']}; {row['engine_inside_admit_wait_mean_ms']}, {row['engine_inside_admit_prep_mean_ms']})"
+                    f" / HTTP {row['http_ttft_mean_ms']} ({row['http_inside_ttft_mean_ms']}; {row['http_inside_admit_wait_mean_ms']},"
+                    f" {row['http_inside_admit_prep_mean_ms']}) |{bare_cells}",
                     flush=True,
                 )
                 rows.append(row)
@@ -497,12 +501,14 @@ def render(r: dict) -> str:
     ]
     lines += [
         "",
-        "| model | concurrency | TTFT mean ms in-process: client / inside the engine / admission's wait | through HTTP: client / inside the engine / admission's wait |",
+        "| model | concurrency | TTFT mean ms in-process: client / inside the engine / admission's wait / of it preparing"
+        " | through HTTP: client / inside the engine / admission's wait / of it preparing |",
         "|---|---:|---:|---:|",
     ]
     lines += [
-        f"| {x['model']} | {x['concurrency']} | {x['engine_ttft_mean_ms']} / {x['engine_inside_ttft_mean_ms']} / {x['engine_inside_admit_wait_mean_ms']} "
-        f"| {x['http_ttft_mean_ms']} / {x['http_inside_ttft_mean_ms']} / {x['http_inside_admit_wait_mean_ms']} |"
+        f"| {x['model']} | {x['concurrency']} | {x['engine_ttft_mean_ms']} / {x['engine_inside_ttft_mean_ms']} / {x['engine_inside_admit_wait_mean_ms']}"
+        f" / {x['engine_inside_admit_prep_mean_ms']} | {x['http_ttft_mean_ms']} / {x['http_inside_ttft_mean_ms']}"
+        f" / {x['http_inside_admit_wait_mean_ms']} / {x['http_inside_admit_prep_mean_ms']} |"
         for x in r["throughput"]
     ]
     lines += ["", "| model | TTFT HTTP p50 / p95 ms | TTFT engine p50 / p95 ms |", "|---|---:|---:|"]

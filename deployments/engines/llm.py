@@ -178,6 +178,7 @@ class _Arrival:
     out: DeltaSink
     grammar: GrammarProcessor | None
     started: float = 0.0  # time.monotonic() at start()
+    prepared: float = 0.0  # ... when the preparation thread handed it to the MLX thread
     step: int = 0  # the engine's step count when it reached the MLX thread
 
 
@@ -225,7 +226,15 @@ class LLMEngine(Engine):
         self._due = False  # held arrivals of a group already let in, waiting only for prefill room
         # groups admitted into the batch, and where a request's first token waits inside the engine:
         # from start() to joining the batch (preparation and hold), and to its first token
-        self._admitted = {"admitted_groups": 0, "admitted_requests": 0, "admit_wait_s": 0.0, "first_token_s": 0.0, "first_tokens": 0}
+        # (admit_prep_s: the part of admit_wait_s before the MLX thread had it: templating, tokenizing)
+        self._admitted = {
+            "admitted_groups": 0,
+            "admitted_requests": 0,
+            "admit_wait_s": 0.0,
+            "admit_prep_s": 0.0,
+            "first_token_s": 0.0,
+            "first_tokens": 0,
+        }
         self._steps = 0
         # A prefix is kept (a finished request's prompt + completion) and reused only from this
         # many tokens: reusing one copies the cached KV (all of it) and merges a ragged cache into
@@ -481,6 +490,7 @@ class LLMEngine(Engine):
                 continue
             stream.started = arrival.started
             self._admitted["admit_wait_s"] += now - arrival.started
+            self._admitted["admit_prep_s"] += arrival.prepared - arrival.started
             streams[arrival.rid] = stream
             by_uid[stream.uid] = arrival.rid
             self._prefilling[arrival.rid] = len(arrival.tokens) - stream.cached
@@ -566,7 +576,7 @@ class LLMEngine(Engine):
             self._arrived(-1)
             _put(loop, [(out, _failure(e))])
             return
-        self._commands.put(("add", _Arrival(rid, request, tokens, loop, out, grammar, started)))
+        self._commands.put(("add", _Arrival(rid, request, tokens, loop, out, grammar, started, prepared=time.monotonic())))
 
     def _checked_tokens(self, request: GenerationRequest) -> list[int]:
         tokens = self._tokenize(request)
