@@ -64,7 +64,7 @@ class ResidencyService:
         self.effects.listeners.append(self._count_event)
         self.watch_period_s = watch_period_s
         self._orphans: set[asyncio.Task] = set()
-        self._copying: dict[str, str] = {}  # node id -> the model its background copy (L4) brings in
+        self._copying: set[str] = set()  # nodes a background copy (L4) is coming into
         self._settling: set[str] = set()  # nodes whose background copy ended since the last store reports
         self._copy_failed: dict[tuple[str, str], float] = {}  # (model, node) -> when its background copy failed
         await self._observe_nodes()
@@ -122,13 +122,13 @@ class ResidencyService:
             )
             for node_id, s in self.effects.stores.items()
         }
-        copying = set(self._copying) | self._settling | {n for n, s in self.effects.stores.items() if s.get("fetching")}
+        copying = self._copying | self._settling | {n for n, s in self.effects.stores.items() if s.get("fetching")}
         self._settling = set()  # the reports just observed show what those copies left
         now = self.effects.now()
         self._copy_failed = {k: at for k, at in self._copy_failed.items() if now - at < config.background_copy_retry_s}
         demand = self.controller.demand.snapshot(now)
         for copy in plan_background_copies(self.controller.state, config, demand, rooms, frozenset(copying), frozenset(self._copy_failed)):
-            self._copying[copy.node_id] = copy.model
+            self._copying.add(copy.node_id)
             asked = (
                 f"{copy.demand:.1f} requests, counted with a {config.demand_half_life_s / 60:g} min half-life" if copy.demand else "not asked for yet"
             )
@@ -142,7 +142,7 @@ class ResidencyService:
             self._copy_failed[(model, node_id)] = self.effects.now()
             log.info("background copy of %s to %s: %s", model, node_id, e.message)
         finally:
-            self._copying.pop(node_id, None)
+            self._copying.discard(node_id)
             self._settling.add(node_id)
 
     def _stored(self, store: dict) -> frozenset[str]:
