@@ -16,12 +16,12 @@ from policy.config import GIB
 from policy.locality import bandwidth, fetch_seconds
 from policy.memory import estimated_load_seconds
 from policy.transitions import apply_place, finish_request, mark_loaded, mark_stored, start_request
+from router.residency.demand import Demand
 
 Decider = Callable[[str, ClusterState, float, float], object]
 # A background copier: (state, node id, demand per model now, the node's disk budget or None) -> the
 # model whose weights to copy to that node next, or None (bench/residency/prefetch.py).
 Prefetcher = Callable[[ClusterState, str, dict[str, float], int | None], str | None]
-DEMAND_HALF_LIFE_S = 1800.0  # a request's weight in a prefetcher's demand halves every 30 minutes
 
 # Anything still waiting after this long is turned away, by every strategy alike.
 WAIT_TIMEOUT_S = 60.0
@@ -174,22 +174,16 @@ def simulate(
     joined: dict[InstanceRef, list[int]] = defaultdict(list)  # requests waiting for a load
     ever_loaded: set[str] = set()
     waited_once: set[int] = set()
-    demand: dict[str, tuple[float, float]] = {}  # model -> (decayed request count, as of when)
+    demand = Demand(config.demand_half_life_s)  # requests per model, as the controller counts them (L4)
     copying: dict[str, tuple[str, float, int]] = {}  # node -> (model, when its background copy ends, generation)
     generation = 0
-
-    def decayed(count: float, since: float, now: float) -> float:
-        return count * 0.5 ** ((now - since) / DEMAND_HALF_LIFE_S)
-
-    def demand_now(now: float) -> dict[str, float]:
-        return {m: decayed(v, t, now) for m, (v, t) in demand.items()}
 
     def kick(now: float) -> None:
         """Start a background copy on every node whose link is idle, as the prefetcher picks."""
         nonlocal generation
         if prefetch is None:
             return
-        wanted = demand_now(now)
+        wanted = demand.snapshot(now)
         for node in state.nodes:
             if node.node_id in copying or not node.alive:
                 continue
@@ -226,8 +220,7 @@ def simulate(
             r = trace[i]
             waited = now - r.arrival
             if waited == 0:
-                v, t = demand.get(r.model, (0.0, now))
-                demand[r.model] = (decayed(v, t, now) + 1.0, now)
+                demand.add(r.model, 1.0, now)
             d = decide(r.model, state, now, waited)
             if isinstance(d, Use):
                 if waited == 0:
