@@ -382,16 +382,19 @@ def test_arrivals_while_the_batch_decodes_are_held_and_join_as_one_group(models_
 
 
 @pytest.mark.parametrize(
-    ("hold", "quiet", "least", "most"),
-    [(6, 100, 6, 12), (100, 2, 2, 7)],
-    ids=["after admit_hold_steps", "after admit_quiet_steps without another arrival"],
+    ("hold", "quiet", "min_rows", "least", "most"),
+    [(6, 100, 0, 6, 12), (100, 2, 0, 2, 7), (100, 100, 2, 0, 5)],
+    ids=["after admit_hold_steps", "after admit_quiet_steps without another arrival", "at once below admit_hold_min_rows"],
 )
-def test_a_lone_arrival_joins_a_busy_batch(models_dir, hold, quiet, least, most):
+def test_a_lone_arrival_joins_a_busy_batch(models_dir, hold, quiet, min_rows, least, most):
     """It waits for others while the batch decodes: until the hold ends, or until arrivals have
-    stopped for admit_quiet_steps (waiting longer would not grow its group)."""
+    stopped for admit_quiet_steps (waiting longer would not grow its group); not at all while
+    fewer than admit_hold_min_rows rows decode (here one)."""
 
     async def scenario():
-        e = LLMEngine("llama-10m", str(models_dir / "llama-10m"), max_batch=8, admit_hold_steps=hold, admit_quiet_steps=quiet)
+        e = LLMEngine(
+            "llama-10m", str(models_dir / "llama-10m"), max_batch=8, admit_hold_steps=hold, admit_quiet_steps=quiet, admit_hold_min_rows=min_rows
+        )
         await e.load()
         try:
             busy = e.generate(greedy("Busy for a while", 3000))
@@ -406,6 +409,30 @@ def test_a_lone_arrival_joins_a_busy_batch(models_dir, hold, quiet, least, most)
 
     first, waited = run(scenario())
     assert first.token_ids and least <= waited <= most
+
+
+def test_the_engine_counts_a_requests_time_inside_it(models_dir):
+    """The counters bench.serve splits a round trip with: requests that ran to their end and their
+    seconds from start() to the last delta, and the steps from joining the batch to a first token."""
+
+    async def scenario():
+        e = LLMEngine("llama-10m", str(models_dir / "llama-10m"), max_batch=4)
+        await e.load()
+        try:
+            before = e.counters()
+            started = time.monotonic()
+            done = await asyncio.gather(*(e.complete(greedy(f"Count me {i}", 6)) for i in range(3)))
+            took = time.monotonic() - started
+            after = e.counters()
+            return done, {k: after[k] - before[k] for k in ("finished_requests", "finished_s", "first_tokens", "join_steps")}, took
+        finally:
+            await e.stop()
+
+    done, delta, took = run(scenario())
+    assert [d.usage.completion_tokens for d in done] == [6, 6, 6]
+    assert delta["finished_requests"] == 3 and delta["first_tokens"] == 3
+    assert 0 < delta["finished_s"] <= 3 * took  # each one's own time, none longer than the whole
+    assert 0 <= delta["join_steps"] <= 3 * 4  # a first token a step or two after joining, not the 6th
 
 
 def test_only_long_prefixes_are_kept_and_reused(models_dir):

@@ -72,36 +72,40 @@ class Bare:
             self.prompt(i % 4096)  # tokenized before the clock starts
         gen = BatchGenerator(self.model, stop_tokens=self.eos, completion_batch_size=max(64, n), prefill_batch_size=8)
         kw: dict[str, Any] = {"samplers": [self.sampler]} if self.sampler is not None else {}
-        owner: dict[int, tuple[int, float]] = {}  # uid -> (client, inserted at)
+        owner: dict[int, tuple[int, float, int]] = {}  # uid -> (client, inserted at, step count then)
         nxt = list(range(n))
         ttft: list[float] = []
         seen: set[int] = set()
 
         def insert(k: int) -> None:
             (uid,) = gen.insert([self.prompt(nxt[k] % 4096)], max_tokens=[max_tokens], **kw)
-            owner[uid] = (k, time.perf_counter())
+            owner[uid] = (k, time.perf_counter(), steps)
             nxt[k] += n
 
         started = time.perf_counter()
         deadline = started + seconds
         before = dict(vars(gen._counters))
+        steps, first_steps = 0, []  # steps from insertion to a first token (the engine's join_steps)
         for k in range(n):
             insert(k)
         produced = 0
         while owner:
             _, responses = gen.next()
+            steps += 1  # a refill inserted below joins in step `steps`, as the engine counts
             for r in responses:
-                k, at = owner[r.uid]
+                k, at, step = owner[r.uid]
                 if r.uid not in seen:
                     seen.add(r.uid)
                     ttft.append(time.perf_counter() - at)
+                    first_steps.append(steps - 1 - step)
                 produced += r.finish_reason != "stop"
                 if r.finish_reason is not None:
                     del owner[r.uid]
                     if time.perf_counter() < deadline:
                         insert(k)
         elapsed = time.perf_counter() - started
-        out = {"tok_s": produced / elapsed, "ttft_p50_ms": 1000 * statistics.median(ttft)} | _steps(vars(gen._counters), before, elapsed)
+        out = {"tok_s": produced / elapsed, "ttft_p50_ms": 1000 * statistics.median(ttft), "first_token_steps": statistics.mean(first_steps)}
+        out |= _steps(vars(gen._counters), before, elapsed)
         gen.close()
         return out
 
@@ -128,13 +132,20 @@ async def through_engine(engine: LLMEngine, n: int, max_tokens: int, seconds: fl
     started = time.perf_counter()
     totals = await asyncio.gather(*(client(k) for k in range(n)))
     elapsed = time.perf_counter() - started
-    return {"tok_s": sum(totals) / elapsed, "ttft_p50_ms": 1000 * statistics.median(ttft)} | _steps(engine.counters(), before, elapsed)
+    after = engine.counters()
+    firsts = max(1, after["first_tokens"] - before["first_tokens"])
+    out = {
+        "tok_s": sum(totals) / elapsed,
+        "ttft_p50_ms": 1000 * statistics.median(ttft),
+        "first_token_steps": (after["join_steps"] - before["join_steps"]) / firsts,
+    }
+    return out | _steps(after, before, elapsed)
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, float]]:
     name, _, rest = text.partition(":")
     settings = {k: float(v) for k, v in (kv.split("=") for kv in rest.split(",") if kv)}
-    unknown = set(settings) - {"hold", "cache", "min", "gil", "pb", "quiet"}
+    unknown = set(settings) - {"hold", "cache", "min", "gil", "pb", "quiet", "rows"}
     if unknown:
         raise SystemExit(f"unknown variant setting(s) {sorted(unknown)} in {text!r}")
     return name, settings
@@ -144,8 +155,9 @@ def parse_variant(text: str) -> tuple[str, dict[str, float]]:
 def variant(engine: LLMEngine, settings: dict[str, float]):
     """The engine with one variant's settings for a round, restored after it."""
     saved = (engine.admit_hold_steps, engine._prompt_cache_entries, engine.prompt_cache_min_tokens, engine.prefill_batch, sys.getswitchinterval())
-    quiet = engine.admit_quiet_steps
+    quiet, min_rows = engine.admit_quiet_steps, engine.admit_hold_min_rows
     engine.admit_quiet_steps = int(settings.get("quiet", quiet))
+    engine.admit_hold_min_rows = int(settings.get("rows", min_rows))
     engine.admit_hold_steps = int(settings.get("hold", saved[0]))
     engine._prompt_cache_entries = int(settings.get("cache", saved[1]))
     engine.prompt_cache_min_tokens = int(settings.get("min", saved[2]))
@@ -158,7 +170,7 @@ def variant(engine: LLMEngine, settings: dict[str, float]):
         engine.admit_hold_steps, engine._prompt_cache_entries, engine.prompt_cache_min_tokens = saved[:3]
         engine.prefill_batch = engine.generator.prefill_batch_size = saved[3]
         sys.setswitchinterval(saved[4])
-        engine.admit_quiet_steps = quiet
+        engine.admit_quiet_steps, engine.admit_hold_min_rows = quiet, min_rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=["served"],
         help="engine variants, alternating: NAME or NAME:key=value,... with keys hold (admit_hold_steps), "
-        "cache (prompt cache entries: 0 none), min (prompt_cache_min_tokens), pb (prefill_batch), quiet (admit_quiet_steps), gil (this process's switch interval, ms)",
+        "cache (prompt cache entries: 0 none), min (prompt_cache_min_tokens), pb (prefill_batch), quiet (admit_quiet_steps), rows (admit_hold_min_rows), gil (this process's switch interval, ms)",
     )
     ap.add_argument("--prompt-cache", type=int, default=16, help="the engine's prompt_cache_entries (16 as served; 0: none)")
     ap.add_argument("--profile-dir", type=Path, default=None, help="py-spy record of this process in one more engine round per cell")
@@ -193,9 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     variants = dict(parse_variant(v) for v in a.variant)
     print(
-        "| streams | engine variant | bare tok/s | LLMEngine tok/s | ratio | rows/step bare / engine | ms/step bare / engine | TTFT p50 ms bare / engine |"
+        "| streams | engine variant | bare tok/s | LLMEngine tok/s | ratio | rows/step bare / engine | ms/step bare / engine | TTFT p50 ms bare / engine | steps to a first token bare / engine |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in a.streams:
         sides: dict[str, list[dict]] = {"bare": [], **{name: [] for name in variants}}
         for _ in range(a.rounds):  # alternating: the machine's speed drifts
@@ -212,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"| {n} | {name} | {b['tok_s']:.0f} | {e['tok_s']:.0f} | {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) | "
                 f"{b['rows_per_step']:.1f} / {e['rows_per_step']:.1f} | {b['ms_per_step']:.2f} / {e['ms_per_step']:.2f} | "
-                f"{b['ttft_p50_ms']:.1f} / {e['ttft_p50_ms']:.1f} |",
+                f"{b['ttft_p50_ms']:.1f} / {e['ttft_p50_ms']:.1f} | {b['first_token_steps']:.2f} / {e['first_token_steps']:.2f} |",
                 flush=True,
             )
         if a.profile_dir is not None:

@@ -39,6 +39,8 @@ ORCHARDS: dict[str, dict[str, Any]] = {  # app args, and "via": the address the 
     "orchard-hold1": {"llm_engine": {"admit_hold_steps": 1}},  # arrivals held at most 1 step while the batch is busy
     "orchard-hold2": {"llm_engine": {"admit_hold_steps": 2}},  # ... at most 2 steps
     "orchard-pb8": {"llm_engine": {"prefill_batch": 8}},  # prefill groups of at most 8, as the bare loop refills
+    "orchard-holdrows16": {"llm_engine": {"admit_hold_min_rows": 16}},  # held only while 16+ rows decode
+    "orchard-holdrows32": {"llm_engine": {"admit_hold_min_rows": 32}},  # ... 32+ rows
 }
 
 

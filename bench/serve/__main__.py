@@ -123,31 +123,55 @@ async def engine_one(engine: LLMEngine, i: int, max_tokens: int) -> tuple[int, f
     return tokens, first or 0.0
 
 
-async def closed_loop(one, n: int, seconds: float) -> tuple[int, float, list[float]]:
+async def closed_loop(one, n: int, seconds: float, record: dict | None = None) -> tuple[int, float, list[float]]:
     """n clients, each sending its next request as soon as the last one ends, for `seconds` (a
     request started in time runs to its end): steady-state tokens, elapsed seconds, TTFTs. Steady
-    state, not one burst of n, so the ramp-up and the tail of a single round do not dominate."""
+    state, not one burst of n, so the ramp-up and the tail of a single round do not dominate.
+    `record`, if given, gets each request's seconds from sending to its end ("durations") and how
+    late this process's event loop woke a 1 ms timer while the clients ran ("lag_s"): a client
+    whose loop is late starts its next request late, which the server would be blamed for."""
     started = time.perf_counter()
     deadline = started + seconds
     ttfts: list[float] = []
+    durations: list[float] = []
+    lags: list[float] = []
+    running = True
 
     async def client(k: int) -> int:
         tokens, i = 0, k
         while time.perf_counter() < deadline:
+            sent = time.perf_counter()
             t, f = await one(i)
+            durations.append(time.perf_counter() - sent)
             tokens += t
             ttfts.append(f)
             i += n
         return tokens
 
-    totals = await asyncio.gather(*(client(k) for k in range(n)))
+    async def probe() -> None:
+        while running:
+            asked = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - asked - 0.001)
+
+    watcher = asyncio.create_task(probe()) if record is not None else None
+    try:
+        totals = await asyncio.gather(*(client(k) for k in range(n)))
+    finally:
+        running = False
+        if watcher is not None:
+            await watcher
+    if record is not None:
+        record["durations"], record["lag_s"] = durations, lags
     return sum(totals), time.perf_counter() - started, ttfts
 
 
-async def through_http(client: "SSEClient | SDKClient", model: str, n: int, max_tokens: int, seconds: float = 0.0) -> tuple[int, float, list[float]]:
+async def through_http(
+    client: "SSEClient | SDKClient", model: str, n: int, max_tokens: int, seconds: float = 0.0, record: dict | None = None
+) -> tuple[int, float, list[float]]:
     """n concurrent streams once each (seconds=0), or a closed loop of n clients for `seconds`."""
     if seconds > 0:
-        return await closed_loop(lambda i: client.one(model, i, max_tokens), n, seconds)
+        return await closed_loop(lambda i: client.one(model, i, max_tokens), n, seconds, record)
     started = time.perf_counter()
     results = await asyncio.gather(*(client.one(model, i, max_tokens) for i in range(n)))
     return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
@@ -157,29 +181,31 @@ ENGINE_SWITCH_S: float | None = None  # --engine-gil-switch-ms, in seconds
 TEMPERATURE = 0.0  # --temperature, every side
 
 
-async def in_process(engine: LLMEngine, n: int, max_tokens: int, seconds: float = 0.0) -> tuple[int, float, list[float]]:
+async def in_process(engine: LLMEngine, n: int, max_tokens: int, seconds: float = 0.0, record: dict | None = None) -> tuple[int, float, list[float]]:
     if ENGINE_SWITCH_S is not None:
         default = sys.getswitchinterval()
         sys.setswitchinterval(ENGINE_SWITCH_S)
         try:
-            return await _in_process(engine, n, max_tokens, seconds)
+            return await _in_process(engine, n, max_tokens, seconds, record)
         finally:
             sys.setswitchinterval(default)
-    return await _in_process(engine, n, max_tokens, seconds)
+    return await _in_process(engine, n, max_tokens, seconds, record)
 
 
-async def _in_process(engine: LLMEngine, n: int, max_tokens: int, seconds: float = 0.0) -> tuple[int, float, list[float]]:
+async def _in_process(engine: LLMEngine, n: int, max_tokens: int, seconds: float = 0.0, record: dict | None = None) -> tuple[int, float, list[float]]:
     if seconds > 0:
-        return await closed_loop(lambda i: engine_one(engine, i, max_tokens), n, seconds)
+        return await closed_loop(lambda i: engine_one(engine, i, max_tokens), n, seconds, record)
     started = time.perf_counter()
     results = await asyncio.gather(*(engine_one(engine, i, max_tokens) for i in range(n)))
     return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
 
 
-async def with_steps(read_counters, run) -> tuple[int, float, dict]:
+async def with_steps(read_counters, run, record: dict | None = None) -> tuple[int, float, dict]:
     """Run one side and read the engine's own counters around it: decode rows per step (how full
     the batch was) and wall ms per step (how fast it stepped), to tell a path that starves the
-    batch from one that slows the engine down."""
+    batch from one that slows the engine down. With `record` (the one `run`'s closed loop fills),
+    also a request's round trip: the client's time per request against the engine's own (start()
+    to its last delta), the difference being the path's both ways."""
     before = await read_counters()
     started = time.perf_counter()
     tokens, seconds, ttfts = await run
@@ -188,11 +214,22 @@ async def with_steps(read_counters, run) -> tuple[int, float, dict]:
     steps = max(1, after["generation_steps"] - before["generation_steps"])
     rows = (after["generation_tokens"] - before["generation_tokens"]) / steps
     firsts = max(1, after["first_tokens"] - before["first_tokens"])
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
     inside = {  # where a first token waits inside the engine (means over the run), against the client's
-        "inside_ttft_ms": 1000 * (after["first_token_s"] - before["first_token_s"]) / firsts,
-        "inside_admit_wait_ms": 1000 * (after["admit_wait_s"] - before["admit_wait_s"]) / firsts,
-        "inside_admit_prep_ms": 1000 * (after.get("admit_prep_s", 0.0) - before.get("admit_prep_s", 0.0)) / firsts,
+        "inside_ttft_ms": 1000 * delta("first_token_s") / firsts,
+        "inside_admit_wait_ms": 1000 * delta("admit_wait_s") / firsts,
+        "inside_admit_prep_ms": 1000 * delta("admit_prep_s") / firsts,
+        "join_steps": delta("join_steps") / firsts,  # steps from joining the batch to the first token
     }
+    if record is not None and record.get("durations"):
+        finished = max(1, delta("finished_requests"))
+        inside["client_request_ms"] = 1000 * statistics.mean(record["durations"])
+        inside["engine_request_ms"] = 1000 * delta("finished_s") / finished
+        inside["client_lag_ms"] = 1000 * statistics.mean(record["lag_s"]) if record["lag_s"] else 0.0
+        inside["client_lag_p95_ms"] = 1000 * pct(record["lag_s"], 0.95) if record["lag_s"] else 0.0
     return tokens, seconds, {"rows_per_step": rows, "ms_per_step": 1000 * elapsed / steps, "ttfts": ttfts} | inside
 
 
@@ -292,13 +329,14 @@ def stop_orchard(cluster: Cluster) -> None:
 
 
 def llm_engine_options(text: str) -> dict:
-    """`hold=N,pb=N,min=N` -> LLMEngineOptions' fields, the rest at their defaults."""
+    """`hold=N,pb=N,min=N,rows=N` -> LLMEngineOptions' fields, the rest at their defaults."""
     names = {
         "hold": "admit_hold_steps",
         "quiet": "admit_quiet_steps",
         "pb": "prefill_batch",
         "budget": "max_prefill_tokens",
         "min": "prompt_cache_min_tokens",
+        "rows": "admit_hold_min_rows",
     }
     given = {names[k]: int(float(v)) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
     return LLMEngineOptions.model_validate(given).model_dump()
@@ -406,8 +444,10 @@ def main() -> None:
                 for _ in range(args.rounds):
                     if bare is not None:
                         b_runs.append(bare.run(c, max_tokens, args.seconds))
-                    e_tokens, e_s, e_step = await with_steps(engine_counters, in_process(engine, c, max_tokens, args.seconds))
-                    h_tokens, h_s, h_step = await with_steps(actor_counters, through_http(client, model, c, max_tokens, args.seconds))
+                    e_rec: dict = {}
+                    h_rec: dict = {}
+                    e_tokens, e_s, e_step = await with_steps(engine_counters, in_process(engine, c, max_tokens, args.seconds, e_rec), e_rec)
+                    h_tokens, h_s, h_step = await with_steps(actor_counters, through_http(client, model, c, max_tokens, args.seconds, h_rec), h_rec)
                     e_rates.append(e_tokens / e_s)
                     h_rates.append(h_tokens / h_s)
                     e_steps.append(e_step)
@@ -427,6 +467,7 @@ def main() -> None:
                 if b_runs:
                     row["bare_tok_s"] = round(statistics.median(x["tok_s"] for x in b_runs), 1)
                     row["bare_ttft_p50_ms"] = round(statistics.median(x["ttft_p50_ms"] for x in b_runs), 1)
+                    row["bare_first_token_steps"] = round(statistics.median(x["first_token_steps"] for x in b_runs), 2)
                     row["http_over_bare"] = round(row["http_tok_s"] / row["bare_tok_s"], 3)
                     row["engine_over_bare"] = round(row["engine_tok_s"] / row["bare_tok_s"], 3)
                 row["http_ttft_p50_ms"] = round(1000 * statistics.median(f for x in h_steps for f in x["ttfts"]), 1)
@@ -439,6 +480,14 @@ def main() -> None:
                     row[f"{side}_inside_admit_wait_mean_ms"] = round(statistics.median(x["inside_admit_wait_ms"] for x in steps), 1)
                     # ... of which preparation (templating and tokenizing, before the MLX thread had it)
                     row[f"{side}_inside_admit_prep_mean_ms"] = round(statistics.median(x["inside_admit_prep_ms"] for x in steps), 1)
+                    row[f"{side}_join_steps"] = round(statistics.median(x["join_steps"] for x in steps), 2)
+                    # a request's round trip: the client's time per request, the engine's own (start()
+                    # to the last delta), the path's both ways (the difference), the client loop's lag
+                    for key in ("client_request_ms", "engine_request_ms", "client_lag_ms", "client_lag_p95_ms"):
+                        if all(key in x for x in steps):
+                            row[f"{side}_{key}"] = round(statistics.median(x[key] for x in steps), 1)
+                    if f"{side}_client_request_ms" in row:
+                        row[f"{side}_path_request_ms"] = round(row[f"{side}_client_request_ms"] - row[f"{side}_engine_request_ms"], 1)
                 bare_cells = (
                     f" bare {row['bare_tok_s']} (HTTP/bare {row['http_over_bare']:.2f}, engine/bare {row['engine_over_bare']:.2f}) |"
                     if b_runs
@@ -453,6 +502,17 @@ def main() -> None:
                     f" {row['http_inside_admit_prep_mean_ms']}) |{bare_cells}",
                     flush=True,
                 )
+                if "http_path_request_ms" in row:
+                    print(
+                        f"|   round trip ms per request (client / engine / path; client loop lag mean, p95) in-process"
+                        f" {row['engine_client_request_ms']} / {row['engine_engine_request_ms']} / {row['engine_path_request_ms']}"
+                        f" ({row['engine_client_lag_ms']}, {row['engine_client_lag_p95_ms']}) | HTTP {row['http_client_request_ms']}"
+                        f" / {row['http_engine_request_ms']} / {row['http_path_request_ms']} ({row['http_client_lag_ms']}, {row['http_client_lag_p95_ms']})"
+                        f" | steps from joining to the first token: in-process {row['engine_join_steps']}, HTTP {row['http_join_steps']}"
+                        + (f", bare {row['bare_first_token_steps']}" if "bare_first_token_steps" in row else "")
+                        + " |",
+                        flush=True,
+                    )
                 rows.append(row)
             if args.profile_dir:  # one more HTTP run at the highest concurrency, under py-spy
                 spies = profile(args.py_spy, Path(args.profile_dir), model, args.seconds)
@@ -511,6 +571,20 @@ def render(r: dict) -> str:
         f" / {x['http_inside_admit_wait_mean_ms']} / {x['http_inside_admit_prep_mean_ms']} |"
         for x in r["throughput"]
     ]
+    if all("http_path_request_ms" in x for x in r["throughput"]):
+        lines += [
+            "",
+            "| model | concurrency | a request's ms, in-process: client / engine / path | through HTTP: client / engine / path"
+            " | client loop lag ms, mean (p95), in-process / HTTP | steps from joining to the first token: in-process / HTTP / bare |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {x['model']} | {x['concurrency']} | {x['engine_client_request_ms']} / {x['engine_engine_request_ms']} / {x['engine_path_request_ms']}"
+            f" | {x['http_client_request_ms']} / {x['http_engine_request_ms']} / {x['http_path_request_ms']}"
+            f" | {x['engine_client_lag_ms']} ({x['engine_client_lag_p95_ms']}) / {x['http_client_lag_ms']} ({x['http_client_lag_p95_ms']})"
+            f" | {x['engine_join_steps']} / {x['http_join_steps']} / {x.get('bare_first_token_steps', '-')} |"
+            for x in r["throughput"]
+        ]
     lines += ["", "| model | TTFT HTTP p50 / p95 ms | TTFT engine p50 / p95 ms |", "|---|---:|---:|"]
     lines += [f"| {x['model']} | {x['http_p50_ms']} / {x['http_p95_ms']} | {x['engine_p50_ms']} / {x['engine_p95_ms']} |" for x in r["ttft"]]
     lines += ["", "| model | first token, model not loaded (s) | raw load in-process (s) |", "|---|---:|---:|"]

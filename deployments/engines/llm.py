@@ -165,6 +165,7 @@ class _Stream:
     pending: list[Delta] = field(default_factory=list)
     started: float = 0.0  # time.monotonic() at start(): the engine's own time to first token
     answered: bool = False  # its first token is out
+    joined_step: int = 0  # the engine's step count when it joined the batch
 
 
 @dataclass(eq=False)
@@ -200,6 +201,7 @@ class LLMEngine(Engine):
         reserve_concurrency: int = 1,
         admit_hold_steps: int = 4,  # these five: the served defaults (router/api/builder.py LLMEngineOptions)
         admit_quiet_steps: int = 1,
+        admit_hold_min_rows: int = 0,
         max_prefill_tokens: int = 16384,
         prompt_cache_min_tokens: int = 256,
     ):
@@ -217,6 +219,9 @@ class LLMEngine(Engine):
         self.admit_hold_steps = admit_hold_steps
         # ... but not once arrivals have stopped: no arrival for this many steps ends the wait.
         self.admit_quiet_steps = admit_quiet_steps
+        # ... and only while at least this many rows decode: a smaller batch loses little to a
+        # prefill of its own, so its arrivals join at the next step (0: whenever the batch is busy).
+        self.admit_hold_min_rows = admit_hold_min_rows
         self._last_arrival = 0  # the step count when the last arrival reached the MLX thread
         # Prompt tokens admitted and not yet through prefill, at most (one longer prompt alone may
         # exceed it): a group of 32 long prompts would otherwise prefill 32 x prefill_step tokens in
@@ -226,7 +231,10 @@ class LLMEngine(Engine):
         self._due = False  # held arrivals of a group already let in, waiting only for prefill room
         # groups admitted into the batch, and where a request's first token waits inside the engine:
         # from start() to joining the batch (preparation and hold), and to its first token
-        # (admit_prep_s: the part of admit_wait_s before the MLX thread had it: templating, tokenizing)
+        # (admit_prep_s: the part of admit_wait_s before the MLX thread had it: templating, tokenizing;
+        # join_steps: the engine's steps from joining to the first token), and how long a request
+        # that ran to its end spent inside the engine, from start() to its last delta's hand-off
+        # (a client's time per request less this is the path's, both ways)
         self._admitted = {
             "admitted_groups": 0,
             "admitted_requests": 0,
@@ -234,6 +242,9 @@ class LLMEngine(Engine):
             "admit_prep_s": 0.0,
             "first_token_s": 0.0,
             "first_tokens": 0,
+            "join_steps": 0,
+            "finished_s": 0.0,
+            "finished_requests": 0,
         }
         self._steps = 0
         # A prefix is kept (a finished request's prompt + completion) and reused only from this
@@ -455,7 +466,7 @@ class LLMEngine(Engine):
                     self._handle(self._commands.get_nowait(), streams, by_uid, outbox)
             except queue.Empty:
                 pass
-            if self._held and self._admit_now(busy=bool(by_uid)):
+            if self._held and self._admit_now(busy=len(by_uid) >= max(1, self.admit_hold_min_rows)):
                 self._admit_held(streams, by_uid, outbox)
             self._streams = streams
             if by_uid:
@@ -488,7 +499,7 @@ class LLMEngine(Engine):
             except Exception as e:
                 _put(arrival.loop, [(arrival.out, _failure(e))])
                 continue
-            stream.started = arrival.started
+            stream.started, stream.joined_step = arrival.started, self._steps
             self._admitted["admit_wait_s"] += now - arrival.started
             self._admitted["admit_prep_s"] += arrival.prepared - arrival.started
             streams[arrival.rid] = stream
@@ -527,11 +538,14 @@ class LLMEngine(Engine):
                 stream.answered = True
                 self._admitted["first_token_s"] += now - stream.started
                 self._admitted["first_tokens"] += 1
+                self._admitted["join_steps"] += self._steps - stream.joined_step
             outbox.append(stream)
             if not self._advance(stream, r):
                 continue
             by_uid.pop(r.uid)
             streams.pop(rid)
+            self._admitted["finished_s"] += now - stream.started
+            self._admitted["finished_requests"] += 1
             if r.finish_reason is None:  # cut by a stop string: still in the batch
                 self.generator.remove([r.uid])
             elif r.prompt_cache is not None and self._prompt_cache_entries > 0 and len(r.all_tokens) >= self.prompt_cache_min_tokens:

@@ -33,6 +33,9 @@ class LLMEngineOptions(BaseModel):
     # ... but the wait ends once a step has passed with no new arrival (H200, 64 streams: TTFT p50
     # 159 -> 149 ms, the same tok/s; 16 streams: 114 -> 75 ms).
     admit_quiet_steps: int = Field(default=1, ge=0, le=64)
+    # ... and only while at least this many rows decode (0: whenever the batch is busy); a smaller
+    # batch's arrivals join at the next step (docs/serve-path.md, session 11).
+    admit_hold_min_rows: int = Field(default=0, ge=0, le=1024)
     # Sequences prefilled together (mlx-lm's prefill_batch_size; its default is 8).
     prefill_batch: int = Field(default=32, ge=1, le=256)
     # ... and at most this many prompt tokens admitted and not yet prefilled (one longer prompt
