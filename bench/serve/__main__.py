@@ -242,7 +242,9 @@ PROFILED = {
 
 
 def profile(py_spy: str, out: Path, model: str, seconds: float) -> list:
-    """py-spy records (raw, per thread) of the path's processes, found by their Ray process titles."""
+    """py-spy records (raw, per thread) of the path's processes, found by their Ray process titles;
+    for the model server also one of only the thread that holds the GIL (`-gil`): whose Python
+    work the engine thread waits behind between its evaluations."""
     import psutil
 
     out.mkdir(parents=True, exist_ok=True)
@@ -250,28 +252,11 @@ def profile(py_spy: str, out: Path, model: str, seconds: float) -> list:
     for name, title in PROFILED.items():
         pids = [p.pid for p in psutil.process_iter(["cmdline"]) if any(title in part for part in p.info["cmdline"] or ())]
         for pid in pids[:1]:
-            spies.append(
-                subprocess.Popen(
-                    [
-                        py_spy,
-                        "record",
-                        "-p",
-                        str(pid),
-                        "-d",
-                        str(int(seconds)),
-                        "-r",
-                        "200",
-                        "-f",
-                        "raw",
-                        "--threads",
-                        "--nonblocking",
-                        "-o",
-                        str(out / f"{model}-{name}.txt"),
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
+            for suffix, extra in [("", [])] + ([("-gil", ["--gil"])] if name == "actor" else []):
+                cmd = [py_spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw", "--threads", "--nonblocking", *extra]
+                spies.append(
+                    subprocess.Popen([*cmd, "-o", str(out / f"{model}-{name}{suffix}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 )
-            )
     return spies
 
 
