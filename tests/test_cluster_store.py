@@ -11,6 +11,7 @@ import hashlib
 import json
 import shutil
 import socket
+import time
 
 import pytest
 
@@ -284,3 +285,21 @@ def test_background_copies_bring_a_requested_model_to_the_stores_with_room(orcha
     later = [e for e in http.get("/v1/cluster/events").json()["data"] if e["seq"] > since]
     assert not any(e["kind"] == "files_removed" for e in later)
     assert not any(e["kind"] == "fetching" and e["node_id"] == "mac-2" for e in later)
+
+    # A background copy that fails: llama-bad's folder on the head was damaged after it was sealed
+    # (the test above), so its copy to mac-1 fails its checksum. The failure is an event with the
+    # reason, leaves no folder, and is not tried on that node again within background_copy_retry_s.
+    assert http.post("/v1/models/llama-warm/unload").status_code == 200  # the head has room to load llama-bad
+    for _ in range(2):  # placed on the head, which stores it: requests that give llama-bad its demand
+        orchard["client"].completions.create(model="llama-bad", prompt="Once upon a time", max_tokens=4, temperature=0)
+
+    def bad_on_mac1() -> list[dict]:
+        return [e for e in events(orchard, "llama-bad") if e["seq"] > since and e["node_id"] == "mac-1"]
+
+    wait_for(lambda: any(e["kind"] == "fetch_failed" for e in bad_on_mac1()), 60, "llama-bad's background copy failing on mac-1")
+    time.sleep(3)  # six watcher periods: a retry, if there were one, would have started
+    tried = bad_on_mac1()
+    assert [e["kind"] for e in tried] == ["fetching", "fetch_failed"], tried
+    assert "background copy, L4" in tried[0]["reason"] and tried[1]["reason"].startswith("checksum"), tried
+    assert not (stores["mac-1"] / "llama-bad").exists()
+    assert model(orchard, "llama-bad")["nodes"] == ["head"]  # the failed copy cost no placement
