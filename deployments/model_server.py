@@ -137,6 +137,14 @@ def remote_model_server():
     return _REMOTE
 
 
+# Where a request's first token spends the path's time inside a model server (counters()):
+# submit_lag_s: from the ingress's submit call (its wall clock; same host or synced clocks) to this
+# actor running it; first_flush_s: from a first delta's arrival in its channel to the flush that
+# carries it (waiting, with backpressure 1, for the caller to take the previous flush); taken_s:
+# from a flush's yield to the caller having taken it (the channel's round trip per item).
+_PATH_COUNTERS = {"submit_lag_s": 0.0, "submits": 0, "first_flush_s": 0.0, "first_flushes": 0, "taken_s": 0.0, "flushes": 0}
+
+
 def _merge(items: list[dict]) -> dict:
     """Deltas (as dicts) in order -> one delta: text and tokens joined, the last one's finish."""
     if len(items) == 1:
@@ -167,16 +175,21 @@ class _Channel:
     opened here, merged per request and sent as ONE Ray item per flush, so the per-item cost of Ray
     (~0.75 ms of CPU end to end) is paid per flush, not per stream (shared/ray/README.md)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: dict[str, float] | None = None) -> None:
         self.ready: dict[str, list[dict]] = {}
         self.tokens: dict[str, int] = {}
+        # the server's path counters (ModelServer.counters): how long first deltas wait here
+        self.path = path if path is not None else dict(_PATH_COUNTERS)
+        self.firsts: list[float] = []  # when each first delta in `ready` was put
         self.open: dict[str, _Delivery] = {}  # generations still running, by request id
         self.oldest: float | None = None
         self.sending = False  # a batch went out and its caller has not taken it yet (open_channel)
         self.wake = asyncio.Event()  # something is waiting to go out
         self.urgent = asyncio.Event()  # ... and should go out now (a first delta, an end, a full buffer)
 
-    def put(self, request_id: str, item: dict, urgent: bool, most: int) -> None:
+    def put(self, request_id: str, item: dict, urgent: bool, most: int, first: bool = False) -> None:
+        if first:
+            self.firsts.append(time.monotonic())
         self.ready.setdefault(request_id, []).append(item)
         self.tokens[request_id] = self.tokens.get(request_id, 0) + _size(item)
         if self.oldest is None:
@@ -187,6 +200,11 @@ class _Channel:
 
     def take(self) -> list[tuple[str, dict]]:
         batch = [(rid, _merge(items)) for rid, items in self.ready.items()]
+        if self.firsts:
+            now = time.monotonic()
+            self.path["first_flush_s"] += sum(now - t for t in self.firsts)
+            self.path["first_flushes"] += len(self.firsts)
+            self.firsts = []
         self.ready, self.tokens, self.oldest = {}, {}, None
         self.wake.clear()
         self.urgent.clear()
@@ -224,7 +242,7 @@ class _Delivery:
             self.fail(ModelServerError(d.get("error_code") or "internal", d.get("error") or "generation failed"))
             return
         ended = d.get("finish_reason") is not None
-        self.ch.put(self.request_id, d, self.first or ended, self.most)
+        self.ch.put(self.request_id, d, self.first or ended, self.most, first=self.first)
         self.first = False
         if ended:
             self._end()
@@ -321,6 +339,7 @@ class ModelServer:
         self._load_error: BaseException | None = None
         self._channels: dict[str, _Channel] = {}
         self._closed_channels: set[str] = set()  # a late submit to one of these is dropped
+        self._path: dict[str, float] = dict(_PATH_COUNTERS)  # where the path's time goes here (counters())
         self._exiting = False
         if load_now:
             self._load_in_creation()
@@ -396,9 +415,10 @@ class ModelServer:
         return self.engine.memory().model_dump()
 
     def counters(self) -> dict:
-        """The engine's work counters (an LLM engine: mlx-lm's BatchGenerator counters; {} else)."""
+        """The engine's work counters (an LLM engine: mlx-lm's BatchGenerator counters; {} else),
+        and where the path's time goes in this server (_PATH_COUNTERS)."""
         read = getattr(self.engine, "counters", None)
-        return read() if read is not None else {}
+        return (read() if read is not None else {}) | self._path
 
     def running(self) -> int:
         """Requests still generating, or whose last deltas still wait in a channel: a drain that
@@ -479,7 +499,7 @@ class ModelServer:
         `coalesce_tokens` tokens waiting, else `flush_interval_s()` after the oldest waiting delta. A
         request that fails before any output sends {"failure": {code, message, param}} as its only
         item. Closing the channel (the caller went away) cancels its requests."""
-        ch = self._channels.setdefault(channel_id, _Channel())
+        ch = self._channels.setdefault(channel_id, _Channel(self._path))
         try:
             while True:
                 await ch.wake.wait()
@@ -491,8 +511,11 @@ class ModelServer:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(ch.urgent.wait(), left)
                 ch.sending = True
+                sent = time.monotonic()
                 yield ch.take()  # resumes once the caller took the batch (open_channel's backpressure)
                 ch.sending = False
+                self._path["taken_s"] += time.monotonic() - sent
+                self._path["flushes"] += 1
         finally:
             for delivery in list(ch.open.values()):
                 delivery.cancel()
@@ -504,12 +527,16 @@ class ModelServer:
         stretch = min(1.0, max(0.0, (streams - 8) / 8))
         return (self.coalesce_ms + stretch * (self.coalesce_max_ms - self.coalesce_ms)) / 1000.0
 
-    def submit(self, channel_id: str, request_id: str, request: dict) -> None:
+    def submit(self, channel_id: str, request_id: str, request: dict, sent_at: float | None = None) -> None:
         """Start a generation whose deltas go out on `channel_id` under `request_id`. Never raises:
-        a bad request is reported on the channel, so the caller need not wait for this call."""
+        a bad request is reported on the channel, so the caller need not wait for this call.
+        `sent_at`: the caller's time.time() when it sent this call (counted in submit_lag_s)."""
+        if sent_at is not None:
+            self._path["submit_lag_s"] += time.time() - sent_at
+            self._path["submits"] += 1
         if channel_id in self._closed_channels:
             return
-        ch = self._channels.setdefault(channel_id, _Channel())
+        ch = self._channels.setdefault(channel_id, _Channel(self._path))
         most = max(1, self.coalesce_tokens)
         try:
             self._engine_for("generate")

@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 import wave
 from concurrent.futures import ThreadPoolExecutor
 
@@ -164,6 +165,24 @@ def test_json_object_response_format(orchard):
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
     else:  # a random model may keep writing one object; what came out is still a JSON prefix
         assert reply.choices[0].message.content.startswith("{")
+
+
+def test_a_generation_says_where_its_first_token_waited_in_server_timing(orchard):
+    """W3C Server-Timing on streamed and whole answers: the app's part before the route, the lease,
+    and the wait for the instance's first output, each a duration in ms that adds up to no more than
+    the client's own wait for the headers."""
+    for stream in (False, True):
+        body = {"model": "llama-10m", "messages": USER, "max_tokens": 4, "temperature": 0, "stream": stream}
+        started = time.monotonic()
+        with requests.post(f"{orchard['base']}/v1/chat/completions", json=body, stream=stream, timeout=120) as r:
+            waited_ms = 1000 * (time.monotonic() - started)
+            assert r.status_code == 200, r.text
+            parts = dict(part.strip().split(";dur=") for part in r.headers["Server-Timing"].split(","))
+            r.content  # noqa: B018  (read to the end)
+        assert sorted(parts) == ["app", "first-delta", "lease"], parts
+        durations = {k: float(v) for k, v in parts.items()}
+        assert all(d >= 0 for d in durations.values()) and durations["first-delta"] > 0
+        assert sum(durations.values()) <= waited_ms + 1, (durations, waited_ms)
 
 
 # ---- reasoning -----------------------------------------------------------------------------------

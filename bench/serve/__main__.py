@@ -46,6 +46,7 @@ class SSEClient:
     def __init__(self, base_url: str):
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.session: aiohttp.ClientSession | None = None
+        self.timings: list[tuple[float, float, float]] = []  # per request: the ingress's Server-Timing (app, lease, first-delta) in ms
 
     async def one(self, model: str, i: int, max_tokens: int) -> tuple[int, float]:
         """One streamed chat request: (completion tokens from usage, seconds to the first content)."""
@@ -64,6 +65,9 @@ class SSEClient:
         async with self.session.post(self.url, json=body) as response:
             if response.status != 200:
                 raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+            timing = dict(part.strip().split(";dur=") for part in response.headers.get("Server-Timing", "").split(",") if ";dur=" in part)
+            if {"app", "lease", "first-delta"} <= timing.keys():
+                self.timings.append((float(timing["app"]), float(timing["lease"]), float(timing["first-delta"])))
             async for line in response.content:
                 if not line.startswith(b"data: "):
                     continue
@@ -224,6 +228,13 @@ async def with_steps(read_counters, run, record: dict | None = None) -> tuple[in
         "inside_admit_prep_ms": 1000 * delta("admit_prep_s") / firsts,
         "join_steps": delta("join_steps") / firsts,  # steps from joining the batch to the first token
     }
+    if "submits" in after:  # the model server's share of the path (ModelServer.counters, HTTP side)
+        inside["submit_lag_ms"] = 1000 * delta("submit_lag_s") / max(1, delta("submits"))
+        inside["first_flush_ms"] = 1000 * delta("first_flush_s") / max(1, delta("first_flushes"))
+        inside["taken_ms"] = 1000 * delta("taken_s") / max(1, delta("flushes"))
+        inside["flushes_per_s"] = delta("flushes") / elapsed
+    if "handoffs" in after:
+        inside["handoff_ms"] = 1000 * delta("handoff_s") / max(1, delta("handoffs"))
     if record is not None and record.get("durations"):
         finished = max(1, delta("finished_requests"))
         inside["client_request_ms"] = 1000 * statistics.mean(record["durations"])
@@ -432,7 +443,13 @@ def main() -> None:
                     e_rec: dict = {}
                     h_rec: dict = {}
                     e_tokens, e_s, e_step = await with_steps(engine_counters, in_process(engine, c, max_tokens, args.seconds, e_rec), e_rec)
+                    mark = len(getattr(client, "timings", ()))
                     h_tokens, h_s, h_step = await with_steps(actor_counters, through_http(client, model, c, max_tokens, args.seconds, h_rec), h_rec)
+                    timings = getattr(client, "timings", [])[mark:]
+                    if timings:  # the ingress's own split of a first token's wait (its Server-Timing header)
+                        h_step["ingress_app_ms"] = statistics.mean(t[0] for t in timings)
+                        h_step["ingress_lease_ms"] = statistics.mean(t[1] for t in timings)
+                        h_step["ingress_first_delta_ms"] = statistics.mean(t[2] for t in timings)
                     e_rates.append(e_tokens / e_s)
                     h_rates.append(h_tokens / h_s)
                     e_steps.append(e_step)
@@ -468,7 +485,16 @@ def main() -> None:
                     row[f"{side}_join_steps"] = round(statistics.median(x["join_steps"] for x in steps), 2)
                     # a request's round trip: the client's time per request, the engine's own (start()
                     # to the last delta), the path's both ways (the difference), the client loop's lag
-                    for key in ("client_request_ms", "engine_request_ms", "client_lag_ms", "client_lag_p95_ms"):
+                    keys = ("client_request_ms", "engine_request_ms", "client_lag_ms", "client_lag_p95_ms", "handoff_ms")
+                    for key in keys + (
+                        "submit_lag_ms",
+                        "first_flush_ms",
+                        "taken_ms",
+                        "flushes_per_s",
+                        "ingress_app_ms",
+                        "ingress_lease_ms",
+                        "ingress_first_delta_ms",
+                    ):
                         if all(key in x for x in steps):
                             row[f"{side}_{key}"] = round(statistics.median(x[key] for x in steps), 1)
                     if f"{side}_client_request_ms" in row:
@@ -496,6 +522,15 @@ def main() -> None:
                         f" | steps from joining to the first token: in-process {row['engine_join_steps']}, HTTP {row['http_join_steps']}"
                         + (f", bare {row['bare_first_token_steps']}" if "bare_first_token_steps" in row else "")
                         + " |",
+                        flush=True,
+                    )
+                if "http_submit_lag_ms" in row:
+                    print(
+                        f"|   the path inside the model server, HTTP, ms: ingress submit -> actor {row['http_submit_lag_ms']},"
+                        f" engine hand-off -> event loop {row['http_handoff_ms']} (in-process {row.get('engine_handoff_ms')}),"
+                        f" first delta -> its flush {row['http_first_flush_ms']}, flush -> taken {row['http_taken_ms']}"
+                        f" ({row['http_flushes_per_s']} flushes/s) | at the ingress (Server-Timing): app {row.get('http_ingress_app_ms')}, lease {row.get('http_ingress_lease_ms')},"
+                        f" submit -> first delta {row.get('http_ingress_first_delta_ms')} |",
                         flush=True,
                     )
                 rows.append(row)
@@ -568,6 +603,18 @@ def render(r: dict) -> str:
             f" | {x['http_client_request_ms']} / {x['http_engine_request_ms']} / {x['http_path_request_ms']}"
             f" | {x['engine_client_lag_ms']} ({x['engine_client_lag_p95_ms']}) / {x['http_client_lag_ms']} ({x['http_client_lag_p95_ms']})"
             f" | {x['engine_join_steps']} / {x['http_join_steps']} / {x.get('bare_first_token_steps', '-')} |"
+            for x in r["throughput"]
+        ]
+    if all("http_submit_lag_ms" in x for x in r["throughput"]):
+        lines += [
+            "",
+            "| model | concurrency | through HTTP, ms: the app to the route / the ingress's lease | ingress submit -> model server | engine hand-off -> its event loop"
+            " (in-process) | first delta -> its flush | flush -> taken by the ingress | flushes / s | ingress: submit -> first delta |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {x['model']} | {x['concurrency']} | {x.get('http_ingress_app_ms')} / {x.get('http_ingress_lease_ms')} | {x['http_submit_lag_ms']} | {x['http_handoff_ms']} ({x.get('engine_handoff_ms')})"
+            f" | {x['http_first_flush_ms']} | {x['http_taken_ms']} | {x['http_flushes_per_s']} | {x.get('http_ingress_first_delta_ms')} |"
             for x in r["throughput"]
         ]
     lines += ["", "| model | TTFT HTTP p50 / p95 ms | TTFT engine p50 / p95 ms |", "|---|---:|---:|"]

@@ -245,6 +245,8 @@ class LLMEngine(Engine):
             "join_steps": 0,
             "finished_s": 0.0,
             "finished_requests": 0,
+            "handoff_s": 0.0,  # a step's deltas waiting for the caller's event loop to run them
+            "handoffs": 0,
         }
         self._steps = 0
         # A prefix is kept (a finished request's prompt + completion) and reused only from this
@@ -472,7 +474,7 @@ class LLMEngine(Engine):
             if by_uid:
                 self._step(streams, by_uid, outbox)
                 self._steps += 1
-            _hand_off(outbox)
+            _hand_off(outbox, self._admitted)
 
     def _admit_now(self, busy: bool) -> bool:
         """Whether the held arrivals join the batch now: at once when it is idle, else when they
@@ -768,18 +770,24 @@ def _merged(stream: _Stream) -> Delta:
     )
 
 
-def _hand_off(streams: list[_Stream]) -> None:
-    """One thread-safe call per event loop per step carries the deltas of all its streams."""
+def _hand_off(streams: list[_Stream], lag: dict | None = None) -> None:
+    """One thread-safe call per event loop per step carries the deltas of all its streams.
+    `lag`: counts how long each call waited for its loop (handoff_s over handoffs)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[DeltaSink, Delta]]] = {}
     for stream in dict.fromkeys(streams):  # each stream once, in order
         if stream.pending:
             by_loop.setdefault(stream.loop, []).append((stream.out, _merged(stream)))
     for loop, items in by_loop.items():
-        _put(loop, items)
+        _put(loop, items, lag)
 
 
-def _put(loop: asyncio.AbstractEventLoop, items: list[tuple[DeltaSink, Delta]]) -> None:
+def _put(loop: asyncio.AbstractEventLoop, items: list[tuple[DeltaSink, Delta]], lag: dict | None = None) -> None:
+    handed = time.monotonic()
+
     def put_all() -> None:
+        if lag is not None:  # on the loop's thread; the MLX thread writes other keys
+            lag["handoff_s"] += time.monotonic() - handed
+            lag["handoffs"] += 1
         for out, delta in items:
             try:
                 out.put_nowait(delta)

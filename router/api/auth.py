@@ -3,7 +3,11 @@
 No keys configured means the app is open (the embedded default, on 127.0.0.1).
 
 A user key restricted to some models gets a 404 for any other model, exactly as for a model that
-does not exist, so model names do not leak (`Ingress.hold` and the model list check it)."""
+does not exist, so model names do not leak (`Ingress.hold` and the model list check it).
+
+The dependencies are `async def` although they never await: FastAPI runs a plain `def` dependency
+in its thread pool, a hop to a worker thread and back for every request, which under load waited
+for the GIL behind the event loop (docs/serve-path.md, session 11)."""
 
 from fastapi import Depends, Request
 
@@ -12,7 +16,7 @@ from router.api.keys import OPEN, Principal, identify
 from router.errors import OrchardError
 
 
-def principal(request: Request, ingress: Ingress = Depends(current)) -> Principal:
+async def principal(request: Request, ingress: Ingress = Depends(current)) -> Principal:
     if not ingress.principals:
         return OPEN
     given = (request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")).strip()
@@ -23,7 +27,7 @@ def principal(request: Request, ingress: Ingress = Depends(current)) -> Principa
     return found
 
 
-def require_admin(who: Principal = Depends(principal)) -> Principal:
+async def require_admin(who: Principal = Depends(principal)) -> Principal:
     if not who.admin:
         raise OrchardError("permission_denied", f"key {who.name!r} is a user key: this route needs an admin key")
     return who

@@ -11,5 +11,5 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 
-def json_body(content: dict[str, Any] | list[Any], status_code: int = 200) -> JSONResponse:
-    return JSONResponse(content, status_code=status_code)
+def json_body(content: dict[str, Any] | list[Any], status_code: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(content, status_code=status_code, headers=headers)

@@ -4,12 +4,14 @@ The route has parsed the body (FastAPI, typed) and picked the renderer of its pr
 the rest. A request that fails before any output raises (the protocol's error handler answers);
 one that fails after some output ends its stream with the protocol's error event."""
 
+import time
 from collections.abc import Callable
 
 from router.api.bodies import json_body
 from router.api.ingress import Ingress
 from router.api.keys import Principal
 from router.api.sse import event_stream
+from router.api.timing import ARRIVED
 from router.errors import OrchardError
 from router.protocols.openai import DEFAULT_MAX_TOKENS
 from router.residency import metrics
@@ -22,15 +24,18 @@ from router.serving.stream_mux import Unavailable
 async def generate(
     ingress: Ingress, who: Principal, body: ChatOrCompletion, make_renderer: Callable[[OutputParser | None], Renderer], *, stream: bool
 ):
+    entered = time.monotonic()
     reserve = getattr(body, "max_completion_tokens", None) or body.max_tokens or DEFAULT_MAX_TOKENS  # what the key's tpm holds
     async with ingress.hold(who, body.model, reserve) as lease:
         request, parser = prepare(lease, body, allow_remote_images=ingress.allow_remote_images)
         renderer = make_renderer(parser)
         deltas = DeltaStream(ingress.mux, lease, request, ingress.chunk_timeout_s)
         first = await deltas.first()
+        arrived = ARRIVED.get() or entered
+        timing = {"Server-Timing": server_timing(entered - arrived, deltas.started - entered, deltas.ttft_s or 0.0)}
         if stream:
             lease.hand_off()  # the event stream ends it: closing `deltas` releases the lease
-            return event_stream(first, deltas, renderer, body.model)
+            return event_stream(first, deltas, renderer, body.model, headers=timing)
         collected = [first]
         try:
             async for delta in deltas:
@@ -38,4 +43,12 @@ async def generate(
         except Unavailable as e:
             raise OrchardError("model_unavailable", str(e), retry_after_s=1) from None
         metrics.on_request(body.model, deltas.ttft_s, deltas.tokens, deltas.elapsed_s())
-        return json_body(renderer.respond(collected))
+        return json_body(renderer.respond(collected), headers=timing)
+
+
+def server_timing(app_s: float, lease_s: float, first_delta_s: float) -> str:
+    """The W3C Server-Timing header of a generation (browsers' dev tools and load generators read
+    it): `app`, from the request reaching the app to its route running (routing, the body parsed
+    and validated, the key checked); `lease`, from there to sending it to its instance (the key's
+    limits, routing, a cold load or a wait); `first-delta`, from there to the instance's first output."""
+    return f"app;dur={1000 * app_s:.1f}, lease;dur={1000 * lease_s:.1f}, first-delta;dur={1000 * first_delta_s:.1f}"

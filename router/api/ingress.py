@@ -62,7 +62,7 @@ def install(ingress: Ingress) -> None:
     _CURRENT[:] = [ingress]
 
 
-def current() -> Ingress:
+async def current() -> Ingress:
     if not _CURRENT:
         raise OrchardError("unavailable", "the ingress is starting", retry_after_s=1)
     return _CURRENT[0]

@@ -40,5 +40,5 @@ async def _events(first: dict, deltas: DeltaStream, renderer: Renderer, model: s
     yield renderer.close()
 
 
-def event_stream(first: dict, deltas: DeltaStream, renderer: Renderer, model: str) -> StreamingResponse:
-    return ClosingStreamingResponse(_events(first, deltas, renderer, model), media_type="text/event-stream")
+def event_stream(first: dict, deltas: DeltaStream, renderer: Renderer, model: str, headers: dict[str, str] | None = None) -> StreamingResponse:
+    return ClosingStreamingResponse(_events(first, deltas, renderer, model), media_type="text/event-stream", headers=headers)

@@ -8,6 +8,7 @@ with the number of open streams."""
 
 import asyncio
 import contextlib
+import time
 import uuid
 from typing import Any
 
@@ -128,7 +129,7 @@ class StreamMux:
         request_id = uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         reader.queues[request_id] = queue
-        submitted = actor.submit.remote(reader.channel_id, request_id, request)
+        submitted = actor.submit.remote(reader.channel_id, request_id, request, sent_at=time.time())
         return MuxStream(reader, request_id, queue, submitted)
 
     def _forget(self, reader: _Reader) -> None:
