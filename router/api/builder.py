@@ -34,7 +34,8 @@ class LLMEngineOptions(BaseModel):
     # 159 -> 149 ms, the same tok/s; 16 streams: 114 -> 75 ms).
     admit_quiet_steps: int = Field(default=1, ge=0, le=64)
     # ... and only while at least this many rows decode (0: whenever the batch is busy); a smaller
-    # batch's arrivals join at the next step (docs/serve-path.md, session 11).
+    # batch's arrivals join at the next step. H200, 1B shape: 16 or 32 here lost throughput and
+    # doubled TTFT p50 at 64 streams (285 -> 535-557 ms; docs/serve-path.md, session 11).
     admit_hold_min_rows: int = Field(default=0, ge=0, le=1024)
     # Sequences prefilled together (mlx-lm's prefill_batch_size; its default is 8).
     prefill_batch: int = Field(default=32, ge=1, le=256)
