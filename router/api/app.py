@@ -13,9 +13,8 @@ from ray import serve
 from router.api import errors
 from router.api.auth import principal
 from router.api.ingress import Ingress
-from router.api.limits import RateLimitHeaders
+from router.api.request_context import RequestContext
 from router.api.routes import audio, chat, cluster, embeddings, health, messages, metrics, models, responses
-from router.api.timing import StampArrival
 from router.residency.service import ON_HEAD
 
 app = FastAPI(title="Orchard", description="Many MLX models, one OpenAI- and Anthropic-compatible URL", version="0.1.0")
@@ -23,8 +22,7 @@ errors.install(app)
 for family in (chat, messages, responses, embeddings, audio, models, cluster, metrics):
     app.include_router(family.router, dependencies=[Depends(principal)])
 app.include_router(health.router)  # for load balancers: no key
-app.add_middleware(RateLimitHeaders)
-app.add_middleware(StampArrival)  # added last: the outermost of the two
+app.add_middleware(RequestContext)
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=500, ray_actor_options=ON_HEAD)

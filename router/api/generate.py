@@ -10,8 +10,8 @@ from collections.abc import Callable
 from router.api.bodies import json_body
 from router.api.ingress import Ingress
 from router.api.keys import Principal
+from router.api.request_context import ARRIVED
 from router.api.sse import event_stream
-from router.api.timing import ARRIVED
 from router.errors import OrchardError
 from router.protocols.openai import DEFAULT_MAX_TOKENS
 from router.residency import metrics
