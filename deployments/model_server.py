@@ -175,11 +175,10 @@ class _Channel:
     opened here, merged per request and sent as ONE Ray item per flush, so the per-item cost of Ray
     (~0.75 ms of CPU end to end) is paid per flush, not per stream (shared/ray/README.md)."""
 
-    def __init__(self, path: dict[str, float] | None = None) -> None:
+    def __init__(self, path: dict[str, float]) -> None:
         self.ready: dict[str, list[dict]] = {}
         self.tokens: dict[str, int] = {}
-        # the server's path counters (ModelServer.counters): how long first deltas wait here
-        self.path = path if path is not None else dict(_PATH_COUNTERS)
+        self.path = path  # the server's path counters (ModelServer.counters): how long first deltas wait here
         self.firsts: list[float] = []  # when each first delta in `ready` was put
         self.open: dict[str, _Delivery] = {}  # generations still running, by request id
         self.oldest: float | None = None
@@ -499,7 +498,7 @@ class ModelServer:
         `coalesce_tokens` tokens waiting, else `flush_interval_s()` after the oldest waiting delta. A
         request that fails before any output sends {"failure": {code, message, param}} as its only
         item. Closing the channel (the caller went away) cancels its requests."""
-        ch = self._channels.setdefault(channel_id, _Channel(self._path))
+        ch = self._channel(channel_id)
         try:
             while True:
                 await ch.wake.wait()
@@ -522,6 +521,13 @@ class ModelServer:
             self._channels.pop(channel_id, None)
             self._closed_channels.add(channel_id)
 
+    def _channel(self, channel_id: str) -> _Channel:
+        """The outbox of `channel_id`, made by whichever comes first: the caller's channel() or its submit."""
+        ch = self._channels.get(channel_id)
+        if ch is None:
+            ch = self._channels[channel_id] = _Channel(self._path)
+        return ch
+
     def flush_interval_s(self, streams: int) -> float:
         """coalesce_ms with up to 8 open streams, rising linearly to coalesce_max_ms at 16."""
         stretch = min(1.0, max(0.0, (streams - 8) / 8))
@@ -536,7 +542,7 @@ class ModelServer:
             self._path["submits"] += 1
         if channel_id in self._closed_channels:
             return
-        ch = self._channels.setdefault(channel_id, _Channel(self._path))
+        ch = self._channel(channel_id)
         most = max(1, self.coalesce_tokens)
         try:
             self._engine_for("generate")

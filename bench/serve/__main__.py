@@ -513,26 +513,8 @@ def main() -> None:
                     f" {row['http_inside_admit_prep_mean_ms']}) |{bare_cells}",
                     flush=True,
                 )
-                if "http_path_request_ms" in row:
-                    print(
-                        f"|   round trip ms per request (client / engine / path; client loop lag mean, p95) in-process"
-                        f" {row['engine_client_request_ms']} / {row['engine_engine_request_ms']} / {row['engine_path_request_ms']}"
-                        f" ({row['engine_client_lag_ms']}, {row['engine_client_lag_p95_ms']}) | HTTP {row['http_client_request_ms']}"
-                        f" / {row['http_engine_request_ms']} / {row['http_path_request_ms']} ({row['http_client_lag_ms']}, {row['http_client_lag_p95_ms']})"
-                        f" | steps from joining to the first token: in-process {row['engine_join_steps']}, HTTP {row['http_join_steps']}"
-                        + (f", bare {row['bare_first_token_steps']}" if "bare_first_token_steps" in row else "")
-                        + " |",
-                        flush=True,
-                    )
-                if "http_submit_lag_ms" in row:
-                    print(
-                        f"|   the path inside the model server, HTTP, ms: ingress submit -> actor {row['http_submit_lag_ms']},"
-                        f" engine hand-off -> event loop {row['http_handoff_ms']} (in-process {row.get('engine_handoff_ms')}),"
-                        f" first delta -> its flush {row['http_first_flush_ms']}, flush -> taken {row['http_taken_ms']}"
-                        f" ({row['http_flushes_per_s']} flushes/s) | at the ingress (Server-Timing): app {row.get('http_ingress_app_ms')}, lease {row.get('http_ingress_lease_ms')},"
-                        f" submit -> first delta {row.get('http_ingress_first_delta_ms')} |",
-                        flush=True,
-                    )
+                for line in _round_trip_table([row]) + _path_table([row]):  # the round trip and the path, as they come
+                    print(line, flush=True)
                 rows.append(row)
             if args.profile_dir:  # one more HTTP run at the highest concurrency, under py-spy
                 spies = profile(args.py_spy, Path(args.profile_dir), model, args.seconds)
@@ -569,58 +551,125 @@ def main() -> None:
         print(f"wrote {args.markdown}")
 
 
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    """A markdown table after a blank line: the first column left-aligned, the rest right."""
+    return ["", "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)] + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def _round_trip_table(rows: list[dict]) -> list[str]:
+    """A request's time, the client's against the engine's (the path's both ways), the client loop's
+    lag, and the steps from joining to a first token; none where the run did not record them."""
+    if not rows or not all("http_path_request_ms" in x for x in rows):
+        return []
+    return _table(
+        [
+            "model",
+            "concurrency",
+            "a request's ms, in-process: client / engine / path",
+            "through HTTP: client / engine / path",
+            "client loop lag ms, mean (p95), in-process / HTTP",
+            "steps from joining to the first token: in-process / HTTP / bare",
+        ],
+        [
+            [
+                x["model"],
+                x["concurrency"],
+                f"{x['engine_client_request_ms']} / {x['engine_engine_request_ms']} / {x['engine_path_request_ms']}",
+                f"{x['http_client_request_ms']} / {x['http_engine_request_ms']} / {x['http_path_request_ms']}",
+                f"{x['engine_client_lag_ms']} ({x['engine_client_lag_p95_ms']}) / {x['http_client_lag_ms']} ({x['http_client_lag_p95_ms']})",
+                f"{x['engine_join_steps']} / {x['http_join_steps']} / {x.get('bare_first_token_steps', '-')}",
+            ]
+            for x in rows
+        ],
+    )
+
+
+def _path_table(rows: list[dict]) -> list[str]:
+    """Where a first token's path goes, from the model server's counters and the ingress's Server-Timing."""
+    if not rows or not all("http_submit_lag_ms" in x for x in rows):
+        return []
+    return _table(
+        [
+            "model",
+            "concurrency",
+            "through HTTP, ms: the app to the route / the ingress's lease",
+            "ingress submit -> model server",
+            "engine hand-off -> its event loop (in-process)",
+            "first delta -> its flush",
+            "flush -> taken by the ingress",
+            "flushes / s",
+            "ingress: submit -> first delta",
+        ],
+        [
+            [
+                x["model"],
+                x["concurrency"],
+                f"{x.get('http_ingress_app_ms')} / {x.get('http_ingress_lease_ms')}",
+                x["http_submit_lag_ms"],
+                f"{x['http_handoff_ms']} ({x.get('engine_handoff_ms')})",
+                x["http_first_flush_ms"],
+                x["http_taken_ms"],
+                x["http_flushes_per_s"],
+                x.get("http_ingress_first_delta_ms"),
+            ]
+            for x in rows
+        ],
+    )
+
+
 def render(r: dict) -> str:
-    lines = [
-        "| model | concurrency | engine in-process tok/s | through HTTP tok/s | ratio (median) | ratio min-max | rows / step in-process / HTTP | ms / step in-process / HTTP |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    lines += [
-        f"| {x['model']} | {x['concurrency']} | {x['engine_tok_s']} | {x['http_tok_s']} | {x['ratio']:.2f} | {x['ratio_min_max'][0]:.2f}-{x['ratio_min_max'][1]:.2f} "
-        f"| {x['engine_rows_per_step']} / {x['http_rows_per_step']} | {x['engine_ms_per_step']} / {x['http_ms_per_step']} |"
-        for x in r["throughput"]
-    ]
-    lines += [
-        "",
-        "| model | concurrency | TTFT mean ms in-process: client / inside the engine / admission's wait / of it preparing"
-        " | through HTTP: client / inside the engine / admission's wait / of it preparing |",
-        "|---|---:|---:|---:|",
-    ]
-    lines += [
-        f"| {x['model']} | {x['concurrency']} | {x['engine_ttft_mean_ms']} / {x['engine_inside_ttft_mean_ms']} / {x['engine_inside_admit_wait_mean_ms']}"
-        f" / {x['engine_inside_admit_prep_mean_ms']} | {x['http_ttft_mean_ms']} / {x['http_inside_ttft_mean_ms']}"
-        f" / {x['http_inside_admit_wait_mean_ms']} / {x['http_inside_admit_prep_mean_ms']} |"
-        for x in r["throughput"]
-    ]
-    if all("http_path_request_ms" in x for x in r["throughput"]):
-        lines += [
-            "",
-            "| model | concurrency | a request's ms, in-process: client / engine / path | through HTTP: client / engine / path"
-            " | client loop lag ms, mean (p95), in-process / HTTP | steps from joining to the first token: in-process / HTTP / bare |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        lines += [
-            f"| {x['model']} | {x['concurrency']} | {x['engine_client_request_ms']} / {x['engine_engine_request_ms']} / {x['engine_path_request_ms']}"
-            f" | {x['http_client_request_ms']} / {x['http_engine_request_ms']} / {x['http_path_request_ms']}"
-            f" | {x['engine_client_lag_ms']} ({x['engine_client_lag_p95_ms']}) / {x['http_client_lag_ms']} ({x['http_client_lag_p95_ms']})"
-            f" | {x['engine_join_steps']} / {x['http_join_steps']} / {x.get('bare_first_token_steps', '-')} |"
-            for x in r["throughput"]
-        ]
-    if all("http_submit_lag_ms" in x for x in r["throughput"]):
-        lines += [
-            "",
-            "| model | concurrency | through HTTP, ms: the app to the route / the ingress's lease | ingress submit -> model server | engine hand-off -> its event loop"
-            " (in-process) | first delta -> its flush | flush -> taken by the ingress | flushes / s | ingress: submit -> first delta |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        lines += [
-            f"| {x['model']} | {x['concurrency']} | {x.get('http_ingress_app_ms')} / {x.get('http_ingress_lease_ms')} | {x['http_submit_lag_ms']} | {x['http_handoff_ms']} ({x.get('engine_handoff_ms')})"
-            f" | {x['http_first_flush_ms']} | {x['http_taken_ms']} | {x['http_flushes_per_s']} | {x.get('http_ingress_first_delta_ms')} |"
-            for x in r["throughput"]
-        ]
-    lines += ["", "| model | TTFT HTTP p50 / p95 ms | TTFT engine p50 / p95 ms |", "|---|---:|---:|"]
-    lines += [f"| {x['model']} | {x['http_p50_ms']} / {x['http_p95_ms']} | {x['engine_p50_ms']} / {x['engine_p95_ms']} |" for x in r["ttft"]]
-    lines += ["", "| model | first token, model not loaded (s) | raw load in-process (s) |", "|---|---:|---:|"]
-    lines += [f"| {x['model']} | {x['first_token_cold_s']} | {x['raw_load_s']} |" for x in r["cold_start"]]
+    t = r["throughput"]
+    lines = _table(
+        [
+            "model",
+            "concurrency",
+            "engine in-process tok/s",
+            "through HTTP tok/s",
+            "ratio (median)",
+            "ratio min-max",
+            "rows / step in-process / HTTP",
+            "ms / step in-process / HTTP",
+        ],
+        [
+            [
+                x["model"],
+                x["concurrency"],
+                x["engine_tok_s"],
+                x["http_tok_s"],
+                f"{x['ratio']:.2f}",
+                f"{x['ratio_min_max'][0]:.2f}-{x['ratio_min_max'][1]:.2f}",
+                f"{x['engine_rows_per_step']} / {x['http_rows_per_step']}",
+                f"{x['engine_ms_per_step']} / {x['http_ms_per_step']}",
+            ]
+            for x in t
+        ],
+    )[1:]  # the first table opens the page: no blank line before it
+    lines += _table(
+        [
+            "model",
+            "concurrency",
+            "TTFT mean ms in-process: client / inside the engine / admission's wait / of it preparing",
+            "through HTTP: client / inside the engine / admission's wait / of it preparing",
+        ],
+        [
+            [
+                x["model"],
+                x["concurrency"],
+                f"{x['engine_ttft_mean_ms']} / {x['engine_inside_ttft_mean_ms']} / {x['engine_inside_admit_wait_mean_ms']} / {x['engine_inside_admit_prep_mean_ms']}",
+                f"{x['http_ttft_mean_ms']} / {x['http_inside_ttft_mean_ms']} / {x['http_inside_admit_wait_mean_ms']} / {x['http_inside_admit_prep_mean_ms']}",
+            ]
+            for x in t
+        ],
+    )
+    lines += _round_trip_table(t) + _path_table(t)
+    lines += _table(
+        ["model", "TTFT HTTP p50 / p95 ms", "TTFT engine p50 / p95 ms"],
+        [[x["model"], f"{x['http_p50_ms']} / {x['http_p95_ms']}", f"{x['engine_p50_ms']} / {x['engine_p95_ms']}"] for x in r["ttft"]],
+    )
+    lines += _table(
+        ["model", "first token, model not loaded (s)", "raw load in-process (s)"],
+        [[x["model"], x["first_token_cold_s"], x["raw_load_s"]] for x in r["cold_start"]],
+    )
     return "\n".join(lines) + "\n"
 
 
