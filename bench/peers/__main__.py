@@ -10,6 +10,8 @@ vllm-mlx needs mlx-lm 0.31.x while Orchard pins 0.32.2: it runs from its own sit
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import platform
@@ -41,6 +43,7 @@ ORCHARDS: dict[str, dict[str, Any]] = {  # app args, and "via": the address the 
     "orchard-pb8": {"llm_engine": {"prefill_batch": 8}},  # prefill groups of at most 8, as the bare loop refills
     "orchard-holdrows16": {"llm_engine": {"admit_hold_min_rows": 16}},  # held only while 16+ rows decode
     "orchard-holdrows32": {"llm_engine": {"admit_hold_min_rows": 32}},  # ... 32+ rows
+    "orchard-igil0.1": {"ingress_gil_switch_ms": 0.1},  # the ingress replica's GIL switch interval 0.1 ms (Python's: 5)
 }
 
 
@@ -177,6 +180,61 @@ def measure(name: str, run: Callable[[int], dict[str, float]], streams: list[int
     return out
 
 
+def interleaved(
+    a: argparse.Namespace, path: Path, wanted: list[str], bare_run: Callable[[int], dict[str, float]]
+) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+    """Every wanted server up at once (one Orchard variant: one local cluster at a time), then
+    `a.rounds` rounds, each running every stream count on every server and on bare, in an order
+    rotated by one each round. Returns the servers' results, the failures, bare's results."""
+    orchards = [n for n in ORCHARDS if n in wanted]
+    if len(orchards) > 1:
+        raise SystemExit(f"--interleave runs one Orchard variant at a time, not {', '.join(orchards)}")
+    runners: dict[str, Callable[[int], dict[str, float]]] = {"bare": bare_run}
+    failed: dict[str, str] = {}
+    with contextlib.ExitStack() as up, tempfile.TemporaryDirectory(prefix="orchard-peers-home-") as home:
+        for name in orchards:
+            print(f"starting {name}", flush=True)
+            app_args = ORCHARDS[name]
+            cluster, base = serve_bench.start_orchard(a.models_dir.resolve(), [a.model], without_via(app_args), app_args.get("via", "direct"))
+            up.callback(serve_bench.stop_orchard, cluster)
+            runners[name] = functools.partial(_through, base, a.model, a)
+        for peer in peers(path, a.vllm_mlx_site, home):
+            if peer.name not in wanted:
+                continue
+            print(f"starting {peer.name}", flush=True)
+            try:
+                base = peer.start(free_port())
+            except RuntimeError as e:
+                failed[peer.name] = str(e)
+                print(f"  {peer.name} did not start: {e}", flush=True)
+                continue
+            up.callback(peer.stop)
+            runners[peer.name] = functools.partial(_through, base, peer.model, a)
+        runs: dict[str, dict[int, list[dict[str, float]]]] = {name: {n: [] for n in a.streams} for name in runners}
+        names = list(runners)
+        for r in range(a.rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for n in a.streams:
+                for name in order:
+                    x = runners[name](n)
+                    runs[name][n].append(x)
+                    print(f"  round {r + 1} {name:14} {n:3} streams: {x['tok_s']:8.1f} tok/s, TTFT p50 {x['ttft_p50_ms']:7.1f} ms", flush=True)
+    summary = {
+        name: {str(n): {k: statistics.median(x[k] for x in xs) for k in xs[0]} | {"rounds": xs} for n, xs in by_n.items()}
+        for name, by_n in runs.items()
+    }
+    bare = summary.pop("bare")
+    for by_n in summary.values():  # each round's ratio to bare's turn in that same round
+        for n, cell in by_n.items():
+            cell["over_bare_rounds"] = [x["tok_s"] / b["tok_s"] for x, b in zip(cell["rounds"], bare[n]["rounds"], strict=True)]
+            cell["over_bare"] = statistics.median(cell["over_bare_rounds"])
+    return summary, failed, bare
+
+
+def _through(base: str, model: str, a: argparse.Namespace, n: int) -> dict[str, float]:
+    return asyncio.run(load(base, model, n, a.tokens, a.seconds, a.warmup_seconds))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models-dir", type=Path, default=ROOT / "models")
@@ -189,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-seconds", type=float, default=0.0, help="an untimed run of each cell first (2 on a GPU: kernels compile per shape)")
     ap.add_argument("--servers", default="orchard,mlx_lm.server,vllm-mlx")
     ap.add_argument("--vllm-mlx-site", type=Path, default=ROOT / ".peers" / "vllm-mlx")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every server first, then run the cells in turns (round by round, each stream count, every server and bare; "
+        "the order rotated each round), so a machine whose speed drifts (the H200's moved by a quarter within a run) weighs on all alike",
+    )
     ap.add_argument("--short", action="store_true", help="short requests instead (issue 11's goal 3): 1-token chats and 1-string embeddings")
     ap.add_argument("--clients", type=int, nargs="+", default=[8, 32], help="--short: concurrent clients")
     ap.add_argument("--embedding-model", default="all-minilm-l6-v2")
@@ -212,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         r = bare.run(n, a.tokens, a.seconds)
         return {"tok_s": r["tok_s"], "ttft_p50_ms": r["ttft_p50_ms"]}
 
+    if a.interleave:
+        results, failed, bare_all = interleaved(a, path, wanted, bare_run)
+        bare_ref = {n: bare_all[n]["tok_s"] for n in bare_all}
+        bare_ttft = {n: bare_all[n]["ttft_p50_ms"] for n in bare_all}
+        return report(a, results, failed, {"tok_s": bare_ref, "ttft_p50_ms": bare_ttft, "interleaved": bare_all})
     print("bare BatchGenerator, in process (first)", flush=True)
     first_bare = measure("bare", bare_run, a.streams, a.rounds)
     for name, app_args in ORCHARDS.items():
@@ -251,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     last_bare = measure("bare", bare_run, a.streams, a.rounds)
     bare_ref = {n: statistics.median([first_bare[n]["tok_s"], last_bare[n]["tok_s"]]) for n in first_bare}
     bare_ttft = {n: statistics.median([first_bare[n]["ttft_p50_ms"], last_bare[n]["ttft_p50_ms"]]) for n in first_bare}
+    return report(a, results, failed, {"tok_s": bare_ref, "ttft_p50_ms": bare_ttft, "first": first_bare, "last": last_bare})
+
+
+def report(a: argparse.Namespace, results: dict[str, Any], failed: dict[str, str], bare: dict[str, Any]) -> int:
+    """The rows (each server's tok/s over bare's), the JSON, the table, the Markdown."""
+    bare_ref = bare["tok_s"]
     rows = []
     for server, by_streams in results.items():
         for n, r in by_streams.items():
@@ -259,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                     "server": server,
                     "streams": int(n),
                     "tok_s": round(r["tok_s"], 1),
-                    "over_bare": round(r["tok_s"] / bare_ref[n], 3),
+                    # interleaved: the median of each round's ratio; else to the median of bare's runs
+                    "over_bare": round(r.get("over_bare", r["tok_s"] / bare_ref[n]), 3),
                     "ttft_p50_ms": round(r["ttft_p50_ms"], 1),
                 }
             )
@@ -269,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": a.temperature,
         "seconds": a.seconds,
         "rounds": a.rounds,
-        "bare": {"tok_s": bare_ref, "ttft_p50_ms": bare_ttft, "first": first_bare, "last": last_bare},
+        "interleaved": a.interleave,
+        "bare": bare,
         "rows": rows,
         "raw": results,
         "failed": failed,
@@ -284,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         head = HEAD.format(
             model=a.model, tokens=a.tokens, temperature=a.temperature, seconds=a.seconds, rounds=a.rounds, where=machine, cpu_note=cpu_note
         )
+        if a.interleave:
+            head = head.replace("Each server runs alone", "Every server is up at once and the cells take turns (`--interleave`)")
+            head = head.replace("before and after the servers: the ceiling", "taking its turn in every round: the ceiling")
         a.markdown.write_text(head + text)
         print(f"wrote {a.markdown}")
     return 0
@@ -367,7 +447,12 @@ def render(r: dict) -> str:
         n = str(x["streams"])
         lines.append(f"| {x['server']} | {n} | {x['tok_s']:,.1f} | {x['over_bare']:.2f} | {x['ttft_p50_ms']} ({r['bare']['ttft_p50_ms'][n]:.1f}) |")
     bare = ", ".join(f"{n} streams {v:,.1f}" for n, v in r["bare"]["tok_s"].items())
-    return "\n".join(lines) + f"\n\nThe bare BatchGenerator in process, median of the runs before and after the servers: {bare} tok/s.\n"
+    runs = (
+        "of its rounds, taking turns with the servers (each ratio is the median of the rounds' own ratios)"
+        if r.get("interleaved")
+        else "of the runs before and after the servers"
+    )
+    return "\n".join(lines) + f"\n\nThe bare BatchGenerator in process, median {runs}: {bare} tok/s.\n"
 
 
 HEAD = """# Orchard against its peers

@@ -355,6 +355,7 @@ def main() -> None:
     parser.add_argument("--coalesce-ms", type=float, default=50.0)
     parser.add_argument("--coalesce-max-ms", type=float, default=100.0)
     parser.add_argument("--gil-switch-ms", type=float, default=None, help="the model servers' (default: ray-config's, 0.1)")
+    parser.add_argument("--ingress-gil-switch-ms", type=float, default=None, help="the ingress replica's (default: ray-config's, Python's 5)")
     parser.add_argument(
         "--engine-gil-switch-ms", type=float, default=None, help="this process's while the in-process engine runs (default: Python's 5 ms)"
     )
@@ -384,6 +385,8 @@ def main() -> None:
     }
     if args.gil_switch_ms is not None:
         app_args["gil_switch_ms"] = args.gil_switch_ms
+    if args.ingress_gil_switch_ms is not None:
+        app_args["ingress_gil_switch_ms"] = args.ingress_gil_switch_ms
     cluster, base = start_orchard(models_dir, args.models.split(","), app_args)
     rows, ttft, cold = [], [], []
     max_tokens_of = {"llama-10m": 128, "smollm2-135m-instruct": 48, "llama-1b-shape": 128, "llama-8b-shape": 128}
@@ -531,6 +534,7 @@ def main() -> None:
         "gil_switch_ms": {
             "model_server": args.gil_switch_ms if args.gil_switch_ms is not None else AppArgs.model_fields["gil_switch_ms"].default,
             "in_process": args.engine_gil_switch_ms or 5.0,
+            "ingress": args.ingress_gil_switch_ms or AppArgs.model_fields["ingress_gil_switch_ms"].default or 5.0,
         },
         "coalesce": {"tokens": args.coalesce_tokens, "ms": args.coalesce_ms, "max_ms": args.coalesce_max_ms},
         "temperature": TEMPERATURE,

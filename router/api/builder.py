@@ -81,6 +81,9 @@ class AppArgs(BaseModel):
     # GIL held by the event loop or Ray's threads (Python's default: 5 ms, a whole fast GPU step).
     # 0.1 ms: H200, 10M model, 64 streams 0.68 -> 0.93 of in-process; none lost on the CPU.
     gil_switch_ms: float | None = Field(default=0.1, gt=0)
+    # The ingress replicas' GIL switch interval (None: Python's 5 ms), for the same reason: Ray's
+    # threads hand submits and channel batches to and from the replica's event loop.
+    ingress_gil_switch_ms: float | None = Field(default=None, gt=0)
     # The LLM engines' scheduling (deployments/engines/llm.py; measured in docs/serve-path.md).
     llm_engine: LLMEngineOptions = Field(default_factory=LLMEngineOptions)
     # Vision: image parts may be data: URLs; http(s) URLs only when the operator allows fetching.
@@ -163,4 +166,5 @@ def build_app(args: dict) -> serve.Application:
         allow_remote_images=a.allow_remote_images,
         max_audio_bytes=a.max_audio_bytes,
         route_linger_s=a.route_linger_s,
+        gil_switch_ms=a.ingress_gil_switch_ms,
     )

@@ -4,6 +4,7 @@ settings. Serve makes one per replica process (router/api/app.py); routes get it
 
 import contextlib
 import logging
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,7 +25,12 @@ class Ingress:
         allow_remote_images: bool = False,
         max_audio_bytes: int = 25 * 1024**2,
         route_linger_s: float = 2.0,
+        gil_switch_ms: float | None = None,
     ):
+        if gil_switch_ms is not None:
+            # How soon Ray's threads (a submit going out, a channel's batch coming in) get the GIL
+            # from the event loop that carries every stream; Python's default is 5 ms.
+            sys.setswitchinterval(gil_switch_ms / 1000.0)
         self.residency = residency
         self.leases = Leases(residency, holder=f"ingress-{uuid.uuid4().hex[:8]}", linger_s=route_linger_s)
         self.mux = StreamMux()
