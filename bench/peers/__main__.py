@@ -219,7 +219,7 @@ def interleaved(
                     x = runners[name](n)
                     runs[name][n].append(x)
                     print(f"  round {r + 1} {name:14} {n:3} streams: {x['tok_s']:8.1f} tok/s, TTFT p50 {x['ttft_p50_ms']:7.1f} ms", flush=True)
-    summary = {
+    summary: dict[str, dict[str, dict[str, Any]]] = {
         name: {str(n): {k: statistics.median(x[k] for x in xs) for k in xs[0]} | {"rounds": xs} for n, xs in by_n.items()}
         for name, by_n in runs.items()
     }
