@@ -3,6 +3,8 @@ whose residency handle is None (any request that got past the check under test w
 Keys, errors in each protocol's own format for every route (unknown ones and wrong methods
 included), typed bodies in openapi.json, and ray-config args that fail at build time by name."""
 
+import sys
+
 import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
@@ -207,6 +209,7 @@ def test_openapi_declares_a_typed_body_for_every_post():
         ({"models": [{"name": "a", "kind": "llm", "weight_bytes": "1GiB", "tool_parser": "nope"}]}, "models[0] (a).tool_parser"),
         ({"models": [], "policy": {"max_loaded_models": 2}}, "args.policy.max_loaded_models"),
         ({"models": [], "chunk_timeout_s": -1}, "args.chunk_timeout_s"),
+        ({"models": [], "ingress_gil_switch_ms": 0}, "args.ingress_gil_switch_ms"),
         ({"models": [], "coalesce_token": 4}, "args.coalesce_token"),
         ({"models": [], "overrides": {"ghost": {"pinned": True}}}, "overrides: no model ghost"),
         ({"models": [], "api_keys": ["sk-plain"]}, "args.api_keys.0"),
@@ -231,3 +234,16 @@ def test_config_errors_fail_the_build_naming_the_field(args, field):
 def test_malformed_type_fields_are_400s(client, path, body):
     r = client.post(path, headers={"authorization": f"Bearer {KEY}"}, json=body)
     assert_protocol_error(r, 400, path)
+
+
+def test_ingress_gil_switch_ms_sets_the_replicas_switch_interval_and_none_leaves_pythons():
+    saved = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        Ingress(None, principals=keys())
+        assert sys.getswitchinterval() == pytest.approx(0.005)  # None (the default): Python's own
+        Ingress(None, principals=keys(), gil_switch_ms=0.25)
+        assert sys.getswitchinterval() == pytest.approx(0.00025)
+    finally:
+        sys.setswitchinterval(saved)
+        Ingress(None, principals=keys())
