@@ -43,6 +43,7 @@ ORCHARDS: dict[str, dict[str, Any]] = {  # app args, and "via": the address the 
     "orchard-pb8": {"llm_engine": {"prefill_batch": 8}},  # prefill groups of at most 8, as the bare loop refills
     "orchard-holdrows16": {"llm_engine": {"admit_hold_min_rows": 16}},  # held only while 16+ rows decode
     "orchard-holdrows32": {"llm_engine": {"admit_hold_min_rows": 32}},  # ... 32+ rows
+    "orchard-hold0-pb8": {"llm_engine": {"admit_hold_steps": 0, "prefill_batch": 8}},  # the bare loop's admission: no hold, groups of 8
     "orchard-igil0.1": {"ingress_gil_switch_ms": 0.1},  # the ingress replica's GIL switch interval 0.1 ms (Python's: 5)
 }
 
