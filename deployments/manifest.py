@@ -31,6 +31,8 @@ class ManifestEntry(Frozen):
     # markers (None: the model does not reason; true: <think>...</think>; or {start, end, starts_inside}).
     tool_parser: str | None = None
     reasoning: bool | dict | None = None
+    # The registry entry's own LLM scheduling (deployments/engines/options.py fields), over the app's.
+    llm_engine: dict | None = None
 
 
 def model_location(entry: ManifestEntry, models_dir: str | Path) -> str:

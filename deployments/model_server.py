@@ -408,6 +408,9 @@ class ModelServer:
         report = self.engine.health().model_dump()
         name = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
         report.update(node_id=self.node_id, in_flight=self._in_flight, actor_name=name)
+        scheduling = getattr(self.engine, "scheduling", None)
+        if scheduling is not None:  # an LLM engine's admission settings, as this instance runs them
+            report["scheduling"] = scheduling()
         return report
 
     def memory(self) -> dict:

@@ -55,7 +55,14 @@ def orchard(models_dir, shared_ray):
     models = from_manifest(models_dir)
     models += [
         {"name": "llama-think", "kind": "llm", "path": "llama-10m", "reasoning": {"starts_inside": True}},
-        {"name": "llama-no-tools", "kind": "llm", "path": "llama-10m", "tool_parser": None},
+        # its own admission (the bare loop's: no hold, groups of 8) over the app's
+        {
+            "name": "llama-no-tools",
+            "kind": "llm",
+            "path": "llama-10m",
+            "tool_parser": None,
+            "llm_engine": {"admit_hold_steps": 0, "prefill_batch": 8},
+        },
         {"name": "llama-mistral", "kind": "llm", "path": "llama-10m", "tool_parser": "mistral"},
         {"name": "minilm-rerank", "kind": "rerank", "path": "all-minilm-l6-v2"},
     ]
@@ -379,3 +386,22 @@ def test_rerank_orders_relevant_documents_first(orchard):
     assert results[0]["document"]["text"].startswith("Paris is the capital")
     bad = requests.post(orchard["base"] + "/v1/rerank", json=body | {"model": "llama-10m"}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
+
+
+# ---- per-model scheduling ----------------------------------------------------------------------
+
+
+def test_a_registry_entrys_llm_engine_reaches_its_instances_engine_over_the_apps(orchard):
+    from cluster.placement import find_model_servers, parse_actor_name
+    from deployments.engines.options import LLMEngineOptions
+
+    for model in ("llama-no-tools", "llama-10m"):
+        orchard["openai"].chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    running = {}
+    for name, handle in find_model_servers():
+        parsed = parse_actor_name(name)
+        if parsed and parsed[0] in ("llama-no-tools", "llama-10m"):
+            running[parsed[0]] = ray.get(handle.health.remote())["scheduling"]
+    defaults = LLMEngineOptions().model_dump()
+    assert running["llama-10m"] == defaults  # the app's (ray-config's defaults)
+    assert running["llama-no-tools"] == defaults | {"admit_hold_steps": 0, "prefill_batch": 8}  # its own, the rest the app's

@@ -210,6 +210,9 @@ def test_openapi_declares_a_typed_body_for_every_post():
         ({"models": [], "policy": {"max_loaded_models": 2}}, "args.policy.max_loaded_models"),
         ({"models": [], "chunk_timeout_s": -1}, "args.chunk_timeout_s"),
         ({"models": [], "ingress_gil_switch_ms": 0}, "args.ingress_gil_switch_ms"),
+        ({"models": [{"name": "a", "kind": "llm", "weight_bytes": "1GiB", "llm_engine": {"hold": 1}}]}, "models[0] (a).llm_engine"),
+        ({"models": [{"name": "a", "kind": "llm", "weight_bytes": "1GiB", "llm_engine": {"prefill_batch": 0}}]}, "prefill_batch"),
+        ({"models": [{"name": "e", "kind": "embedding", "weight_bytes": "1GiB", "llm_engine": {}}]}, "models[0] (e).llm_engine"),
         ({"models": [], "coalesce_token": 4}, "args.coalesce_token"),
         ({"models": [], "overrides": {"ghost": {"pinned": True}}}, "overrides: no model ghost"),
         ({"models": [], "api_keys": ["sk-plain"]}, "args.api_keys.0"),
@@ -247,3 +250,12 @@ def test_ingress_gil_switch_ms_sets_the_replicas_switch_interval_and_none_leaves
     finally:
         sys.setswitchinterval(saved)
         Ingress(None, principals=keys())
+
+
+def test_a_registry_entrys_llm_engine_keeps_only_what_it_sets():
+    from router.residency.registry import from_config
+
+    entry = {"name": "a", "kind": "llm", "weight_bytes": "1GiB", "path": "/nowhere", "llm_engine": {"admit_hold_steps": 0}}
+    _, entries = from_config([entry, {"name": "b", "kind": "llm", "weight_bytes": "1GiB", "path": "/nowhere"}], "models")
+    assert entries["a"].llm_engine == {"admit_hold_steps": 0}  # the rest stays the app's
+    assert entries["b"].llm_engine is None

@@ -295,7 +295,7 @@ def test_the_served_scheduling_defaults_are_the_engines_own():
     """ray-config's llm_engine options and a bare LLMEngine schedule alike (one set of defaults)."""
     import inspect
 
-    from router.api.builder import LLMEngineOptions
+    from deployments.engines.options import LLMEngineOptions
 
     params = inspect.signature(LLMEngine.__init__).parameters
     for name, field in LLMEngineOptions.model_fields.items():

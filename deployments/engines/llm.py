@@ -36,6 +36,7 @@ from pydantic import Field, field_validator, model_validator
 from deployments.engine import Engine, Frozen, MemoryReport, RequestError, RequestErrorCode
 from deployments.engines.chat_format import chat_inputs, template_supports_tools
 from deployments.engines.constrained import Constraint, GrammarCompiler, GrammarProcessor
+from deployments.engines.options import LLMEngineOptions
 from deployments.engines.text_stream import StopStringFilter
 from deployments.estimate import kv_bytes_per_token
 from deployments.manifest import safetensors_bytes
@@ -199,7 +200,7 @@ class LLMEngine(Engine):
         prompt_cache_bytes: int = 512 * 1024**2,
         reserve_context_tokens: int = 4096,
         reserve_concurrency: int = 1,
-        admit_hold_steps: int = 4,  # these five: the served defaults (router/api/builder.py LLMEngineOptions)
+        admit_hold_steps: int = 4,  # these five: the served defaults (deployments/engines/options.py)
         admit_quiet_steps: int = 1,
         admit_hold_min_rows: int = 0,
         max_prefill_tokens: int = 16384,
@@ -314,6 +315,10 @@ class LLMEngine(Engine):
 
     def running_requests(self) -> int:
         return len(self._streams) + self._arriving
+
+    def scheduling(self) -> dict[str, int]:
+        """The admission settings this engine runs with (deployments/engines/options.py's fields)."""
+        return {name: getattr(self, name) for name in LLMEngineOptions.model_fields}
 
     def counters(self) -> dict[str, float]:
         """mlx-lm's own BatchGenerator counters (prompt_tokens, prompt_time, generation_tokens,

@@ -77,6 +77,7 @@ class RayEffects:
                 "reserve_context_tokens": spec.reserve_context_tokens,
                 "reserve_concurrency": spec.reserve_concurrency,
                 **scheduling,
+                **(self.entries[place.model].llm_engine or {}),  # the model's own over the app's
             }
         entry, models_dir = await self._weights_on(place.node_id, self.entries[place.model])
         incarnation = new_incarnation()

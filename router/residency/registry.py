@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import ByteSize, Field, ValidationError, ValidationInfo, field_validator
 
+from deployments.engines.options import LLMEngineOptions
 from deployments.estimate import estimate
 from deployments.manifest import ManifestEntry, read_manifest
 from policy import ModelSpec
@@ -31,12 +32,28 @@ class RegistryModel(Frozen):
     # own for tools get Hermes-style tool prompts from the engine, so "hermes" is the default.
     tool_parser: str | None = "hermes"
     reasoning: bool | dict | None = None
+    # This model's own LLM scheduling (deployments/engines/options.py), over the app's llm_engine:
+    # e.g. {admit_hold_steps: 0} for a chat model whose first tokens matter more than tokens/s.
+    llm_engine: dict | None = None
     policy: dict = Field(default_factory=dict)
 
     @field_validator("tool_parser")
     @classmethod
     def _text_models_only(cls, v: str | None, info: ValidationInfo) -> str | None:
         return v if info.data.get("kind") == "llm" else None  # only text models call tools
+
+    @field_validator("llm_engine")
+    @classmethod
+    def _scheduling(cls, v: dict | None, info: ValidationInfo) -> dict | None:
+        if v is None:
+            return None
+        if info.data.get("kind") != "llm":
+            raise ValueError("llm_engine schedules text models (kind llm) only")
+        try:
+            return LLMEngineOptions.model_validate(v).model_dump(exclude_unset=True)  # only what it sets
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise ValueError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
 
 
 def parse_entries(models: list[dict]) -> list[RegistryModel]:
@@ -106,6 +123,7 @@ def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, M
             source=model.hub_id or str(folder),
             tool_parser=model.tool_parser,
             reasoning=model.reasoning,
+            llm_engine=model.llm_engine,
         )
     return catalog, entries
 

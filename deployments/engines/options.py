@@ -1,0 +1,36 @@
+"""The LLM engines' scheduling options, as ray-config.yaml gives them (app-wide and per model).
+Plain pydantic, no MLX: the app builder and the registry validate them before anything loads."""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LLMEngineOptions(BaseModel):
+    """How an LLM engine schedules its batch (LLMEngine's arguments of the same names): app-wide in
+    ray-config.yaml's `llm_engine`, and per model in a registry entry's `llm_engine` (only the fields
+    it sets, over the app's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # An arrival that comes while the batch decodes waits up to this many steps for others (or
+    # until `prefill_batch` are waiting), so a group is prefilled and joins the batch at once: every
+    # group costs a prefill and a merge, each a synchronous evaluation that drains the GPU's queue.
+    # 8 steps and 32 a group: 0.45 -> 1.00 of the bare BatchGenerator at 64 streams on the H200;
+    # then 8 -> 4 steps (H200, in process, one run): 16 streams 0.83 -> 1.03 of bare, TTFT p50
+    # 153 -> 102 ms (bare's 83); 64 streams 1.08 -> 1.07, TTFT 239 -> 153 ms (bare's 119).
+    admit_hold_steps: int = Field(default=4, ge=0, le=64)
+    # ... but the wait ends once a step has passed with no new arrival (H200, 64 streams: TTFT p50
+    # 159 -> 149 ms, the same tok/s; 16 streams: 114 -> 75 ms).
+    admit_quiet_steps: int = Field(default=1, ge=0, le=64)
+    # ... and only while at least this many rows decode (0: whenever the batch is busy); a smaller
+    # batch's arrivals join at the next step. H200, 1B shape: 16 or 32 here lost throughput and
+    # doubled TTFT p50 at 64 streams (285 -> 535-557 ms; docs/serve-path.md, session 11).
+    admit_hold_min_rows: int = Field(default=0, ge=0, le=1024)
+    # Sequences prefilled together (mlx-lm's prefill_batch_size; its default is 8).
+    prefill_batch: int = Field(default=32, ge=1, le=256)
+    # ... and at most this many prompt tokens admitted and not yet prefilled (one longer prompt
+    # alone excepted): groups of long prompts are split, so no step prefills more than mlx-lm's
+    # default could (8 x 2048) and memory does not spike.
+    max_prefill_tokens: int = Field(default=16384, ge=1)
+    # A prompt prefix is kept and reused only from this many tokens: below it, copying and merging
+    # the cached KV costs more than prefilling the prefix again.
+    prompt_cache_min_tokens: int = Field(default=256, ge=0)
