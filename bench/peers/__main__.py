@@ -52,6 +52,10 @@ def without_via(variant: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in variant.items() if k != "via"}
 
 
+def without_llm_engine(variant: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in variant.items() if k != "llm_engine"}
+
+
 def wait_ready(base: str, process: subprocess.Popen | None, timeout_s: float = 180.0) -> None:
     import requests
 
@@ -184,21 +188,30 @@ def measure(name: str, run: Callable[[int], dict[str, float]], streams: list[int
 def interleaved(
     a: argparse.Namespace, path: Path, wanted: list[str], bare_run: Callable[[int], dict[str, float]]
 ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
-    """Every wanted server up at once (one Orchard variant: one local cluster at a time), then
-    `a.rounds` rounds, each running every stream count on every server and on bare, in an order
-    rotated by one each round. Returns the servers' results, the failures, bare's results."""
+    """Every wanted server up at once, then `a.rounds` rounds, each running every stream count on
+    every server and on bare, in an order rotated by one each round. Orchard variants share one
+    local cluster, so they may differ only in `llm_engine`: each that sets one serves the model
+    under its own registry name (MODEL.VARIANT) with that scheduling over the defaults, an instance
+    of its own. Returns the
+    servers' results, the failures, bare's results."""
     orchards = [n for n in ORCHARDS if n in wanted]
-    if len(orchards) > 1:
-        raise SystemExit(f"--interleave runs one Orchard variant at a time, not {', '.join(orchards)}")
+    rest = {json.dumps(without_llm_engine(ORCHARDS[n]), sort_keys=True) for n in orchards}
+    if len(rest) > 1:
+        raise SystemExit(f"--interleave: Orchard variants in one run may differ only in llm_engine, not {', '.join(orchards)}")
     runners: dict[str, Callable[[int], dict[str, float]]] = {"bare": bare_run}
     failed: dict[str, str] = {}
     with contextlib.ExitStack() as up, tempfile.TemporaryDirectory(prefix="orchard-peers-home-") as home:
-        for name in orchards:
-            print(f"starting {name}", flush=True)
-            app_args = ORCHARDS[name]
-            cluster, base = serve_bench.start_orchard(a.models_dir.resolve(), [a.model], without_via(app_args), app_args.get("via", "direct"))
+        if orchards:
+            print(f"starting {', '.join(orchards)}", flush=True)
+            common = without_llm_engine(ORCHARDS[orchards[0]])  # the app's args: llm_engine at its defaults
+            served = {n: f"{a.model}.{n}" if ORCHARDS[n].get("llm_engine") else a.model for n in orchards}
+            aliases = {served[n]: (a.model, ORCHARDS[n]["llm_engine"]) for n in orchards if served[n] != a.model}
+            cluster, base = serve_bench.start_orchard(
+                a.models_dir.resolve(), [a.model], without_via(common), common.get("via", "direct"), aliases=aliases
+            )
             up.callback(serve_bench.stop_orchard, cluster)
-            runners[name] = functools.partial(_through, base, a.model, a)
+            for name in orchards:
+                runners[name] = functools.partial(_through, base, served[name], a)
         for peer in peers(path, a.vllm_mlx_site, home):
             if peer.name not in wanted:
                 continue

@@ -280,11 +280,14 @@ OVERRIDES = {  # room for 64 streams of 1024 tokens each, as the benchmarks run 
 }
 
 
-def start_orchard(models_dir: Path, models: list[str], app_args: dict, via: str = "direct") -> tuple[Cluster, str]:
+def start_orchard(
+    models_dir: Path, models: list[str], app_args: dict, via: str = "direct", aliases: dict[str, tuple[str, dict]] | None = None
+) -> tuple[Cluster, str]:
     """Orchard on a one-node Ray cluster started by this process (room for every model, nothing
     evicted), its Serve app on a free port: (the cluster, the base URL). `via`: "direct", the
     ingress replica's own HTTP port (Serve's direct ingress, as shipped: no proxy hop), or "proxy",
-    the Serve proxy's port."""
+    the Serve proxy's port. `aliases`: more registry names, each {alias: (model, its llm_engine)}:
+    the same weights under another name, scheduled its own way (an instance of its own)."""
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
@@ -299,6 +302,9 @@ def start_orchard(models_dir: Path, models: list[str], app_args: dict, via: str 
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     overrides = {name: o for name, o in OVERRIDES.items() if name in models}
     registry = [m for m in from_manifest(models_dir, overrides) if m["name"] in models]
+    for alias, (model, scheduling) in (aliases or {}).items():
+        base = next(m for m in registry if m["name"] == model)
+        registry.append(base | {"name": alias, "path": base["path"], "llm_engine": scheduling})
     policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
     serve.run(build_app({"models_dir": str(models_dir), "models": registry, "policy": policy, **app_args}), name="orchard", route_prefix="/")
     proxy = f"http://127.0.0.1:{port}"
