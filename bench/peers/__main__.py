@@ -192,8 +192,7 @@ def interleaved(
     every server and on bare, in an order rotated by one each round. Orchard variants share one
     local cluster, so they may differ only in `llm_engine`: each that sets one serves the model
     under its own registry name (MODEL.VARIANT) with that scheduling over the defaults, an instance
-    of its own. Returns the
-    servers' results, the failures, bare's results."""
+    of its own. Returns the servers' results, the failures, bare's results."""
     orchards = [n for n in ORCHARDS if n in wanted]
     rest = {json.dumps(without_llm_engine(ORCHARDS[n]), sort_keys=True) for n in orchards}
     if len(rest) > 1:

@@ -70,6 +70,7 @@ class RayEffects:
         ray_node_id = self.ray_node_ids.get(place.node_id)
         if ray_node_id is None:
             raise LoadError("error", f"node {place.node_id} is not known to Ray")
+        registered = self.entries[place.model]
         options = dict(self.server_options, load_now=True)
         scheduling = options.pop("llm_engine", None) or {}  # the LLM engines' own, not the server's
         if spec.kind == "llm":
@@ -77,9 +78,9 @@ class RayEffects:
                 "reserve_context_tokens": spec.reserve_context_tokens,
                 "reserve_concurrency": spec.reserve_concurrency,
                 **scheduling,
-                **(self.entries[place.model].llm_engine or {}),  # the model's own over the app's
+                **(registered.llm_engine or {}),  # the model's own over the app's
             }
-        entry, models_dir = await self._weights_on(place.node_id, self.entries[place.model])
+        entry, models_dir = await self._weights_on(place.node_id, registered)
         incarnation = new_incarnation()
         name = actor_name(place.model, place.node_id, incarnation)
         self.actors[(place.model, place.node_id)] = name
