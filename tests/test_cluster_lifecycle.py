@@ -162,7 +162,9 @@ def test_a_keys_limits_hold_across_two_ingress_replicas_with_429s_and_headers(or
     assert r.status_code == 200 and r.headers["x-ratelimit-limit-requests"] == "6", r.headers
     lines = (line for line in r.iter_lines() if line)  # held: a dropped line iterator closes the connection (a disconnect)
     first = [next(lines) for _ in range(2)]  # in flight
-    assert all(b"error" not in line and b"[DONE]" not in line for line in first), first
+    assert b"data: [DONE]" not in first, first
+    events = [json.loads(line.removeprefix(b"data: ")) for line in first]  # the text is random: read the events, not their bytes
+    assert all("error" not in e and e["choices"][0]["finish_reason"] is None for e in events), first
     blocked = []
     for _ in range(4):  # whichever replica each lands on: the count is the residency service's
         b = requests.post(orchard["base"] + "/v1/completions", json={"model": "llama-10m", "prompt": "x", "max_tokens": 2}, headers=auth, timeout=60)
