@@ -5,7 +5,8 @@
 # then run the given command there. Usage: bench/serve/on_gpu.sh PARTS_DIR COMMAND...
 #   e.g. bench/serve/on_gpu.sh /root/wparts python3 -m bench.serve --models llama-10m --json $OUT/serve-gpu.json
 # (PARTS_DIR holds wheels.tar or its parts wpart.0, wpart.1, ..., and loose wheels that override
-# the tar's; see docs/serve-benchmark.md).
+# the tar's; see docs/serve-benchmark.md). Filter its output with `grep --line-buffered` if at all:
+# a run cut off by the call's time limit otherwise loses everything still in the filter's buffer.
 set -euo pipefail
 parts=$1
 shift
