@@ -52,6 +52,18 @@ def without_via(variant: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in variant.items() if k != "via"}
 
 
+def start_or_report(peer: "Peer", failed: dict[str, str]) -> str | None:
+    """The peer started on a free port (its base URL), or None with why in `failed` and printed:
+    a peer that does not start is reported, the others still run."""
+    try:
+        return peer.start(free_port())
+    except RuntimeError as e:
+        tail = peer.log.read_text(errors="replace")[-1500:] if peer.log.exists() else ""
+        failed[peer.name] = f"{e}\n{tail}"
+        print(f"  {peer.name} did not start: {e}\n{tail}", flush=True)
+        return None
+
+
 def without_llm_engine(variant: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in variant.items() if k != "llm_engine"}
 
@@ -215,14 +227,11 @@ def interleaved(
             if peer.name not in wanted:
                 continue
             print(f"starting {peer.name}", flush=True)
-            try:
-                base = peer.start(free_port())
-            except RuntimeError as e:
-                failed[peer.name] = str(e)
-                print(f"  {peer.name} did not start: {e}", flush=True)
+            url = start_or_report(peer, failed)
+            if url is None:
                 continue
             up.callback(peer.stop)
-            runners[peer.name] = functools.partial(_through, base, peer.model, a)
+            runners[peer.name] = functools.partial(_through, url, peer.model, a)
         runs: dict[str, dict[int, list[dict[str, float]]]] = {name: {n: [] for n in a.streams} for name in runners}
         names = list(runners)
         for r in range(a.rounds):
@@ -314,15 +323,11 @@ def main(argv: list[str] | None = None) -> int:
             if peer.name not in wanted:
                 continue
             print(peer.name, flush=True)
-            try:
-                base = peer.start(free_port())
-            except RuntimeError as e:  # a peer that does not start is reported, the others still run
-                tail = peer.log.read_text(errors="replace")[-1500:] if peer.log.exists() else ""
-                failed[peer.name] = f"{e}\n{tail}"
-                print(f"  {peer.name} did not start: {e}\n{tail}", flush=True)
+            url = start_or_report(peer, failed)
+            if url is None:
                 continue
 
-            def through(n: int, base: str = base, model: str = peer.model) -> dict[str, float]:
+            def through(n: int, base: str = url, model: str = peer.model) -> dict[str, float]:
                 return asyncio.run(load(base, model, n, a.tokens, a.seconds, a.warmup_seconds))
 
             try:
