@@ -210,13 +210,42 @@ class _Channel:
         return batch
 
 
+class _Whole:
+    """The outbox of one whole generation (a non-streamed request, `ModelServer.generate_whole`):
+    its deltas kept until the end, then answered as the call's one reply. Shaped like a _Channel
+    for _Delivery (`put`, `open`)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self.open: dict[str, _Delivery] = {}
+        self.started = self.last = time.monotonic()
+        self.first_at: float | None = None
+        self.done = asyncio.Event()
+
+    def put(self, request_id: str, item: dict, urgent: bool, most: int, first: bool = False) -> None:
+        self.last = time.monotonic()
+        if first:
+            self.first_at = self.last
+        self.items.append(item)
+        if "failure" in item or item.get("finish_reason") is not None:
+            self.done.set()
+
+    def reply(self) -> dict:
+        """{"failure": ...} when it failed before any output, else {"delta": every delta merged,
+        "first_s": its start to its first delta, "last_s": its first delta to its end}."""
+        if "failure" in self.items[0]:
+            return self.items[0]
+        first_at = self.first_at if self.first_at is not None else self.last
+        return {"delta": _merge(self.items), "first_s": first_at - self.started, "last_s": self.last - first_at}
+
+
 class _Delivery:
     """One generation's way into its channel. The LLM engine calls `put_nowait` on the server's
     event loop, one thread-safe call per engine step for all of them, so no task or queue per
     request stands between the engine and the channel (a VLM stream is fed by a task instead).
     Ends exactly once: its last delta, a failure, or a cancel."""
 
-    def __init__(self, server: "ModelServer", ch: _Channel, request_id: str, most: int):
+    def __init__(self, server: "ModelServer", ch: "_Channel | _Whole", request_id: str, most: int):
         self.server = server
         self.ch = ch
         self.request_id = request_id
@@ -338,6 +367,7 @@ class ModelServer:
         self._load_error: BaseException | None = None
         self._channels: dict[str, _Channel] = {}
         self._closed_channels: set[str] = set()  # a late submit to one of these is dropped
+        self._wholes: dict[str, _Whole] = {}  # whole generations running (generate_whole), by request id
         self._path: dict[str, float] = dict(_PATH_COUNTERS)  # where the path's time goes here (counters())
         self._exiting = False
         if load_now:
@@ -426,7 +456,8 @@ class ModelServer:
         """Requests still generating, or whose last deltas still wait in a channel: a drain that
         killed the actor before the final flush would cut every stream short of its end."""
         unsent = sum(1 for ch in self._channels.values() if ch.ready or ch.sending)
-        return max(self._in_flight, self.engine.running_requests()) + unsent
+        unanswered = sum(1 for w in self._wholes.values() if not w.open)  # ended, its reply not yet returned
+        return max(self._in_flight, self.engine.running_requests()) + unsent + unanswered
 
     async def drain(self, timeout_s: float) -> int:
         """Wait until no request runs (or timeout_s); how many still run. New calls are not refused:
@@ -545,15 +576,19 @@ class ModelServer:
             self._path["submits"] += 1
         if channel_id in self._closed_channels:
             return
-        ch = self._channel(channel_id)
+        self._begin(self._channel(channel_id), request_id, request)
+
+    def _begin(self, outbox: "_Channel | _Whole", request_id: str, request: dict) -> "_Delivery | None":
+        """Start a generation whose deltas go to `outbox`; None when the request was refused (its
+        failure is the outbox's one item)."""
         most = max(1, self.coalesce_tokens)
         try:
             self._engine_for("generate")
             parsed = self._parse_generation(request)
         except Exception as e:
-            ch.put(request_id, {"failure": unwrap(e).to_dict()}, True, most)
-            return
-        delivery = _Delivery(self, ch, request_id, most)
+            outbox.put(request_id, {"failure": unwrap(e).to_dict()}, True, most)
+            return None
+        delivery = _Delivery(self, outbox, request_id, most)
         loop = asyncio.get_running_loop()
         if self.entry.kind != "llm":
             delivery.watch(loop.create_task(self._feed(delivery, parsed)))
@@ -561,6 +596,33 @@ class ModelServer:
             delivery.watch(loop.create_task(self._start_constrained(delivery, parsed)))
         else:
             self._start(delivery, parsed, None)
+        return delivery
+
+    async def generate_whole(self, request_id: str, request: dict) -> dict:
+        """A whole generation in one call, for a caller that wants no deltas before the end (a
+        non-streamed request): one Ray reply instead of a submit and a channel item. The reply is
+        `_Whole.reply()`: a {"failure"} before any output, else every delta merged into one (an
+        error after some output is its finish_reason "error"). Cancelling the call (`ray.cancel`:
+        the caller went away or gave up) cancels the generation. `progress(request_id)` says how
+        long it has been since it last produced anything."""
+        whole = self._wholes[request_id] = _Whole()
+        try:
+            delivery = self._begin(whole, request_id, request)
+            try:
+                await whole.done.wait()
+            except asyncio.CancelledError:
+                if delivery is not None:
+                    delivery.cancel()
+                raise
+            return whole.reply()
+        finally:
+            self._wholes.pop(request_id, None)
+
+    def progress(self, request_id: str) -> float | None:
+        """Seconds since the whole generation `request_id` last produced a delta (or started);
+        None when none by that id runs here (not arrived yet, or ended)."""
+        whole = self._wholes.get(request_id)
+        return None if whole is None else time.monotonic() - whole.last
 
     def _start(self, delivery: _Delivery, request: Any, grammar: Any) -> None:
         try:
@@ -581,8 +643,9 @@ class ModelServer:
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a submitted generation (its caller stopped reading); whether it was running."""
-        for ch in self._channels.values():
-            delivery = ch.open.get(request_id)
+        outboxes: list[_Channel | _Whole] = [*self._channels.values(), *self._wholes.values()]
+        for outbox in outboxes:
+            delivery = outbox.open.get(request_id)
             if delivery is not None:
                 delivery.cancel()
                 return True

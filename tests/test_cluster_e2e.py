@@ -239,6 +239,31 @@ def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard, vi
     assert running == 0 and left == {"leases": 0, "in_flight": 0}, (running, left)
 
 
+@pytest.mark.parametrize("via", ["proxy", "direct"])
+def test_a_non_streamed_requests_client_going_away_cancels_its_generation(orchard, via):
+    """A non-streamed request (one call to its instance, answered at its end) whose client gives up
+    after a second: the generation stops in the engine and its lease ends, well before its 4000
+    tokens would have (see the streamed test above)."""
+    http = orchard["http"]
+    base = http.base if via == "proxy" else direct_urls(orchard)["mac-1"]
+    never_end = {str(t): -100 for t in range(4)}  # llama-10m's special tokens, EOS among them
+    body = {"model": "llama-10m", "prompt": "Go on", "max_tokens": 4000, "temperature": 0, "logit_bias": never_end}
+    node = where(orchard, "llama-10m")[0]
+    server = find_model_server("llama-10m", node)
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(base + "/v1/completions", json=body, timeout=(10, 2.0))
+    assert ray.get(server.health.remote())["running_requests"] == 1  # it was running when the client left
+    deadline = time.time() + 25
+    while time.time() < deadline:
+        running = ray.get(server.health.remote())["running_requests"]
+        instances = {i["model"]: i for n in http.get("/v1/cluster").json()["nodes"] for i in n["instances"]}
+        if running == 0 and instances["llama-10m"]["leases"] == 0:
+            break
+        time.sleep(0.3)
+    left = {k: instances["llama-10m"][k] for k in ("leases", "in_flight")}
+    assert running == 0 and left == {"leases": 0, "in_flight": 0}, (running, left)
+
+
 def test_requests_share_a_standing_lease_and_give_it_back_after_the_linger(orchard):
     """The ingress asks the residency service for a lease once, routes the next requests through it
     (plain and streamed) without asking again, and gives it back once nothing ran on it for 2 s."""

@@ -175,13 +175,19 @@ def test_a_keys_limits_hold_across_two_ingress_replicas_with_429s_and_headers(or
     assert blocked == [(429, "rate_limit_error", True, True)] * 4, blocked
     r.close()
     time.sleep(1.5)  # the stream's lease ends
-    statuses = []
+    replies = []
     for _ in range(3):
         b = requests.post(orchard["base"] + "/v1/completions", json={"model": "llama-10m", "prompt": "x", "max_tokens": 2}, headers=auth, timeout=60)
-        statuses.append(b.status_code)
+        replies.append(b)
+        time.sleep(0.3)  # its lease's release (sent detached) reaches the residency service
     # 1 stream + 4 refused + 3 here = 8 requests: the refused ones were never admitted, so rpm 6 allows these
-    assert statuses == [200, 200, 200], statuses
+    assert [b.status_code for b in replies] == [200, 200, 200], [b.text[:200] for b in replies]
     assert int(b.headers["x-ratelimit-remaining-requests"]) == 2 and int(b.headers["x-ratelimit-remaining-tokens"]) < 5000
+    # each request's header counts the tokens the ones before it used (prompt + completion, as their
+    # release reported them), not what they reserved (2): the key's tpm counts what was generated
+    remaining = [int(b.headers["x-ratelimit-remaining-tokens"]) for b in replies]
+    used = [b.json()["usage"]["total_tokens"] for b in replies]
+    assert used[0] > 2 and [remaining[0] - remaining[1], remaining[1] - remaining[2]] == used[:2], (remaining, used)
     b = requests.post(orchard["base"] + "/v1/completions", json={"model": "llama-10m", "prompt": "x", "max_tokens": 4500}, headers=auth, timeout=60)
     assert b.status_code == 429 and "tpm is 5000" in b.json()["error"]["message"]  # 4500 reserved would pass the minute's budget
     m = requests.post(orchard["base"] + "/v1/messages", json={"model": "llama-10m", "max_tokens": 4500, "messages": [{"role": "user", "content": "x"}]},
@@ -292,6 +298,62 @@ def test_a_frozen_instance_ends_the_stream_after_the_inactivity_timeout(orchard)
     finally:
         os.kill(pid, signal.SIGCONT)
         response.close()
+
+
+def test_a_frozen_instance_fails_a_non_streamed_request_after_the_inactivity_timeout(orchard):
+    """A non-streamed request is one call answered at its end (WholeGeneration): while it runs, the
+    ingress asks its instance for progress; a frozen instance answers nothing, and the request ends
+    with a 503 model_unavailable within the timeout (and the progress check's), not at the end of
+    its 4000 tokens or never."""
+    _ready(orchard, "frozen-llama")
+    server = actor("frozen-llama", instances(orchard)["frozen-llama"]["node_id"])
+    pid = ray.get(server.__ray_call__.remote(lambda self: os.getpid()))
+    result: dict = {}
+
+    def ask() -> None:
+        body = {"model": "frozen-llama", "prompt": "Go on", "max_tokens": 4000, "logit_bias": NEVER_END}
+        r = requests.post(orchard["base"] + "/v1/completions", json=body, headers=AUTH, timeout=120)
+        result.update(status=r.status_code, body=r.json(), at=time.monotonic())
+
+    waiter = threading.Thread(target=ask)
+    waiter.start()
+    wait_for(lambda: ray.get(server.health.remote())["running_requests"] == 1, 30, "the request running")
+    os.kill(pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        waiter.join(CHUNK_TIMEOUT_S + 30)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert result["status"] == 503, result
+    error = result["body"]["error"]
+    assert error["code"] == "model_unavailable" and "made no progress" in error["message"], error
+    assert result["at"] - frozen_at < CHUNK_TIMEOUT_S + 10, result["at"] - frozen_at
+    # thawed, it was told to stop (the call was cancelled): nothing runs on for nobody
+    wait_for(lambda: ray.get(server.health.remote())["running_requests"] == 0, 30, "the generation cancelled")
+
+
+def test_a_model_server_that_dies_mid_generation_costs_a_non_streamed_request_nothing(orchard):
+    """Nothing of a non-streamed answer reaches its client before the end, so an instance that dies
+    halfway through costs the request nothing: it moves, once, to a fresh lease (the model placed
+    again) and the client gets its whole answer."""
+    before = _ready(orchard, "doomed-llama")
+    server = ray.get_actor(before["actor"], namespace="orchard")
+    result: dict = {}
+
+    def ask() -> None:
+        body = {"model": "doomed-llama", "prompt": "Go on", "max_tokens": 400, "logit_bias": NEVER_END}
+        r = requests.post(orchard["base"] + "/v1/completions", json=body, headers=AUTH, timeout=120)
+        result.update(status=r.status_code, body=r.json())
+
+    waiter = threading.Thread(target=ask)
+    waiter.start()
+    wait_for(lambda: ray.get(server.counters.remote()).get("generation_tokens", 0) > 20, 30, "some tokens generated")
+    ray.kill(server, no_restart=True)
+    waiter.join(120)
+    assert result["status"] == 200 and result["body"]["usage"]["completion_tokens"] == 400, result
+    assert instances(orchard)["doomed-llama"]["actor"] != before["actor"]  # a new incarnation answered
+    died = wait_for(lambda: [e for e in events(orchard, "doomed-llama") if e["kind"] == "died"], 15, "a died event")
+    assert "died" in died[-1]["reason"]
 
 
 def _ready(orchard, model: str) -> dict:

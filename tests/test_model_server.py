@@ -255,6 +255,47 @@ def test_closing_a_channel_cancels_its_requests(llama, local_engine):
     assert _running(handle) == 0
 
 
+def test_a_whole_generation_is_one_reply_equal_to_the_engines_output(llama, local_engine):
+    """generate_whole (a non-streamed request): every delta merged into one reply, the same tokens and
+    text as the engine's own, with its usage, the time to its first delta and after; a request the
+    engine refuses is a {"failure"} reply; nothing stays counted once it is answered."""
+    handle, _ = llama
+    request = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0}
+    reply = ray.get(handle.generate_whole.remote("whole-1", request), timeout=60)
+    delta = reply["delta"]
+    reference = asyncio.run(local_engine.complete(GenerationRequest(**request)))
+    assert delta["token_ids"] == reference.token_ids and delta["text"] == reference.text
+    assert delta["finish_reason"] == "length" and delta["usage"]["completion_tokens"] == 48
+    assert reply["first_s"] > 0 and reply["last_s"] > 0  # 47 more steps after the first
+    refused = ray.get(handle.generate_whole.remote("whole-2", {"prompt": "x", "max_tokens": 0}), timeout=30)
+    assert refused["failure"]["code"] == "invalid_request" and refused["failure"]["param"] == "max_tokens"
+    assert ray.get(handle.progress.remote("whole-1")) is None  # answered: no longer known
+    assert _running(handle) == 0
+
+
+def test_cancelling_a_whole_generation_stops_it_and_progress_tracks_it(llama, local_engine):
+    """While a whole generation runs, `progress` says how long since its last delta (short, since it
+    produces one each step); ray.cancel of its call (the ingress's, when its client goes away or it
+    gives up) cancels the generation in the engine and frees its KV."""
+    handle, _ = llama
+    never_end = dict.fromkeys(local_engine.eos_ids, -100.0)
+    ref = handle.generate_whole.remote("whole-long", {"prompt": "Keep going", "max_tokens": 2000, "temperature": 0, "logit_bias": never_end})
+    deadline = time.monotonic() + 30
+    while ray.get(handle.progress.remote("whole-long")) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert ray.get(handle.progress.remote("whole-long")) < 0.5 and _running(handle) == 1
+    ray.cancel(ref)
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(ref, timeout=30)
+    deadline = time.monotonic() + 10
+    while _running(handle) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(handle) == 0 and ray.get(handle.progress.remote("whole-long")) is None
+    assert ray.get(handle.memory.remote())["kv_bytes_in_use"] == 0
+
+
 def test_embedding_server_returns_vectors(embedder):
     out = ray.get(embedder.embed.remote(["a red apple", "a green pear"]))
     assert out["dimensions"] == 384 and len(out["vectors"]) == 2 and out["prompt_tokens"] > 0

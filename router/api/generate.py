@@ -1,8 +1,10 @@
 """Text generation for every protocol, as each route reads it: lease, prepare, stream, render.
 
 The route has parsed the body (FastAPI, typed) and picked the renderer of its protocol; this runs
-the rest. A request that fails before any output raises (the protocol's error handler answers);
-one that fails after some output ends its stream with the protocol's error event."""
+the rest. A streamed request's deltas go out as they come (its channel, DeltaStream); a
+non-streamed one is one call answered at its end (WholeGeneration). A request that fails before
+any output raises (the protocol's error handler answers); one that fails after some output ends
+its stream with the protocol's error event."""
 
 import time
 from collections.abc import Callable
@@ -12,13 +14,11 @@ from router.api.ingress import Ingress
 from router.api.keys import Principal
 from router.api.request_context import ARRIVED
 from router.api.sse import event_stream
-from router.errors import OrchardError
 from router.protocols.openai import DEFAULT_MAX_TOKENS
 from router.residency import metrics
-from router.serving.generation import ChatOrCompletion, DeltaStream, prepare
+from router.serving.generation import ChatOrCompletion, DeltaStream, WholeGeneration, prepare
 from router.serving.output.parsing import OutputParser
 from router.serving.renderers import Renderer
-from router.serving.stream_mux import Unavailable
 
 
 async def generate(
@@ -29,21 +29,18 @@ async def generate(
     async with ingress.hold(who, body.model, reserve) as lease:
         request, parser = prepare(lease, body, allow_remote_images=ingress.allow_remote_images)
         renderer = make_renderer(parser)
+        arrived = ARRIVED.get() or entered
+        if not stream:
+            whole = WholeGeneration(lease, request, ingress.chunk_timeout_s)
+            delta = await whole.run()
+            timing = {"Server-Timing": server_timing(entered - arrived, whole.started - entered, whole.ttft_s or 0.0)}
+            metrics.on_request(body.model, whole.ttft_s, whole.tokens, whole.elapsed_s())
+            return json_body(renderer.respond([delta]), headers=timing)
         deltas = DeltaStream(ingress.mux, lease, request, ingress.chunk_timeout_s)
         first = await deltas.first()
-        arrived = ARRIVED.get() or entered
         timing = {"Server-Timing": server_timing(entered - arrived, deltas.started - entered, deltas.ttft_s or 0.0)}
-        if stream:
-            lease.hand_off()  # the event stream ends it: closing `deltas` releases the lease
-            return event_stream(first, deltas, renderer, body.model, headers=timing)
-        collected = [first]
-        try:
-            async for delta in deltas:
-                collected.append(delta)
-        except Unavailable as e:
-            raise OrchardError("model_unavailable", str(e), retry_after_s=1) from None
-        metrics.on_request(body.model, deltas.ttft_s, deltas.tokens, deltas.elapsed_s())
-        return json_body(renderer.respond(collected), headers=timing)
+        lease.hand_off()  # the event stream ends it: closing `deltas` releases the lease
+        return event_stream(first, deltas, renderer, body.model, headers=timing)
 
 
 def server_timing(app_s: float, lease_s: float, first_delta_s: float) -> str:

@@ -4,11 +4,16 @@ deltas (or the result) it answers with. Every failure leaves as an OrchardError.
 Text generation of every protocol runs here the same way: `prepare` turns the chat (or
 completion) request into the model server's request for the lease's model kind, plus the output
 parser a chat protocol runs over the deltas; a `DeltaStream` submits it on this replica's channel
-to the actor and yields its coalesced deltas. Other kinds (embeddings, rerank, audio) are one call."""
+to the actor and yields its coalesced deltas, and a non-streamed request is a `WholeGeneration`,
+one call answered once at its end. Other kinds (embeddings, rerank, audio) are one call."""
 
+import asyncio
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
+
+import ray
 
 from deployments.model_server import ModelServerError, unwrap
 from router.errors import OrchardError
@@ -143,6 +148,92 @@ class DeltaStream:
 
     async def aclose(self) -> None:
         await self._deltas.aclose()
+
+
+class WholeGeneration:
+    """One generation wanted whole (a non-streamed request): `run()` is one call to the instance
+    (`ModelServer.generate_whole`), answered with every delta merged into one, instead of a submit
+    and its channel's items (a lone short chat saved about 2 ms: docs/serve-path.md). It keeps what
+    the channel path gives a request:
+    - an instance that stopped or died before answering costs nothing: since nothing reached the
+      client yet, the generation moves once to a fresh lease (`Lease.move`) however far it got;
+    - an instance that makes no progress for `timeout_s` (its `progress` says so, or it does not
+      answer that either) fails the request with `model_unavailable`;
+    - the request's cancellation (its client went away) cancels the call, hence the generation;
+    - the lease is released with the tokens used (the key's limits count them)."""
+
+    def __init__(self, lease: Lease, request: dict, timeout_s: float):
+        self.lease = lease
+        self.request = request
+        self.timeout_s = timeout_s
+        self.started = time.monotonic()
+        self.ttft_s: float | None = None
+        self.tokens = 0
+        self.moved = False
+
+    async def run(self) -> dict:
+        """The merged delta, or the request's OrchardError (raised)."""
+        used = None
+        try:
+            while True:
+                try:
+                    reply = await self._call(self.lease.actor())
+                    if "failure" in reply:
+                        failure = reply["failure"]
+                        raise ModelServerError(failure["code"], failure["message"], failure.get("param"))
+                    delta = reply["delta"]
+                    if delta.get("finish_reason") == "error" and delta.get("error_code") in _GONE_CODES:
+                        raise ModelServerError(delta["error_code"], delta.get("error") or "the engine stopped")
+                except Exception as e:
+                    error = as_error(e)
+                    if not isinstance(e, OrchardError) and error.code in ("unavailable", "model_unavailable"):
+                        self.lease.report_unavailable(error.message)  # (Lease.actor reports its own)
+                    if self.moved or not instance_gone(e):
+                        raise error from None
+                    self.moved = True
+                    await self.lease.move(error.message)
+                    continue
+                break
+            self.tokens = len(delta.get("token_ids") or ())
+            self.ttft_s = max(0.0, time.monotonic() - self.started - reply["last_s"])
+            usage = delta.get("usage")
+            if usage:
+                used = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+            return delta
+        finally:
+            self.lease.release(used)
+
+    async def _call(self, actor: Any) -> dict:
+        request_id = uuid.uuid4().hex
+        ref = actor.generate_whole.remote(request_id, self.request)
+        reply = asyncio.ensure_future(ref)
+        try:
+            while True:
+                done, _ = await asyncio.wait((reply,), timeout=self.timeout_s)
+                if done:
+                    return reply.result()
+                idle_s = await self._idle_s(actor, request_id)
+                if reply.done():
+                    return reply.result()
+                if idle_s is None or idle_s >= self.timeout_s:
+                    raise Unavailable(f"{self.lease.label} made no progress for {self.timeout_s:.0f} s", timed_out=True)
+        finally:
+            if not reply.done():  # cancelled (the client went away) or given up: the generation stops
+                reply.cancel()
+                ray.cancel(ref)
+
+    async def _idle_s(self, actor: Any, request_id: str) -> float | None:
+        try:
+            async with asyncio.timeout(min(self.timeout_s, 5.0)):
+                return await actor.progress.remote(request_id)
+        except TimeoutError:
+            return None
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+
+_GONE_CODES = ("unavailable", "engine_stopped")  # an error delta that says the instance went away, not the request failed
 
 
 def instance_gone(e: BaseException) -> bool:
