@@ -121,12 +121,26 @@ def test_unicode_streams_whole_characters(engine):
         assert text == engine.tokenizer.decode(tokens)
 
 
+def test_a_completion_keeps_its_leading_space(engine):
+    """A byte-level BPE model's first generated token may start with a space (" the"): the text keeps
+    it, as the tokenizer's decode does ("The capital of France is" + " Paris"); mlx-lm's streaming
+    detokenizer alone drops it."""
+    (the,) = engine.tokenizer.encode(" the", add_special_tokens=False)
+    d = run(engine.complete(greedy("Hello", 3, logit_bias={the: 100.0})))
+    assert d.token_ids == [the] * 3
+    assert d.text == " the the the" == engine.tokenizer.decode(d.token_ids)
+
+
 def test_seed_reproduces_even_inside_a_batch(engine):
     request = GenerationRequest(prompt="Once upon", max_tokens=20, temperature=1.0, seed=7)
 
     async def scenario():
         alone = await engine.complete(request)
-        batch = await asyncio.gather(engine.complete(request), *(engine.complete(greedy(p)) for p in PROMPTS[:4]))
+        batch = await asyncio.gather(
+            engine.complete(request),
+            *(engine.complete(greedy(p)) for p in PROMPTS[:4]),
+            *(engine.complete(GenerationRequest(prompt=p, max_tokens=20, temperature=0.8, top_p=0.9)) for p in PROMPTS[4:]),
+        )
         other = await engine.complete(request.model_copy(update={"seed": 8}))
         return alone, batch[0], other
 
@@ -169,41 +183,58 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token_and_spoils_nothing(engine
 
 
 def test_a_broken_sampling_step_leaves_the_rng_sound(engine, monkeypatch):
-    """A sampler that raises while mlx-lm's mx.compile traces it (as apply_top_k did for top_k >=
-    the vocabulary) leaves the trace's placeholder in the MLX thread's mx.random.state: the engine
+    """A sampling step that raises while mx.compile traces it (as mlx-lm's apply_top_k did for top_k
+    >= the vocabulary) leaves the trace's placeholder in the MLX thread's mx.random.state: the engine
     reseeds after a broken step, so only that step's requests fail, not every later sampled one."""
     from mlx_lm.sample_utils import apply_top_k
 
-    import deployments.engines.llm as llm
+    import deployments.engines.sampling as sampling
 
     sampled = GenerationRequest(prompt="0", max_tokens=4, temperature=1.0)
     with monkeypatch.context() as patch:
-        patch.setattr(llm, "_sampler", lambda *_: lambda logprobs: apply_top_k(logprobs, logprobs.shape[-1]))
-        engine._samplers.clear()  # the engine shares one sampler per setting: make it build the raising one
+        patch.setattr(sampling, "sample", lambda logprobs, rows: apply_top_k(logprobs, logprobs.shape[-1]))
         with pytest.raises(RequestError, match="top_k"):
             run(engine.complete(sampled))
     for request in (sampled, sampled.model_copy(update={"top_p": 0.9, "min_p": 0.05})):
         assert run(engine.complete(request)).finish_reason in ("length", "stop")  # not an error
+    assert len(engine.sampling) == 0  # the broken batch's rows are forgotten
 
 
-def test_requests_with_equal_sampling_settings_share_one_sampler(engine):
-    """BatchGenerator samples a batch in one call only when its rows hold one sampler object (issue
-    11): unseeded requests with equal settings share one, other settings and seeds get their own."""
-    engine._samplers.clear()
-    vocab = engine.model.args.vocab_size
-    a, b = (GenerationRequest(prompt=p, max_tokens=4, temperature=0.8, top_p=0.9) for p in ("x", "y"))
-    shared = engine._shared_sampler(a, vocab)
-    assert engine._shared_sampler(b, vocab) is shared
-    assert engine._shared_sampler(a.model_copy(update={"temperature": 0.7}), vocab) is not shared
-    seeded = a.model_copy(update={"seed": 3})
-    assert engine._shared_sampler(seeded, vocab) is not engine._shared_sampler(seeded, vocab)
-    assert engine._shared_sampler(a.model_copy(update={"temperature": 0}), vocab) is None  # the generator's greedy one
+def test_a_batch_of_mixed_sampling_settings_is_sampled_in_one_call_per_step(engine):
+    """mlx-lm samples a batch in one call only when its rows hold one sampler object, and row by row
+    otherwise (issue 11: 64 rows, 64 calls a step). Every row holds the engine's one BatchSampler, so
+    greedy, sampled, filtered and seeded requests side by side cost one call per batch stepped (the
+    running batch, plus each group as it joins) and each row keeps its own settings."""
+    settings = [
+        {"temperature": 0},
+        {"temperature": 0.7, "top_p": 0.9},
+        {"temperature": 1.0, "top_k": 1},  # top_k 1 is greedy: its tokens are the greedy ones
+        {"temperature": 1.2, "min_p": 0.1},
+        {"temperature": 1.0, "seed": 5},
+        {"temperature": 0.9, "top_p": 0.5, "top_k": 3, "seed": 6},
+        {"temperature": 1.0},
+        {"temperature": 0},
+    ]
+    before = engine.counters()
 
     async def batch():
-        return await asyncio.gather(*(engine.complete(GenerationRequest(prompt=p, max_tokens=8, temperature=0.8, top_p=0.9)) for p in PROMPTS))
+        return await asyncio.gather(
+            *(engine.complete(GenerationRequest(prompt=p, max_tokens=16, **s)) for p, s in zip(PROMPTS, settings, strict=True))
+        )
 
-    assert all(d.finish_reason in ("length", "stop") for d in run(batch()))
-    assert len(engine._samplers) == 2
+    done = run(batch())
+    after = engine.counters()
+    assert all(d.finish_reason == "length" for d in done)
+    calls = after["sampling_calls"] - before["sampling_calls"]
+    steps = after["generation_steps"] - before["generation_steps"]
+    groups = after["admitted_groups"] - before["admitted_groups"]
+    assert calls <= steps + groups  # row by row would be ~8 calls a step
+    assert after["sampled_rows"] - before["sampled_rows"] >= 8 * 16  # every row of every step, in those calls
+    assert len(engine.sampling) == 0  # finished rows leave the table
+    greedy = run(engine.complete(greedy_request := GenerationRequest(prompt=PROMPTS[2], max_tokens=16, temperature=0)))
+    assert done[2].token_ids == greedy.token_ids, greedy_request
+    assert done[0].token_ids == run(engine.complete(GenerationRequest(prompt=PROMPTS[0], max_tokens=16, temperature=0))).token_ids
+    assert done[4].token_ids == run(engine.complete(GenerationRequest(prompt=PROMPTS[4], max_tokens=16, **settings[4]))).token_ids
 
 
 def test_max_tokens_usage_and_logprobs(engine):

@@ -18,7 +18,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, cast
@@ -30,13 +30,15 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
+from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from pydantic import Field, field_validator, model_validator
 
 from deployments.engine import Engine, Frozen, MemoryReport, RequestError, RequestErrorCode
 from deployments.engines.chat_format import chat_inputs, template_supports_tools
 from deployments.engines.constrained import Constraint, GrammarCompiler, GrammarProcessor
 from deployments.engines.options import LLMEngineOptions
+from deployments.engines.sampling import BatchSampler, RowSampling
 from deployments.engines.text_stream import StopStringFilter
 from deployments.estimate import kv_bytes_per_token
 from deployments.manifest import safetensors_bytes
@@ -120,27 +122,6 @@ class Delta(Frozen):
     error: str | None = None
     error_code: str | None = None
     stop_sequence: str | None = None  # the stop string that ended the stream (None for EOS / length)
-
-
-def seeded_sampler(temp: float, top_p: float, min_p: float, top_k: int, seed: int) -> Callable[[mx.array], mx.array]:
-    """mlx-lm's sampling chain with a per-request PRNG key, so a seed holds inside a shared batch
-    (the global MLX RNG would make it depend on the other requests)."""
-    methods = []
-    if 0 < top_p < 1.0:
-        methods.append(lambda x: apply_top_p(x, top_p))
-    if min_p:
-        methods.append(lambda x: apply_min_p(x, min_p))
-    if top_k > 0:
-        methods.append(lambda x: apply_top_k(x, top_k))
-    key = [mx.random.key(seed % 2**64)]  # any int: OpenAI seeds may be negative, MLX keys are uint64
-
-    def sampler(logprobs: mx.array) -> mx.array:
-        for method in methods:
-            logprobs = method(logprobs)
-        key[0], step = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * (1 / temp), key=step)
-
-    return sampler
 
 
 class DeltaSink(Protocol):
@@ -263,7 +244,8 @@ class LLMEngine(Engine):
         self._loop_done: Any = None
         self._stopping = threading.Event()
         self._retired_counters: dict[str, float] = {}  # of generators replaced after a broken step
-        self._samplers: dict[tuple, Any] = {}  # unseeded sampling settings -> their one sampler (_shared_sampler)
+        # Every row's one sampler: the batch is sampled in one call whatever its rows' settings (MLX thread)
+        self.sampling = BatchSampler()
         self._arriving = 0  # started, not yet in the batch (being prepared or held); under _arriving_lock
         self._arriving_lock = threading.Lock()  # three threads change it: the caller's, preparation, MLX
         self._held: deque[_Arrival] = deque()  # prepared arrivals waiting to join the batch (MLX thread)
@@ -327,7 +309,8 @@ class LLMEngine(Engine):
         generator = getattr(self, "generator", None)
         now = asdict(generator._counters) if generator is not None else {}
         mlx_lm_counters = {k: self._retired_counters.get(k, 0) + v for k, v in now.items()} or dict(self._retired_counters)
-        return mlx_lm_counters | self._admitted  # and the engine's own: groups admitted into the batch
+        sampling = {"sampling_calls": self.sampling.calls, "sampled_rows": self.sampling.rows_sampled}  # one call per batch stepped
+        return mlx_lm_counters | self._admitted | sampling  # and the engine's own: groups admitted into the batch
 
     def memory(self) -> MemoryReport:
         generator = getattr(self, "generator", None)
@@ -457,6 +440,7 @@ class LLMEngine(Engine):
         mx.synchronize()
         self._retired_counters = self.counters()
         del self.generator
+        self.sampling.clear()
         self.prompt_cache = LRUPromptCache(max_size=1)
         self.model = None
         gc.collect()
@@ -531,8 +515,8 @@ class LLMEngine(Engine):
             by_uid.clear()
             self._prefilling.clear()
             self.generator = self._new_generator()
-            _reseed_rng()  # a sampler that raised in its trace left a tracer in mx.random.state
-            self._samplers.clear()  # and a shared one that broke must not serve the next request
+            self.sampling.clear()
+            _reseed_rng()  # a compiled function that raised in its trace left a tracer in mx.random.state
             return
         now = time.monotonic()
         for r in responses:
@@ -551,6 +535,7 @@ class LLMEngine(Engine):
                 continue
             by_uid.pop(r.uid)
             streams.pop(rid)
+            self.sampling.discard(r.uid)
             self._admitted["finished_s"] += now - stream.started
             self._admitted["finished_requests"] += 1
             if r.finish_reason is None:  # cut by a stop string: still in the batch
@@ -576,6 +561,7 @@ class LLMEngine(Engine):
             if cancelled is not None:
                 by_uid.pop(cancelled.uid, None)
                 self.generator.remove([cancelled.uid])  # drops its KV cache now
+                self.sampling.discard(cancelled.uid)
                 mx.synchronize()
                 self._finish(cancelled, "cancelled")
                 outbox.append(cancelled)
@@ -645,12 +631,13 @@ class LLMEngine(Engine):
             else:
                 cache, rest = None, tokens
         cached = len(tokens) - len(rest)
+        sampling = RowSampling.of(request.temperature, request.top_p, request.min_p, request.top_k, request.seed, vocab)
         stream = _Stream(
             request=request,
             tokens=tokens,
             loop=arrival.loop,
             out=arrival.out,
-            detokenizer=self.tokenizer.detokenizer,
+            detokenizer=_detokenizer(self.tokenizer),
             stops=_stop_filter(request.stop),
             cached=cached,
             grammar=arrival.grammar,
@@ -660,27 +647,18 @@ class LLMEngine(Engine):
             max_tokens=[request.max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[tokens[:cached]],
-            samplers=[self._shared_sampler(request, vocab)],
+            samplers=[self._sampler_of(sampling)],
             logits_processors=[_processors(request) + ([arrival.grammar] if arrival.grammar is not None else [])],  # the mask last
             stop_sequences=[StopSequences([[t] for t in self.eos_ids])],
         )
+        self.sampling.add(stream.uid, sampling)
         return stream
 
-    def _shared_sampler(self, request: GenerationRequest, vocab: int | None) -> Any:
-        """One sampler object per distinct unseeded setting, on this engine's MLX thread: mlx-lm's
-        BatchGenerator samples the whole batch in one call only when every row holds the same sampler
-        object, and calls each row's own on a one-row slice otherwise (issue 11: 64 rows, 64 calls a
-        step). Seeded requests keep a sampler of their own (their own key). Per engine, because the
-        samplers are compiled over this thread's `mx.random.state`."""
-        if request.temperature == 0 or request.seed is not None:
-            return _sampler(request, vocab)
-        key = (request.temperature, request.top_p, request.min_p, request.top_k, vocab)
-        sampler = self._samplers.get(key)
-        if sampler is None:
-            if len(self._samplers) >= 256:  # settings a client made up: keep the table bounded
-                self._samplers.clear()
-            sampler = self._samplers[key] = _sampler(request, vocab)
-        return sampler
+    def _sampler_of(self, sampling: RowSampling) -> Any:
+        """The sampler object a row holds: the engine's one BatchSampler for every row, whatever its
+        settings (kept in it by uid), so mlx-lm samples each step's batch in one call
+        (deployments/engines/sampling.py; bench.engine.samplers measures it against per-row ones)."""
+        return self.sampling
 
     def tokenize(self, request: GenerationRequest) -> list[int]:
         """The prompt tokens the engine would feed for `request` (chat template and tools applied),
@@ -821,28 +799,34 @@ class _StopFilter(StopStringFilter):
         return out
 
 
+class _KeepLeadingSpace(BPEStreamingDetokenizer):
+    """mlx-lm's byte-level BPE detokenizer (Llama 3, Qwen, SmolLM2...) drops the leading space of a
+    generation's text; the tokenizer's own decode keeps it, and so must a completion: "The capital
+    of France is" continues " Paris", not "Paris". (Its SentencePiece one trims as decode does.)"""
+
+    def _maybe_trim_space(self, current_text: str) -> str:
+        return current_text
+
+
+def _detokenizer(tokenizer: Any) -> Any:
+    """A fresh streaming detokenizer of mlx-lm's for one request, whose text is the decode of its tokens."""
+    detokenizer = tokenizer.detokenizer
+    if type(detokenizer) is BPEStreamingDetokenizer:
+        detokenizer.__class__ = _KeepLeadingSpace
+    return detokenizer
+
+
 def _stop_filter(stops: list[str]) -> _StopFilter | None:
     return _StopFilter(stops) if stops else None
 
 
-def _sampler(request: GenerationRequest, vocab: int | None = None):
-    if request.temperature == 0:
-        return None  # the generator's shared greedy sampler: one batched argmax for all greedy rows
-    # top_k >= the vocabulary keeps every token, i.e. no top-k: mlx-lm's apply_top_k raises there,
-    # inside a trace of mx.compile, which fails the whole step and poisons the RNG (_reseed_rng)
-    top_k = 0 if vocab and request.top_k >= vocab else request.top_k
-    if request.seed is not None:
-        return seeded_sampler(request.temperature, request.top_p, request.min_p, top_k, request.seed)
-    return make_sampler(temp=request.temperature, top_p=request.top_p, min_p=request.min_p, top_k=top_k)
-
-
 def _reseed_rng() -> None:
-    """Give this thread's MLX RNG a fresh key. mlx-lm's samplers are compiled with
-    `inputs=mx.random.state, outputs=mx.random.state`; when one raises while it is being traced,
-    the compile tracer (an array without a primitive) stays in mx.random.state (the MLX thread's
-    own), and every later unseeded sampling step fails with "[eval] Attempting to eval an array
-    without a primitive". After a broken step the state may be such a tracer: a new key repairs it
-    (unseeded sampling promises no sequence, so nothing is lost)."""
+    """Give this thread's MLX RNG a fresh key. A function compiled with `inputs=mx.random.state,
+    outputs=mx.random.state` (as mlx-lm's samplers are) that raises while it is being traced leaves
+    the compile tracer (an array without a primitive) in mx.random.state (the MLX thread's own), and
+    every later unseeded sampling step fails with "[eval] Attempting to eval an array without a
+    primitive". After a broken step the state may be such a tracer: a new key repairs it (unseeded
+    sampling promises no sequence, so nothing is lost)."""
     mx.random.seed(secrets.randbits(64))
 
 
