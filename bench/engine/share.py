@@ -145,7 +145,7 @@ async def through_engine(engine: LLMEngine, n: int, max_tokens: int, seconds: fl
 def parse_variant(text: str) -> tuple[str, dict[str, float]]:
     name, _, rest = text.partition(":")
     settings = {k: float(v) for k, v in (kv.split("=") for kv in rest.split(",") if kv)}
-    unknown = set(settings) - {"hold", "cache", "min", "gil", "pb", "quiet", "rows"}
+    unknown = set(settings) - {"hold", "cache", "min", "gil", "pb", "quiet", "rows", "clear"}
     if unknown:
         raise SystemExit(f"unknown variant setting(s) {sorted(unknown)} in {text!r}")
     return name, settings
@@ -164,9 +164,13 @@ def variant(engine: LLMEngine, settings: dict[str, float]):
     engine.prefill_batch = engine.generator.prefill_batch_size = int(settings.get("pb", saved[3]))
     if "gil" in settings:
         sys.setswitchinterval(settings["gil"] / 1000.0)
+    clear_cache = mx.clear_cache
+    if settings.get("clear", 1) == 0:  # mlx-lm frees MLX's buffer cache after every prefill chunk
+        mx.clear_cache = lambda: None
     try:
         yield
     finally:
+        mx.clear_cache = clear_cache
         engine.admit_hold_steps, engine._prompt_cache_entries, engine.prompt_cache_min_tokens = saved[:3]
         engine.prefill_batch = engine.generator.prefill_batch_size = saved[3]
         sys.setswitchinterval(saved[4])
@@ -186,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=["served"],
         help="engine variants, alternating: NAME or NAME:key=value,... with keys hold (admit_hold_steps), "
-        "cache (prompt cache entries: 0 none), min (prompt_cache_min_tokens), pb (prefill_batch), quiet (admit_quiet_steps), rows (admit_hold_min_rows), gil (this process's switch interval, ms)",
+        "cache (prompt cache entries: 0 none), min (prompt_cache_min_tokens), pb (prefill_batch), quiet (admit_quiet_steps), rows (admit_hold_min_rows), gil (this process's switch interval, ms), clear (0: mx.clear_cache does nothing, "
+        "so mlx-lm's prefill keeps MLX's buffer cache)",
     )
     ap.add_argument("--prompt-cache", type=int, default=16, help="the engine's prompt_cache_entries (16 as served; 0: none)")
     ap.add_argument("--profile-dir", type=Path, default=None, help="py-spy record of this process in one more engine round per cell")

@@ -45,6 +45,8 @@ ORCHARDS: dict[str, dict[str, Any]] = {  # app args, and "via": the address the 
     "orchard-holdrows32": {"llm_engine": {"admit_hold_min_rows": 32}},  # ... 32+ rows
     "orchard-hold0-pb8": {"llm_engine": {"admit_hold_steps": 0, "prefill_batch": 8}},  # the bare loop's admission: no hold, groups of 8
     "orchard-igil0.1": {"ingress_gil_switch_ms": 0.1},  # the ingress replica's GIL switch interval 0.1 ms (Python's: 5)
+    "orchard-keep0": {"llm_engine": {"prefill_cache_keep_mib": 0}},  # mlx-lm's own: MLX's buffer cache cleared after every prefill chunk
+    "orchard-keep1g": {"llm_engine": {"prefill_cache_keep_mib": 1024}},  # 1 GiB of it kept (shipped: the KV reservation)
 }
 
 

@@ -35,6 +35,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from pydantic import Field, field_validator, model_validator
 
 from deployments.engine import Engine, Frozen, MemoryReport, RequestError, RequestErrorCode
+from deployments.engines import buffer_cache
 from deployments.engines.chat_format import chat_inputs, template_supports_tools
 from deployments.engines.constrained import Constraint, GrammarCompiler, GrammarProcessor
 from deployments.engines.options import LLMEngineOptions
@@ -186,6 +187,7 @@ class LLMEngine(Engine):
         admit_hold_min_rows: int = 0,
         max_prefill_tokens: int = 16384,
         prompt_cache_min_tokens: int = 256,
+        prefill_cache_keep_mib: int | None = None,
     ):
         super().__init__(name, path)
         self.max_batch = max_batch
@@ -236,6 +238,8 @@ class LLMEngine(Engine):
         # the batch, and keeping one holds its KV; both cost more than prefilling a short prefix
         # such as a chat template's header again (docs/serve-path.md).
         self.prompt_cache_min_tokens = prompt_cache_min_tokens
+        # MLX buffer cache kept through mlx-lm's prefill (None: the KV reservation; buffer_cache.py)
+        self.prefill_cache_keep_mib = prefill_cache_keep_mib
         self._prep: ThreadPoolExecutor | None = None  # templating and tokenizing, in arrival order
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, _Stream] = {}
@@ -262,6 +266,8 @@ class LLMEngine(Engine):
         self.weight_bytes = safetensors_bytes(self.path)
         self.context_length = self._context_length or int(config.get("max_position_embeddings") or 4096)
         self.kv_bytes_per_token = kv_bytes_per_token(config)
+        reserved = self.kv_bytes_per_token * self.reserve_context_tokens * self.reserve_concurrency
+        buffer_cache.keep(self, reserved if self.prefill_cache_keep_mib is None else self.prefill_cache_keep_mib * 2**20)
         self.eos_ids = sorted(self.tokenizer.eos_token_ids)
         self.prompt_cache = LRUPromptCache(max_size=max(1, self._prompt_cache_entries), max_bytes=self._prompt_cache_bytes)
         hf_tokenizer = self.tokenizer._tokenizer
@@ -440,6 +446,7 @@ class LLMEngine(Engine):
         mx.synchronize()
         self._retired_counters = self.counters()
         del self.generator
+        buffer_cache.release(self)
         self.sampling.clear()
         self.prompt_cache = LRUPromptCache(max_size=1)
         self.model = None

@@ -34,3 +34,8 @@ class LLMEngineOptions(BaseModel):
     # A prompt prefix is kept and reused only from this many tokens: below it, copying and merging
     # the cached KV costs more than prefilling the prefix again.
     prompt_cache_min_tokens: int = Field(default=256, ge=0)
+    # MLX buffer cache this engine keeps through mlx-lm's prefill, which otherwise hands every cached
+    # buffer back to the device after each prefill chunk (deployments/engines/buffer_cache.py);
+    # None: as much as the instance's KV reservation, which the policy already counts; 0: mlx-lm's
+    # own behaviour. H200, 64 streams, in process: TTFT p50 260.7 -> 186.3 ms with the cache kept.
+    prefill_cache_keep_mib: int | None = Field(default=None, ge=0)
