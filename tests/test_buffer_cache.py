@@ -32,7 +32,14 @@ def test_mlx_lm_clears_only_past_what_the_engines_keep(monkeypatch):
     generate.mx.clear_cache()  # what mlx-lm's prefill calls after every chunk
     assert mx.get_cache_memory() >= held  # kept: within what the engines keep
 
+    with buffer_cache.mlx_lm_own():  # a bare BatchGenerator's baseline beside an engine
+        _fill_cache()
+        generate.mx.clear_cache()
+        assert mx.get_cache_memory() == 0
+    assert buffer_cache.kept_bytes() == 1 << 40
+
     buffer_cache.keep(owner, 0)  # mlx-lm's own behaviour
+    _fill_cache()
     generate.mx.clear_cache()
     assert mx.get_cache_memory() == 0
     buffer_cache.release(owner)

@@ -224,12 +224,13 @@ def test_a_batch_of_mixed_sampling_settings_is_sampled_in_one_call_per_step(engi
 
     done = run(batch())
     after = engine.counters()
-    assert all(d.finish_reason == "length" for d in done)
+    assert all(d.finish_reason in ("length", "stop") for d in done)  # random weights may sample EOS
     calls = after["sampling_calls"] - before["sampling_calls"]
     steps = after["generation_steps"] - before["generation_steps"]
     groups = after["admitted_groups"] - before["admitted_groups"]
     assert calls <= steps + groups  # row by row would be ~8 calls a step
-    assert after["sampled_rows"] - before["sampled_rows"] >= 8 * 16  # every row of every step, in those calls
+    tokens = sum(d.usage.completion_tokens for d in done)
+    assert after["sampled_rows"] - before["sampled_rows"] >= tokens >= 8 * 4  # every row of every step, in those calls
     assert len(engine.sampling) == 0  # finished rows leave the table
     greedy = run(engine.complete(greedy_request := GenerationRequest(prompt=PROMPTS[2], max_tokens=16, temperature=0)))
     assert done[2].token_ids == greedy.token_ids, greedy_request

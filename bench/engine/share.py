@@ -33,6 +33,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
 from bench.engine.__main__ import TOPICS  # the engine benchmark's prompts (MLX only, as here)
+from deployments.engines import buffer_cache
 from deployments.engines.llm import GenerationRequest, LLMEngine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,6 +69,10 @@ class Bare:
         return self.prompts[i]
 
     def run(self, n: int, max_tokens: int, seconds: float) -> dict:
+        with buffer_cache.mlx_lm_own():  # stock mlx-lm, whatever the engine beside it keeps
+            return self._run(n, max_tokens, seconds)
+
+    def _run(self, n: int, max_tokens: int, seconds: float) -> dict:
         for i in range(n * 64):
             self.prompt(i % 4096)  # tokenized before the clock starts
         gen = BatchGenerator(self.model, stop_tokens=self.eos, completion_batch_size=max(64, n), prefill_batch_size=8)
@@ -145,7 +150,7 @@ async def through_engine(engine: LLMEngine, n: int, max_tokens: int, seconds: fl
 def parse_variant(text: str) -> tuple[str, dict[str, float]]:
     name, _, rest = text.partition(":")
     settings = {k: float(v) for k, v in (kv.split("=") for kv in rest.split(",") if kv)}
-    unknown = set(settings) - {"hold", "cache", "min", "gil", "pb", "quiet", "rows", "clear"}
+    unknown = set(settings) - {"hold", "cache", "min", "gil", "pb", "quiet", "rows", "clear", "keep"}
     if unknown:
         raise SystemExit(f"unknown variant setting(s) {sorted(unknown)} in {text!r}")
     return name, settings
@@ -165,12 +170,15 @@ def variant(engine: LLMEngine, settings: dict[str, float]):
     if "gil" in settings:
         sys.setswitchinterval(settings["gil"] / 1000.0)
     clear_cache = mx.clear_cache
-    if settings.get("clear", 1) == 0:  # mlx-lm frees MLX's buffer cache after every prefill chunk
+    if settings.get("clear", 1) == 0:  # nothing cleared: mlx-lm frees MLX's buffer cache after every prefill chunk
         mx.clear_cache = lambda: None
+    if "keep" in settings:
+        buffer_cache.keep(engine, int(settings["keep"] * 2**20))
     try:
         yield
     finally:
         mx.clear_cache = clear_cache
+        buffer_cache.keep(engine, engine.cache_keep_bytes())
         engine.admit_hold_steps, engine._prompt_cache_entries, engine.prompt_cache_min_tokens = saved[:3]
         engine.prefill_batch = engine.generator.prefill_batch_size = saved[3]
         sys.setswitchinterval(saved[4])
@@ -191,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         default=["served"],
         help="engine variants, alternating: NAME or NAME:key=value,... with keys hold (admit_hold_steps), "
         "cache (prompt cache entries: 0 none), min (prompt_cache_min_tokens), pb (prefill_batch), quiet (admit_quiet_steps), rows (admit_hold_min_rows), gil (this process's switch interval, ms), clear (0: mx.clear_cache does nothing, "
-        "so mlx-lm's prefill keeps MLX's buffer cache)",
+        "so mlx-lm's prefill keeps all of MLX's buffer cache), keep (MiB of it the engine keeps; 0: mlx-lm's own clearing)",
     )
     ap.add_argument("--prompt-cache", type=int, default=16, help="the engine's prompt_cache_entries (16 as served; 0: none)")
     ap.add_argument("--profile-dir", type=Path, default=None, help="py-spy record of this process in one more engine round per cell")

@@ -11,9 +11,11 @@ cached, a long prompt's large ones still go back. Nothing else in the process ch
 that mlx-lm's generate code reads `mx` from gets a copy of mlx.core's namespace with that one
 function replaced, so every other name is mlx.core's own object."""
 
+import contextlib
 import sys
 import threading
 import types
+from collections.abc import Iterator
 
 import mlx.core as mx
 
@@ -31,6 +33,20 @@ def keep(owner: object, nbytes: int) -> None:
 def release(owner: object) -> None:
     with _lock:
         _keep.pop(id(owner), None)
+
+
+@contextlib.contextmanager
+def mlx_lm_own() -> Iterator[None]:
+    """mlx-lm's own clearing while the block runs, whatever the engines of the process keep (a bare
+    BatchGenerator beside an engine in one process: bench.engine.share's baseline)."""
+    with _lock:
+        saved = dict(_keep)
+        _keep.clear()
+    try:
+        yield
+    finally:
+        with _lock:
+            _keep.update(saved)
 
 
 def kept_bytes() -> int:

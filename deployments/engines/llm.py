@@ -266,8 +266,7 @@ class LLMEngine(Engine):
         self.weight_bytes = safetensors_bytes(self.path)
         self.context_length = self._context_length or int(config.get("max_position_embeddings") or 4096)
         self.kv_bytes_per_token = kv_bytes_per_token(config)
-        reserved = self.kv_bytes_per_token * self.reserve_context_tokens * self.reserve_concurrency
-        buffer_cache.keep(self, reserved if self.prefill_cache_keep_mib is None else self.prefill_cache_keep_mib * 2**20)
+        buffer_cache.keep(self, self.cache_keep_bytes())
         self.eos_ids = sorted(self.tokenizer.eos_token_ids)
         self.prompt_cache = LRUPromptCache(max_size=max(1, self._prompt_cache_entries), max_bytes=self._prompt_cache_bytes)
         hf_tokenizer = self.tokenizer._tokenizer
@@ -303,6 +302,13 @@ class LLMEngine(Engine):
 
     def running_requests(self) -> int:
         return len(self._streams) + self._arriving
+
+    def cache_keep_bytes(self) -> int:
+        """How much of MLX's buffer cache this engine keeps through mlx-lm's prefill (buffer_cache.py):
+        prefill_cache_keep_mib, or by default its KV reservation, which the residency policy counts."""
+        if self.prefill_cache_keep_mib is not None:
+            return self.prefill_cache_keep_mib * 2**20
+        return self.kv_bytes_per_token * self.reserve_context_tokens * self.reserve_concurrency
 
     def scheduling(self) -> dict[str, int]:
         """The admission settings this engine runs with (deployments/engines/options.py's fields)."""
