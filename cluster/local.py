@@ -211,7 +211,18 @@ def check_http_port(host: str, port: int) -> None:
         )
 
 
-def _ray_cli() -> list[str]:
+def _ray_cli(temp_root: Path) -> list[str]:
+    """The command that runs `ray`: this interpreter's own. Ray builds shell command lines from its install
+    path unquoted (the head's ray_client_server is started through `bash -c` and died with exit 127) and sets
+    LD_PRELOAD to its jemalloc, which ld.so splits at spaces: from a checkout whose path holds whitespace
+    (a Mac's "~/Code/My Projects/orchard"), the venv is reached through <temp_root>/venv, a link without
+    one, and Ray's processes all run from there (the raylet starts workers with the interpreter it got)."""
+    if any(c.isspace() for c in sys.prefix) and sys.prefix != sys.base_prefix:
+        alias = temp_root / "venv"
+        if not (alias.is_symlink() and os.readlink(alias) == sys.prefix):
+            alias.unlink(missing_ok=True)
+            alias.symlink_to(sys.prefix, target_is_directory=True)
+        return [str(alias / "bin" / Path(sys.executable).name), "-m", "ray.scripts.scripts"]
     exe = Path(sys.executable).parent / "ray"
     if exe.exists():
         return [str(exe)]
@@ -316,7 +327,7 @@ def start(
         labels = ",".join(f"{k}={v}" for k, v in node.labels().items())
         logfile = temp_root / "logs" / f"{node.name}.log"
         offset = logfile.stat().st_size if logfile.exists() else 0
-        cmd = _ray_cli() + ["start", *args, *common, f"--labels={labels}"]
+        cmd = _ray_cli(temp_root) + ["start", *args, *common, f"--labels={labels}"]
         # Fresh free ports per node: the default 52365 for the dashboard agent would collide between nodes.
         cmd += [f"--dashboard-agent-listen-port={free_port(ip)}", f"--metrics-export-port={free_port(ip)}"]
         node_env = dict(env)

@@ -147,31 +147,49 @@ def test_parse_local_nodes():
 # ---- the local launcher (ray start processes) -----------------------------------------------------------
 
 
-def _run_local(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _run_local(cwd: Path, *args: str, timeout: float = 120, python: str = sys.executable) -> subprocess.CompletedProcess:
     """`python -m cluster.local ...` run from the checkout at cwd (its own code: `-m` puts cwd first on sys.path)."""
-    cmd = [sys.executable, "-m", "cluster.local", *args]
+    cmd = [python, "-m", "cluster.local", *args]
     return subprocess.run(cmd, check=False, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def _checkout_at_a_long_path(tmp_path: Path, length: int = 130) -> Path:
     """What `python -m cluster.local` reads of a checkout (its packages and ray-config.yaml), copied from this
-    working tree, uncommitted changes included, to a folder whose path is at least `length` characters, as a
-    Mac's /Users/<name>/Developer/github/... clone would be."""
-    dest = tmp_path / ("orchard-" + "x" * max(8, length - len(str(tmp_path)) - 9))
-    dest.mkdir()
+    working tree, uncommitted changes included, to a folder whose path is at least `length` characters and holds a
+    space, as a Mac's /Users/<name>/Developer/My Projects/... clone would be."""
+    dest = tmp_path / "My Projects" / ("orchard-" + "x" * max(8, length - len(str(tmp_path)) - 21))
+    dest.mkdir(parents=True)
     for name in ("cluster", "policy"):
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(ROOT / "ray-config.yaml", dest)
     return dest
 
 
+def _venv_at(dest: Path) -> Path:
+    """This venv as pip would have made it at dest: its packages (linked), its interpreter, and a `ray`
+    script that starts with pip's preamble for an interpreter path holding a space (/bin/sh execs the
+    quoted path)."""
+    (dest / "bin").mkdir(parents=True)
+    shutil.copy2(Path(sys.prefix) / "pyvenv.cfg", dest)
+    (dest / "lib").symlink_to(Path(sys.prefix) / "lib", target_is_directory=True)
+    (dest / "bin" / "python").symlink_to(sys.executable)
+    body = (Path(sys.prefix) / "bin" / "ray").read_text().split("\n", 1)[1]
+    preamble = f"#!/bin/sh\n'''exec' \"{dest}/bin/python\" \"$0\" \"$@\"\n' '''\n"
+    (dest / "bin" / "ray").write_text(preamble + body)
+    (dest / "bin" / "ray").chmod(0o755)
+    return dest
+
+
 def test_local_launcher_start_status_stop_from_a_long_path(tmp_path):
     """issue 10 item 9: from a checkout at a 120+ character path, `start` with the dashboard (whose MetricsHead
     socket was the first to pass the AF_UNIX limit), `status`, a refused second `start`, `stop`; all with the
-    default temp dir, which must be this checkout's own short one. Runs before the cluster_utils fixture so
-    the two clusters never share the two cores."""
+    default temp dir, which must be this checkout's own short one. The path holds a space and so does the
+    venv's (a fresh clone's `make run` from such a path lost its head: Ray starts its client server through
+    `bash -c` with its install path unquoted). Runs before the cluster_utils fixture so the two clusters
+    never share the two cores."""
     checkout = _checkout_at_a_long_path(tmp_path)
-    assert len(str(checkout)) >= 120
+    assert len(str(checkout)) >= 120 and " " in str(checkout)
+    python = str(_venv_at(tmp_path / "My Projects" / "a venv") / "bin" / "python")
     ip = local.default_ip()
     port, dashboard_port, http_port = local.free_port(ip), local.free_port("127.0.0.1"), local.free_port("127.0.0.1")
     ports = ["--port", str(port), "--dashboard-port", str(dashboard_port), "--http-port", str(http_port)]
@@ -179,7 +197,7 @@ def test_local_launcher_start_status_stop_from_a_long_path(tmp_path):
     pids: list[int] = []
     t0 = time.monotonic()
     try:
-        up = _run_local(checkout, "start", "--nodes", "head:2,mac-1:1", *ports, "--head-cpus", "1")
+        up = _run_local(checkout, "start", "--nodes", "head:2,mac-1:1", *ports, "--head-cpus", "1", python=python)
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"{ip}:{port}" in up.stdout
         t_up = time.monotonic() - t0
