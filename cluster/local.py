@@ -318,6 +318,7 @@ def start(
         "dashboard": f"http://127.0.0.1:{dashboard_port}" if dashboard else None,
         "nodes": [],
     }
+    ray_cli = _ray_cli(temp_root)
     common = ["--block", "--disable-usage-stats", f"--node-ip-address={ip}", f"--object-store-memory={object_store_mib * MIB}"]
 
     def spawn(node: LocalNode, args: list[str]) -> None:
@@ -327,7 +328,7 @@ def start(
         labels = ",".join(f"{k}={v}" for k, v in node.labels().items())
         logfile = temp_root / "logs" / f"{node.name}.log"
         offset = logfile.stat().st_size if logfile.exists() else 0
-        cmd = _ray_cli(temp_root) + ["start", *args, *common, f"--labels={labels}"]
+        cmd = ray_cli + ["start", *args, *common, f"--labels={labels}"]
         # Fresh free ports per node: the default 52365 for the dashboard agent would collide between nodes.
         cmd += [f"--dashboard-agent-listen-port={free_port(ip)}", f"--metrics-export-port={free_port(ip)}"]
         node_env = dict(env)
