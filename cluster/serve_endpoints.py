@@ -1,10 +1,13 @@
-"""Where a client reaches the API without the Serve proxy's hop: the HTTP address each ingress replica
-serves itself under Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, cluster/local.py's
-SERVE_ENV). Read from the Serve controller's instance details, the same record the dashboard's
-`GET /api/serve/applications/` shows (its target groups, and the replicas' nodes)."""
+"""Where a client reaches the API: the address Serve's HTTP servers bind (http_options.host: the
+proxy's and, under Serve's direct ingress, each ingress replica's own port alike), the nodes' host
+names a client may use, and the HTTP address each ingress replica serves itself under direct ingress
+(RAY_SERVE_ENABLE_DIRECT_INGRESS, cluster/local.py's SERVE_ENV), without the proxy's hop. Read from
+the Serve controller (its HTTP options; its instance details, the same record the dashboard's
+`GET /api/serve/applications/` shows: target groups, and the replicas' nodes) and Ray's node table."""
 
 import asyncio
 import logging
+import socket
 from typing import Any
 
 import ray
@@ -50,3 +53,33 @@ async def direct_ingress(app: str) -> list[dict[str, str]]:
         return []
     host = (details.get("http_options") or {}).get("host", "127.0.0.1")
     return direct_urls(details, app, host, names)
+
+
+def serve_http_host() -> str | None:
+    """The host the running Serve instance's HTTP servers bind (the proxy and every replica's direct
+    ingress take it from the same http_options), or None when no Serve controller runs (then
+    `serve.run` starts one on Serve's default, 127.0.0.1)."""
+    if not ray.is_initialized():
+        return None
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return None
+    options: Any = ray.get(controller.get_http_config.remote())  # Serve's HTTPOptions
+    return str(options.host)
+
+
+def node_host_names() -> frozenset[str]:
+    """The host names of this machine and of the cluster's alive nodes (as Ray reports them), each
+    with and without mDNS's `.local`: the names a client of a cluster of Macs reaches them by."""
+    names = {socket.gethostname()}
+    if ray.is_initialized():
+        try:
+            names |= {n["NodeManagerHostname"] for n in ray.nodes() if n.get("Alive") and n.get("NodeManagerHostname")}
+        except Exception as e:  # the GCS restarting: this machine's name still serves
+            log.warning("Ray's node table is unavailable: %s: %s", type(e).__name__, e)
+    out: set[str] = set()
+    for name in names:
+        bare = name.lower().rstrip(".").removesuffix(".local")
+        out |= {bare, f"{bare}.local"}
+    return frozenset(out)

@@ -55,6 +55,10 @@ STATUS: dict[str, int] = {
     "route_not_found": 404,
     "method_not_allowed": 405,
     "file_too_large": 413,
+    # the app's door (router/api/guard.py)
+    "request_too_large": 413,
+    "unsupported_media_type": 415,
+    "host_not_allowed": 421,
     "empty_stream": 500,
 }
 

@@ -1,6 +1,11 @@
-"""Who may call what: one dependency on every route (the key), one more on the operator's routes
-(the role). OpenAI clients send `Authorization: Bearer <key>`, Anthropic clients `x-api-key: <key>`.
-No keys configured means the app is open (the embedded default, on 127.0.0.1).
+"""Who may call what: one dependency on every route (the key's principal), one more on the operator's
+routes (the role). OpenAI clients send `Authorization: Bearer <key>`, Anthropic clients
+`x-api-key: <key>`. No keys configured means the app is open (served on loopback only: the app
+builder refuses another address without an admin key).
+
+The key itself is checked in one place, at the app's door before the body is read
+(router/api/guard.py); the dependency here only reads the principal the guard found, and refuses
+a request the guard let through without one.
 
 A user key restricted to some models gets a 404 for any other model, exactly as for a model that
 does not exist, so model names do not leak (`Ingress.hold` and the model list check it).
@@ -11,19 +16,15 @@ for the GIL behind the event loop (docs/serve-path.md, session 11)."""
 
 from fastapi import Depends, Request
 
-from router.api.ingress import Ingress, current
-from router.api.keys import OPEN, Principal, identify
+from router.api.guard import principal_of
+from router.api.keys import Principal
 from router.errors import OrchardError
 
 
-async def principal(request: Request, ingress: Ingress = Depends(current)) -> Principal:
-    if not ingress.principals:
-        return OPEN
-    given = (request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")).strip()
-    found = identify(given, ingress.principals) if given else None
+async def principal(request: Request) -> Principal:
+    found = principal_of(request.scope)
     if found is None:
         raise OrchardError("invalid_api_key", "a valid API key is required (Authorization: Bearer ... or x-api-key)")
-    request.state.principal = found
     return found
 
 

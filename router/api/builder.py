@@ -10,9 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from cluster.node_agent import alive_nodes
+from cluster.serve_endpoints import serve_http_host
 from deployments.engines.options import LLMEngineOptions
 from policy import PolicyConfig
 from router.api.app import IngressDeployment
+from router.api.guard import is_loopback
 from router.api.keys import KeyEntry, Principal, resolve
 from router.residency.registry import from_manifest, parse_entries
 from router.residency.service import ResidencyService
@@ -60,6 +62,14 @@ class AppArgs(BaseModel):
     # Vision: image parts may be data: URLs; http(s) URLs only when the operator allows fetching.
     allow_remote_images: bool = False
     max_audio_bytes: int = Field(default=25 * 1024**2, ge=1)  # OpenAI's transcription limit
+    # Every other request's body (JSON: a few images as data: URLs fit). Both limits are checked at
+    # the door (router/api/guard.py): a larger Content-Length is a 413 before the body is read, and
+    # any other body is cut off at the limit.
+    max_request_bytes: int = Field(default=16 * 1024**2, ge=1)
+    # Host names (the Host header) the API answers to, beyond localhost, IP literals and the nodes'
+    # own host names (with and without .local); "*.example.com" for its subdomains; "*" for any
+    # (behind a proxy that checks them). Others are a 421: a DNS-rebinding page's name is refused.
+    allowed_hosts: list[str] = Field(default_factory=list)
     # A cap on each node-to-node copy of weights (bytes/s), so copies leave a shared link room for
     # serving traffic; None: as fast as the nodes go.
     fetch_max_bytes_per_s: float | None = Field(default=None, gt=0)
@@ -116,8 +126,22 @@ def ingress_options(replicas: int | str) -> dict[str, Any]:
     return {"num_replicas": len(alive_nodes()), "max_replicas_per_node": 1, "ray_actor_options": {"num_cpus": 0}}
 
 
+def check_exposure(principals: list[Principal], host: str | None) -> None:
+    """Without an admin key, Orchard serves on loopback only: every route is open (no keys) or no
+    one can operate it (user keys only), so another address is a ValueError naming why. `host`:
+    where Serve's HTTP servers bind (None: not started yet, Serve's default 127.0.0.1)."""
+    if host is None or is_loopback(host) or any(p.admin for p in principals):
+        return
+    raise ValueError(
+        f"Serve's http_options.host is {host!r}, not a loopback address (the proxy and every node's direct-ingress port listen "
+        "there), and no admin key is configured: anyone who reaches it could load, unload, pin, pull and delete models. "
+        "Add an api_keys entry with role: admin (ray-config.yaml, docs/cluster.md), or serve on 127.0.0.1"
+    )
+
+
 def build_app(args: dict) -> serve.Application:
     a, models, principals = validate_args(args)
+    check_exposure(principals, serve_http_host())
     models_dir = str(Path(a.models_dir).resolve())
     server_options = {
         "coalesce_tokens": a.coalesce_tokens,
@@ -136,6 +160,8 @@ def build_app(args: dict) -> serve.Application:
         principals,
         allow_remote_images=a.allow_remote_images,
         max_audio_bytes=a.max_audio_bytes,
+        max_request_bytes=a.max_request_bytes,
+        allowed_hosts=tuple(a.allowed_hosts),
         route_linger_s=a.route_linger_s,
         gil_switch_ms=a.ingress_gil_switch_ms,
     )

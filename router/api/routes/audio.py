@@ -2,7 +2,7 @@
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
+from fastapi import APIRouter, Depends, File, Form, UploadFile
 from fastapi.responses import PlainTextResponse, Response
 
 from router.api.auth import principal
@@ -14,10 +14,13 @@ from router.serving.generation import call, require_kind
 
 router = APIRouter(tags=["openai"])
 
+# Its body's limit is max_audio_bytes (router/api/guard.py refuses a larger Content-Length before the
+# upload, and cuts off any other body at it), not max_request_bytes.
+TRANSCRIPTIONS = "/v1/audio/transcriptions"
 
-@router.post("/v1/audio/transcriptions")
+
+@router.post(TRANSCRIPTIONS)
 async def transcriptions(
-    request: Request,
     fields: Annotated[TranscriptionForm, Form()],
     file: Annotated[UploadFile, File(description="the audio (wav, mp3, flac, ...)")],
     ingress: Ingress = Depends(current),
@@ -26,12 +29,9 @@ async def transcriptions(
     """OpenAI's multipart transcription: file, model, language, prompt, temperature,
     response_format json / text / verbose_json."""
     limit = ingress.max_audio_bytes
-    too_big = OrchardError("file_too_large", f"audio files are limited to {limit} bytes", "file")
-    if int(request.headers.get("content-length") or 0) > limit + 64 * 1024:
-        raise too_big
     audio = await file.read(limit + 1)
-    if len(audio) > limit:
-        raise too_big
+    if len(audio) > limit:  # the body's limit leaves room for the form's other fields
+        raise OrchardError("file_too_large", f"audio files are limited to {limit} bytes", "file")
     async with ingress.hold(who, fields.model) as lease:
         require_kind(lease, ("stt",), "a speech-to-text model")
         result = await call(
