@@ -18,6 +18,7 @@ import time
 from fnmatch import fnmatch
 from pathlib import Path
 
+import psutil
 import ray
 from pydantic import Field
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -165,6 +166,14 @@ class NodeAgent:
         with self._lock:
             fetching = {folder: f.progress() for folder, f in self._fetches.items()}
         return self.store.inventory() | {"fetching": fetching}
+
+    def process_alive(self, pid: int) -> bool:
+        """Whether process `pid` still runs on this node: a stopped model server's memory is free only
+        once its worker process has exited (the residency controller waits for that, rule X1)."""
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     # ---- the source side -------------------------------------------------------------------------
     def manifest(self, folder: str) -> dict:

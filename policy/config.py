@@ -60,6 +60,11 @@ class PolicyConfig(Frozen):
     wait_timeout_s: float = Field(default=60.0, ge=0)
     retry_poll_s: float = Field(default=1.0, gt=0)
 
+    # Unload, then load (rule X1): a load placed on a node where instances are stopping (its
+    # victims, unloads) starts once they have exited and a report of the node shows the room; it
+    # waits at most this long, then fails (load_failed, no_room) having loaded nothing.
+    exit_wait_s: float = Field(default=60.0, gt=0)
+
     # Idle instances are unloaded after this many seconds unless their spec says otherwise; None: never.
     default_idle_ttl_s: float | None = Field(default=None, gt=0)
 

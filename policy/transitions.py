@@ -109,6 +109,12 @@ def mark_stored(state: ClusterState, node_id: str, model: str) -> ClusterState:
     return _replace_node(state, node.model_copy(update={"stored": node.stored | {model}}))
 
 
+def mark_unstored(state: ClusterState, node_id: str, models: frozenset[str]) -> ClusterState:
+    """The models' weights left the node's store (an operator removed their folder)."""
+    node = _node(state, node_id)
+    return _replace_node(state, node.model_copy(update={"stored": node.stored - models}))
+
+
 def learn_bandwidth(state: ClusterState, source: FetchSource, bytes_per_s: float) -> ClusterState:
     """A finished transfer's rate, blended half and half into what was learned before (L3)."""
     old = state.bandwidth_bytes_per_s.get(source)

@@ -2,15 +2,19 @@
 not of Ray: the Ray effects are exercised by the cluster tests)."""
 
 import asyncio
+import threading
 import time
 
 import pytest
 from support.builders import spec
 
+from deployments.manifest import ManifestEntry
 from policy import InstanceRef, Place, PolicyConfig
 from policy.config import GIB
 from router.errors import OrchardError
 from router.residency.controller import LoadError, LoadResult, ResidencyController
+from router.residency.service import ResidencyService
+from router.residency.store import OperatorStore
 
 PLAIN = PolicyConfig(
     safety_margin_bytes=0, safety_margin_fraction=0.0, instance_overhead_bytes=0, min_residency_s=0.0, retry_poll_s=0.01, wait_timeout_s=0.2
@@ -19,9 +23,20 @@ PLAIN = PolicyConfig(
 
 class FakeEffects:
     """A clock that runs (so waits time out) and that tests can move forward, loads that take no
-    time (or fail as told), and a log of every effect."""
+    time (or fail as told), and a log of every effect. Its nodes behave like Macs: a started
+    instance holds its bytes until its stop has ended (its process exited), a node report asked
+    for measures what those processes leave free (less `foreign` memory), and a start that would
+    not fit beside the processes still there is logged in `overcommits`."""
 
     def __init__(self):
+        self.controller: ResidencyController | None = None
+        self.resident: dict[tuple[str, str], int] = {}  # (model, node) -> bytes its process holds
+        self.foreign: dict[str, int] = {}  # node -> memory something else took
+        self.overcommits: list[tuple[str, str, int]] = []  # (model, node, bytes short) at a start
+        self.log: list[tuple[str, str]] = []  # ("start" | "exit", model) in order
+        self.stop_gate: asyncio.Event | None = None  # stops end (processes exit) once it is set
+        self.stops_exit = True  # False: a stop that cannot confirm its exit
+        self.auto_report = True  # a wanted report comes at once
         self.t = 1000.0
         self._t0 = time.monotonic()
         self.started: list[Place] = []
@@ -42,6 +57,13 @@ class FakeEffects:
 
     async def start_instance(self, place, spec):
         self.started.append(place)
+        self.log.append(("start", place.model))
+        node = self.controller.state.node(place.node_id) if self.controller else None
+        if node is not None:
+            short = self.held(place.node_id) + self.foreign.get(place.node_id, 0) + place.bytes - node.usable_bytes
+            if short > 0:
+                self.overcommits.append((place.model, place.node_id, short))
+        self.resident[(place.model, place.node_id)] = place.bytes
         if self.gate is not None:
             await self.gate.wait()
         await asyncio.sleep(0)
@@ -52,6 +74,26 @@ class FakeEffects:
 
     async def stop_instance(self, instance, reason):
         self.stopped.append((instance, reason))
+        if self.stop_gate is not None:
+            await self.stop_gate.wait()
+        if not self.stops_exit:
+            return False
+        if self.resident.pop((instance.model, instance.node_id), None) is not None:
+            self.log.append(("exit", instance.model))
+        return True
+
+    def held(self, node_id):
+        return sum(n for (_, node), n in self.resident.items() if node == node_id)
+
+    def want_report(self, node_id):
+        if self.controller is not None and self.auto_report:
+            asyncio.get_running_loop().call_soon(self.report, node_id)
+
+    def report(self, node_id):
+        """The node's agent: what the processes there leave free."""
+        node = self.controller.state.node(node_id)
+        free = node.usable_bytes - self.held(node_id) - self.foreign.get(node_id, 0)
+        self.controller.report_node(node_id, devices=node.devices, total_bytes=node.total_bytes, usable_bytes=node.usable_bytes, free_bytes=free)
 
     def publish(self, event):
         self.published.append(event)
@@ -69,6 +111,7 @@ class FakeEffects:
 def make(specs, nodes=(("n1", 8), ("n2", 4)), config=PLAIN):
     effects = FakeEffects()
     c = ResidencyController({s.name: s for s in specs}, config, effects)
+    effects.controller = c
     for node_id, gb in nodes:
         c.report_node(node_id, devices=("metal", "cpu"), total_bytes=gb * GIB, usable_bytes=gb * GIB, free_bytes=gb * GIB)
     return c, effects
@@ -92,7 +135,7 @@ def test_first_request_places_loads_and_leases():
     c.release(lease.lease_id)
     c.release(lease.lease_id)  # idempotent
     assert c.state.node("n2").instance("a").in_flight == 0
-    assert [e.kind for e in c.events()] == ["node_up", "node_up", "placed", "loaded"]
+    assert [e.kind for e in c.events()] == ["node_up", "node_up", "placed", "loading", "loaded"]
 
 
 def test_a_lease_names_the_incarnation_of_its_instance():
@@ -653,3 +696,319 @@ def test_demand_halves_every_half_life_and_forgets_what_decayed_away():
     d.add("a", 1, now=20.0)
     assert d.at("a", 20.0) == 2.0 and d.at("ghost", 20.0) == 0.0
     assert set(d.snapshot(105.0)) == {"a"}  # b: 2^-10.5 of a request, forgotten; a: 2 x 2^-8.5
+
+
+# ---- X1: unload, then load --------------------------------------------------------------------
+
+
+def _kinds(c, *kinds):
+    return [(e.kind, e.model) for e in c.events() if e.kind in kinds]
+
+
+def test_an_evicting_placement_loads_only_once_its_victim_has_exited_and_the_node_reports_the_room():
+    """Issue 25 item 10: before, b's load began with a's stop (a's process still held its 6 GiB)."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
+        c.release((await c.acquire("a")).lease_id)
+        fx.stop_gate = asyncio.Event()  # a's process exits only when the test says so
+        waiting = asyncio.create_task(c.acquire("b"))
+        await asyncio.sleep(0.1)
+        held_back = (not waiting.done(), [p.model for p in fx.started], c.state.node("n1").instance("b").status)
+        fx.stop_gate.set()
+        lease = await asyncio.wait_for(waiting, 2)
+        return c, fx, held_back, lease
+
+    c, fx, held_back, lease = run(scenario())
+    assert held_back == (True, ["a"], "loading")  # placed (its bytes reserved), not started
+    assert lease.model == "b" and fx.overcommits == []
+    assert fx.log == [("start", "a"), ("exit", "a"), ("start", "b")]
+    assert _kinds(c, "evicted", "placed", "stopped", "loading", "loaded")[-5:] == [
+        ("evicted", "a"),
+        ("placed", "b"),
+        ("stopped", "a"),
+        ("loading", "b"),
+        ("loaded", "b"),
+    ]
+    stopped = next(e for e in c.events() if e.kind == "stopped")
+    loading = [e for e in c.events() if e.kind == "loading"][-1]
+    assert stopped.bytes == 6 * GIB and "6.0 GiB released" in stopped.reason and "evicted for b" in stopped.reason
+    assert stopped.at <= loading.at and "free" in loading.reason
+
+
+def test_a_load_after_an_unload_on_the_same_node_waits_for_that_process_to_exit():
+    async def scenario():
+        c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
+        c.release((await c.acquire("a")).lease_id)
+        fx.stop_gate = asyncio.Event()
+        c.unload("a")  # gone from the state at once; its process is still exiting
+        waiting = asyncio.create_task(c.acquire("b"))
+        await asyncio.sleep(0.1)
+        started = [p.model for p in fx.started]
+        fx.stop_gate.set()
+        await asyncio.wait_for(waiting, 2)
+        return fx, started
+
+    fx, started = run(scenario())
+    assert started == ["a"] and fx.overcommits == [] and fx.log == [("start", "a"), ("exit", "a"), ("start", "b")]
+
+
+def test_a_victim_that_never_exits_fails_the_placement_in_bounded_time_and_nothing_is_overcommitted():
+    """The wait is bounded by exit_wait_s on the controller's clock: the placement fails with the
+    reason (load_failed, no_room), loads nothing, and is decided again; once the victim exits the
+    model loads."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
+        c.release((await c.acquire("a")).lease_id)
+        fx.stop_gate = asyncio.Event()
+        waiting = asyncio.create_task(c.acquire("b"))
+        await asyncio.sleep(0.05)
+        fx.t += c.config.exit_wait_s + 1  # the victim's exit is overdue
+        for _ in range(200):
+            if any(e.kind == "load_failed" for e in c.events()):
+                break
+            await asyncio.sleep(0.01)
+        failed = [e for e in c.events() if e.kind == "load_failed"]
+        started = [p.model for p in fx.started]
+        fx.stop_gate.set()
+        await asyncio.wait_for(waiting, 2)
+        return fx, failed, started
+
+    fx, failed, started = run(scenario())
+    assert len(failed) == 1 and failed[0].model == "b" and failed[0].reason.startswith("no_room:")
+    assert "had not exited after 60 s" in failed[0].reason and "nothing was loaded" in failed[0].reason
+    assert started == ["a"]  # never loaded beside the process still there
+    assert fx.overcommits == [] and fx.log == [("start", "a"), ("exit", "a"), ("start", "b")]
+
+
+def test_a_stop_that_cannot_confirm_the_exit_fails_the_placement_at_once():
+    async def scenario():
+        c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
+        c.release((await c.acquire("a")).lease_id)
+        fx.stops_exit = False
+        waiting = asyncio.create_task(c.acquire("b"))
+        for _ in range(100):
+            if any(e.kind == "load_failed" for e in c.events()):
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # b is placed again: it waits for a report showing the room, which a's process denies
+        waiting.cancel()
+        return c, fx
+
+    c, fx = run(scenario())
+    (failed,) = [e for e in c.events() if e.kind == "load_failed"][:1]
+    assert "did not confirm their exit" in failed.reason
+    assert [p.model for p in fx.started] == ["a"] and fx.overcommits == []
+    assert not any(e.kind == "stopped" for e in c.events())
+
+
+def test_a_node_report_short_of_the_room_holds_the_load_back_until_the_wait_fails():
+    """a's process exits, but something else took the memory meanwhile: the report after the exit
+    measures 4 GiB free, b needs 6: b never starts; after exit_wait_s the placement fails, and the
+    request is refused against what the node reported."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
+        c.release((await c.acquire("a")).lease_id)
+        fx.foreign["n1"] = 4 * GIB
+        waiting = asyncio.create_task(c.acquire("b"))
+        await asyncio.sleep(0.1)
+        held_back = [p.model for p in fx.started]
+        fx.t += c.config.exit_wait_s + 1
+        with pytest.raises(OrchardError) as info:
+            await asyncio.wait_for(waiting, 2)
+        return c, fx, held_back, info.value
+
+    c, fx, held_back, error = run(scenario())
+    assert held_back == ["a"] and [p.model for p in fx.started] == ["a"] and fx.overcommits == []
+    (failed,) = [e for e in c.events() if e.kind == "load_failed"]
+    assert "did not show 6.0 GiB free" in failed.reason and "4.0 GiB free" in failed.reason
+    assert error.code.startswith("model_")
+
+
+def test_a_placement_without_stops_on_its_node_loads_at_once():
+    """Nothing stopping on the node: no report is waited for (a load costs no extra round)."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=3)])
+        fx.auto_report = False
+        await asyncio.wait_for(c.acquire("a"), 1)
+        return c
+
+    c = run(scenario())
+    assert [e.reason for e in c.events() if e.kind == "loading"] == [""]
+
+
+# ---- X2: the operator's state is stored in the order it changed -------------------------------
+
+
+class SlowKV:
+    """Ray's internal_kv functions over a dict; a put of a value in `slow` sleeps first (a GCS
+    call that takes a while), and `writing` is set when a put begins."""
+
+    def __init__(self, slow: dict[str, float]):
+        self.data: dict[str, str] = {}
+        self.slow = dict(slow)
+        self.writing = threading.Event()
+
+    def _internal_kv_put(self, key, value, overwrite=True, namespace=None):
+        self.writing.set()
+        time.sleep(self.slow.pop(value, 0))
+        self.data[key] = value
+
+    def _internal_kv_del(self, key, namespace=None):
+        self.data.pop(key, None)
+
+    def _internal_kv_list(self, prefix, namespace=None):
+        return [k.encode() for k in self.data if k.startswith(prefix)]
+
+    def _internal_kv_get(self, key, namespace=None):
+        return self.data.get(key.decode() if isinstance(key, bytes) else key)
+
+
+def _service(c, kv, fx=None):
+    """The residency service's operator actions over a controller and a store, without Ray."""
+    svc = object.__new__(ResidencyService.func_or_class)
+    svc.controller = c
+    svc.store = OperatorStore(kv=kv)
+    svc.effects = fx
+    return svc
+
+
+def test_a_pin_and_an_unpin_close_together_are_stored_in_the_order_they_were_made():
+    """Issue 25 item 10: each write ran on a thread of its own, so the pin's slow write landed after
+    the unpin's: the store said pinned while the controller said unpinned (and a restart believed it)."""
+
+    async def scenario():
+        c, _ = make([spec("a", gb=3)])
+        svc = _service(c, SlowKV({"true": 0.2}))
+        answers = await asyncio.gather(svc.pin("a", True), svc.pin("a", False))
+        return c, svc.store, answers
+
+    c, store, answers = run(scenario())
+    assert [a["pinned"] for a in answers] == [True, False]
+    assert c.state.catalog["a"].pinned is False and store.pins() == {"a": False}
+
+
+def test_an_unload_right_after_a_load_is_stored_after_it():
+    async def scenario():
+        c, _ = make([spec("a", gb=3)])
+        kv = SlowKV({"null": 0.2})  # the load's record (no node asked for) is slow to write
+        svc = _service(c, kv)
+        loading = asyncio.create_task(svc.load("a"))
+        while not kv.writing.is_set():
+            await asyncio.sleep(0.01)
+        unloaded = await svc.unload("a")
+        loaded = await loading
+        return c, svc.store, loaded, unloaded
+
+    c, store, loaded, unloaded = run(scenario())
+    assert loaded["status"] == "loaded" and unloaded["unloaded_from"] == ["n2"]
+    assert c.state.node("n2").instance("a") is None and store.loads() == {}  # a restart does not load it again
+
+
+# ---- X3: removing a node's files never races a placement that loads from them -----------------
+
+
+def test_files_a_placement_on_the_node_loads_from_cannot_be_removed():
+    async def scenario():
+        c, fx = make([spec("a", gb=3), spec("a2", gb=3)])
+        fx.gate = asyncio.Event()  # a's load is in progress
+        waiting = asyncio.create_task(c.acquire("a"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(OrchardError) as info:
+            c.begin_removing("n2", frozenset({"a", "a2"}))  # a2 shares a's folder
+        c.begin_removing("n1", frozenset({"a", "a2"}))  # nothing of theirs on n1
+        with pytest.raises(OrchardError) as again:
+            c.begin_removing("n1", frozenset({"a"}))
+        fx.gate.set()
+        await waiting
+        return info.value, again.value
+
+    error, again = run(scenario())
+    assert error.code == "files_in_use" and error.status == 409 if hasattr(error, "status") else True
+    assert "a is loading on n2 from these files (a placement in progress)" in error.message
+    assert again.code == "files_in_use" and "already being removed" in again.message
+
+
+def test_a_placement_never_chooses_a_node_its_files_are_being_removed_from():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)], nodes=(("n1", 4), ("n2", 8)))  # pack would choose n1
+        c.begin_removing("n1", frozenset({"a"}))
+        lease = await asyncio.wait_for(c.acquire("a"), 1)
+        c.release(lease.lease_id)
+        with pytest.raises(OrchardError) as info:
+            await c.load("a", "n1")  # the operator's load there is refused meanwhile
+        return c, lease, info.value
+
+    c, lease, error = run(scenario())
+    assert lease.node_id == "n2" and error.code == "files_in_use"
+
+
+def test_a_request_waits_while_its_only_node_is_losing_its_files_then_is_placed():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)], nodes=(("n1", 8),))
+        c.report_node("n1", devices=("metal", "cpu"), total_bytes=8 * GIB, usable_bytes=8 * GIB, free_bytes=8 * GIB, stored=frozenset({"a"}))
+        c.begin_removing("n1", frozenset({"a"}))
+        waiting = asyncio.create_task(c.acquire("a"))
+        await asyncio.sleep(0.05)
+        started = list(fx.started)
+        c.end_removing("n1", frozenset({"a"}), removed=True)
+        lease = await asyncio.wait_for(waiting, 1)
+        return c, started, lease
+
+    c, started, lease = run(scenario())
+    assert started == [] and lease.node_id == "n1" and "a" not in c.state.node("n1").stored
+
+
+class StoreEffects(FakeEffects):
+    """The fake effects with a node store per node (RayEffects' view of them) whose removal of a
+    folder takes until `removing` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.entries = {
+            name: ManifestEntry(
+                name=name, kind="llm", path="llama", folder="llama", weight_bytes=3 * GIB, weights="real", architecture="x", source="x"
+            )
+            for name in ("a", "a2")
+        }
+        self.stores = {n: {"root": "/s", "complete": {"llama": {}}, "unsealed": {}} for n in ("n1", "n2")}
+        self.removing = asyncio.Event()
+
+    def holders(self, folder, but=None):
+        return sorted(n for n, s in self.stores.items() if n != but and folder in s["complete"])
+
+    async def remove_files(self, node_id, folder):
+        await self.removing.wait()
+        self.stores[node_id]["complete"].pop(folder, None)
+        return True
+
+
+def test_delete_files_and_a_request_for_a_model_loading_from_them_cannot_race():
+    """Issue 25 item 10: DELETE .../files checked the node's instances and then awaited the agent;
+    a request arriving meanwhile placed the model on that node, loading from the folder being
+    removed. Now the request is placed elsewhere, and a removal of files a placement uses is a 409."""
+
+    async def scenario():
+        fx = StoreEffects()
+        c = ResidencyController({s.name: s for s in (spec("a", gb=3), spec("a2", gb=3))}, PLAIN, fx)
+        fx.controller = c
+        for node_id, gb in (("n1", 4), ("n2", 8)):  # pack prefers n1
+            c.report_node(
+                node_id, devices=("metal", "cpu"), total_bytes=gb * GIB, usable_bytes=gb * GIB, free_bytes=gb * GIB, stored=frozenset({"a", "a2"})
+            )
+        svc = _service(c, SlowKV({}), fx)
+        deleting = asyncio.create_task(svc.delete_files("a", "n1"))
+        await asyncio.sleep(0.01)
+        lease = await asyncio.wait_for(c.acquire("a2"), 1)  # a2 loads from the same folder
+        fx.removing.set()
+        deleted = await deleting
+        in_use = await svc.delete_files("a", "n2")  # a2 is on n2 from these files now
+        return c, lease, deleted, in_use
+
+    c, lease, deleted, in_use = run(scenario())
+    assert lease.node_id == "n2" and deleted["removed"] is True
+    assert "a" not in c.state.node("n1").stored and "a2" not in c.state.node("n1").stored
+    assert in_use["error"]["code"] == "files_in_use" and "a2 is on n2 from these files" in in_use["error"]["message"]

@@ -60,6 +60,7 @@ from policy.transitions import (
     mark_failed,
     mark_loaded,
     mark_stored,
+    mark_unstored,
     remove_instance,
     set_in_flight,
 )
@@ -72,6 +73,8 @@ EventKind = Literal[
     "load_failed",
     "retrying",
     "evicted",
+    "stopped",
+    "loading",
     "unloaded",
     "died",
     "rejected",
@@ -141,12 +144,28 @@ class LoadError(Exception):
         self.message = message
 
 
+class NoRoom(Exception):
+    """A placement whose node never showed the room for it: the instances stopping there did not
+    all exit, or no node report taken after they had exited showed the memory free, in time."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
 class Effects(Protocol):
     def now(self) -> float: ...
 
     async def start_instance(self, place: Place, spec: ModelSpec) -> LoadResult: ...
 
-    async def stop_instance(self, instance: InstanceRef, reason: str) -> None: ...
+    async def stop_instance(self, instance: InstanceRef, reason: str) -> bool:
+        """Stop the instance's current incarnation; True once no process of it runs any more (it
+        exited, or none was started), False when its exit could not be confirmed."""
+        ...
+
+    def want_report(self, node_id: str) -> None:
+        """Ask the node for a fresh memory report soon: it arrives as `report_node`."""
+        ...
 
     async def fetch_weights(self, model: str, node_id: str) -> None:
         """Put the model's weights in the node's store (L1), raising LoadError when that fails."""
@@ -207,6 +226,18 @@ class ResidencyController:
         self._waiters: dict[str, deque[_Waiter]] = {}
         self._drain_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
+        # Unload, then load (rule X1): stops still running, by node (their processes may hold memory
+        # until they exit); placed instances whose load waits for them and for a node report that
+        # shows the room, with their bytes; per node, when its latest report was asked for and the
+        # free memory it measured.
+        self._stopping: dict[str, set[asyncio.Task]] = {}
+        self._awaiting_room: dict[InstanceRef, int] = {}
+        self._reports: dict[str, tuple[float, int]] = {}
+        # node -> when a stop there ended without confirming its process gone: until a report asked
+        # for after that shows the room, every load there waits for one.
+        self._unsure: dict[str, float] = {}
+        # (model, node) whose files an operator is removing from that node's store (rule X3).
+        self._removing: set[tuple[str, str]] = set()
 
     # ---- events in --------------------------------------------------------------------------
     def report_node(
@@ -219,13 +250,19 @@ class ResidencyController:
         free_bytes: int,
         labels: dict[str, str] | None = None,
         stored: frozenset[str] | None = None,
+        asked_at: float | None = None,
     ) -> None:
         """A node agent's measurement. Memory that is neither free nor held by our instances is
-        someone else's (foreign); the measured free memory becomes the node's reported headroom.
-        `stored`: the catalog models whose weights its store holds (None: as before)."""
+        someone else's (foreign); the measured free memory, less what placements waiting to load
+        there have reserved (they hold nothing yet), becomes the node's reported headroom.
+        `stored`: the catalog models whose weights its store holds (None: as before). `asked_at`:
+        when the report was asked for (this controller's clock; default now): a load waiting for
+        room trusts only a report asked for after the stops it waits for had ended (X1)."""
         old = self.state.node(node_id)
         instances = old.instances if old is not None and old.alive else ()
-        ours = sum(i.bytes for i in instances)
+        waiting = self._awaiting_bytes(node_id)
+        ours = sum(i.bytes for i in instances) - waiting
+        self._reports[node_id] = (self.effects.now() if asked_at is None else asked_at, free_bytes)
         node = NodeState(
             node_id=node_id,
             labels=labels or {},
@@ -233,7 +270,7 @@ class ResidencyController:
             total_bytes=total_bytes,
             usable_bytes=min(usable_bytes, total_bytes),
             foreign_bytes=max(0, usable_bytes - free_bytes - ours),
-            reported_headroom_bytes=free_bytes,
+            reported_headroom_bytes=free_bytes - waiting,
             instances=instances,
             alive=True,
             draining=old.draining if old is not None else False,
@@ -331,7 +368,7 @@ class ResidencyController:
         model = waiter.model
         self._retry_if_files_changed(model)
         for _ in range(3):  # a Place is applied to the state at once: decide again on the new state
-            decision = ensure(model, self.state, now, self.config, waited_s=now - waiter.started)
+            decision = ensure(model, self.state, now, self.config, waited_s=now - waiter.started, exclude_nodes=self._removing_on(model))
             if not isinstance(decision, Place):
                 break
             if not self._begin_place(decision, for_requests=True):
@@ -368,6 +405,9 @@ class ResidencyController:
         if isinstance(decision, Place):  # still placing after three rounds: wait for the loads
             return False
         assert isinstance(decision, Reject)
+        if self._removing_on(model):  # X3: refused only while its files leave a node: decide again after
+            self._schedule_drain(self.config.retry_poll_s)
+            return False
         if decision.code == "unknown_model":
             pass  # a 404, not a placement decision: names a client made up stay out of the log and the metrics
         elif waiter.announced:
@@ -587,12 +627,14 @@ class ResidencyController:
                 await self._wait_for_change(self.config.retry_poll_s)
                 continue
             now = self.effects.now()
-            decision = ensure(model, self.state, now, self.config, waited_s=now - started)
+            decision = ensure(model, self.state, now, self.config, waited_s=now - started, exclude_nodes=self._removing_on(model))
             if self._waits_for_revoked(decision, started, now):
                 await self._wait_for_change(self.config.retry_poll_s)
             elif isinstance(decision, Place):
                 if not self._begin_place(decision):
                     await self._wait_for_change(self.config.retry_poll_s)
+            elif isinstance(decision, Reject) and self._removing_on(model):  # X3: its files leave a node now
+                await self._wait_for_change(self.config.retry_poll_s)
             elif isinstance(decision, Reject):
                 self._record("rejected", model=model, reason=decision.message)
                 raise _error_for(decision)
@@ -607,6 +649,8 @@ class ResidencyController:
                 raise OrchardError("node_not_found", f"no alive node {node_id!r}")
             if node.instance(spec.name) is not None:
                 return
+            if (spec.name, node_id) in self._removing:
+                raise OrchardError("files_in_use", f"the files of {spec.name} are being removed from {node_id}'s store: load it there after", "node")
             if self._copies(spec.name) >= spec.max_copies:
                 raise OrchardError(
                     "model_already_loaded",
@@ -633,6 +677,53 @@ class ResidencyController:
         for ref in refs:
             self._unload(ref, "unloaded by the operator")
         return refs
+
+    def begin_removing(self, node_id: str, models: frozenset[str]) -> None:
+        """An operator removes a folder from `node_id`'s store that `models` load from (X3): refused
+        (409 files_in_use) while one of them is on the node (loading, waiting to load, or loaded),
+        its weights are being copied there, or the folder is already being removed; else no
+        placement chooses that node for them until `end_removing`. Checked and marked in one step
+        of the loop, so no placement can start between the check and the removal."""
+        node = self.state.node(node_id)
+        on_node = sorted(i.model for i in node.instances if i.model in models) if node is not None else []
+        if on_node:
+            loading = [m for m in on_node if self._instance(node_id, m).status == "loading"]  # type: ignore[union-attr]  # on_node lists instances there
+            what = "is loading" if loading else "is"
+            raise OrchardError(
+                "files_in_use",
+                f"{', '.join(on_node)} {what if len(on_node) == 1 else 'are'} on {node_id} from these files"
+                + (" (a placement in progress)" if loading else "")
+                + ": unload first",
+                "node",
+            )
+        copying = sorted(m for m, n in self._prefetches if n == node_id and m in models)
+        if copying:
+            raise OrchardError("files_in_use", f"the weights of {', '.join(copying)} are being copied to {node_id} for a placement", "node")
+        if any((m, node_id) in self._removing for m in models):
+            raise OrchardError("files_in_use", f"these files are already being removed from {node_id}", "node")
+        self._removing.update((m, node_id) for m in models)
+
+    def end_removing(self, node_id: str, models: frozenset[str], removed: bool) -> None:
+        """The removal `begin_removing` allowed has ended: the node's store no longer holds the
+        models' weights when it `removed` them, and placements may choose the node again."""
+        self._removing.difference_update((m, node_id) for m in models)
+        node = self.state.node(node_id)
+        if removed and node is not None:
+            self.state = mark_unstored(self.state, node_id, models)
+        self._wake()
+
+    def _removing_on(self, model: str) -> frozenset[str]:
+        """The nodes from whose store `model`'s files are being removed (X3)."""
+        return frozenset(n for m, n in self._removing if m == model)
+
+    def held_bytes(self, node_id: str) -> int:
+        """What our instances on the node hold or are loading: those waiting for room to start
+        hold nothing yet (what the node's agent is told Orchard uses there)."""
+        node = self.state.node(node_id)
+        return (sum(i.bytes for i in node.instances) if node is not None else 0) - self._awaiting_bytes(node_id)
+
+    def _awaiting_bytes(self, node_id: str) -> int:
+        return sum(n for ref, n in self._awaiting_room.items() if ref.node_id == node_id)
 
     def pin(self, model: str, pinned: bool = True) -> ModelSpec:
         spec = self._spec(model).model_copy(update={"pinned": pinned})
@@ -671,29 +762,33 @@ class ResidencyController:
         """Apply the decision to the state now (so the next decision sees it), then carry it out;
         True when placed. A placement that evicts, on a node whose store lacks the weights, fetches
         them first and places nothing yet (False): a fetch that fails has evicted nothing, and the
-        next decision, once the weights are there, may find a better node (L1)."""
+        next decision, once the weights are there, may find a better node (L1). Nor is a model
+        placed on a node its files are being removed from (X3)."""
         spec = self.state.catalog[place.model]
         node = self.state.node(place.node_id)
+        if (place.model, place.node_id) in self._removing:
+            return False
         if place.evict and node is not None and fetch_source(spec, node, self.state) is not None:
             self._prefetch(place.model, place.node_id, for_requests)
             return False
-        now = self.effects.now()
-        for victim in place.evict:
-            inst = self._instance(victim.node_id, victim.model)
-            self._record(
-                "evicted",
-                model=victim.model,
-                node_id=victim.node_id,
-                bytes=inst.bytes if inst else None,
-                reason=f"to place {place.model}: {place.reason}",
-            )
-            self._spawn(self.effects.stop_instance(victim, f"evicted for {place.model}"))
-        self.state = apply_place(self.state, place, now)
-        self._record("placed", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=place.reason)
-        task = self._spawn(self._load(place, attempt=1))
+        task = self._carry_out(place, 1, f"to place {place.model}: {place.reason}", f"evicted for {place.model}")
         if for_requests:
             self._track(place.model, place.node_id, task)
         return True
+
+    def _carry_out(self, place: Place, attempt: int, evicted: str, stop_reason: str) -> asyncio.Task:
+        """Unload, then load (X1): stop the victims, apply the placement to the state (its bytes
+        reserved, the victims' counted free for the next decision), and start the load, which waits
+        for every victim and every other stop on its node to exit before it begins."""
+        after = set(self._stopping.get(place.node_id, ()))
+        for victim in place.evict:
+            inst = self._instance(victim.node_id, victim.model)
+            nbytes = inst.bytes if inst else None
+            self._record("evicted", model=victim.model, node_id=victim.node_id, bytes=nbytes, reason=evicted)
+            after.add(self._stop(victim, stop_reason, nbytes))
+        self.state = apply_place(self.state, place, self.effects.now())
+        self._record("placed", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=place.reason)
+        return self._spawn(self._load(place, attempt, tuple(after)))
 
     def _track(self, model: str, node_id: str, task: asyncio.Task) -> None:
         key = (model, node_id)
@@ -726,17 +821,32 @@ class ResidencyController:
             self._prefetches.discard((model, node_id))
             self._wake()
 
-    async def _load(self, place: Place, attempt: int) -> None:
+    async def _load(self, place: Place, attempt: int, after: tuple[asyncio.Task, ...] = ()) -> None:
         ref = InstanceRef(node_id=place.node_id, model=place.model)
         spec = self.state.catalog[place.model]
+        started = False
         try:
+            why = ""
+            if after or place.node_id in self._unsure:
+                self._awaiting_room[ref] = place.bytes
+                try:
+                    why = await self._await_room(place, after)
+                finally:
+                    self._awaiting_room.pop(ref, None)
+                if not why:  # unloaded, or its node died, while it waited: nothing was started
+                    return
+            started = True
+            self._record("loading", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=why)
             result = await self.effects.start_instance(place, spec)
         except asyncio.CancelledError:  # nobody waits for it (the event is recorded): release its reservation
             node = self.state.node(place.node_id)
             if node is not None and node.instance(place.model) is not None:
                 self.state = remove_instance(self.state, ref)
-            self._spawn(self.effects.stop_instance(ref, "cancelled: nobody waits for it"))
+            self._stop(ref, "cancelled: nobody waits for it", None, announce=started)
             self._wake()
+            return
+        except NoRoom as e:
+            self._no_room(place, ref, e.message)
             return
         except LoadError as e:
             self._load_failed(place, ref, e.reason, e.message, attempt)
@@ -746,10 +856,56 @@ class ResidencyController:
             return
         node = self.state.node(place.node_id)
         if node is None or not node.alive or node.instance(place.model) is None:
-            self._spawn(self.effects.stop_instance(ref, "its node died or it was unloaded while loading"))
+            self._stop(ref, "its node died or it was unloaded while loading", result.bytes)
             return
         self.state = mark_loaded(self.state, ref, self.effects.now(), result.load_seconds, result.bytes)
         self._record("loaded", model=place.model, node_id=place.node_id, bytes=result.bytes, seconds=result.load_seconds)
+        self._wake()
+
+    async def _await_room(self, place: Place, after: tuple[asyncio.Task, ...]) -> str:
+        """Wait until every stop in `after` has confirmed its process gone and a report of the node,
+        asked for after that, measures free memory for this placement and every other one waiting
+        there (X1); at most `exit_wait_s`. Returns why it may load now (for the `loading` event),
+        or "" when the placement left the state meanwhile. NoRoom when the wait fails."""
+        node_id = place.node_id
+        deadline = self.effects.now() + self.config.exit_wait_s
+        ended_at: float | None = None
+        while True:
+            node = self.state.node(node_id)
+            inst = node.instance(place.model) if node is not None and node.alive else None
+            if inst is None or inst.status != "loading":
+                return ""
+            running = [t for t in after if not t.done()]
+            failed = [t for t in after if t.done() and (t.cancelled() or t.exception() is not None or not t.result())]
+            if failed:
+                raise NoRoom(f"{len(failed)} of the instances stopping on {node_id} (and the victims) did not confirm their exit")
+            if not running:
+                if ended_at is None:
+                    ended_at = self.effects.now()
+                    self.effects.want_report(node_id)
+                asked, free = self._reports.get(node_id, (float("-inf"), 0))
+                need = self._awaiting_bytes(node_id)
+                if asked >= ended_at and free >= need:
+                    self._unsure.pop(node_id, None)
+                    return f"after the stops on {node_id} its report measured {gib(free)} free, {gib(need)} to load"
+            now = self.effects.now()
+            if now >= deadline:
+                if running:
+                    raise NoRoom(f"{len(running)} instance(s) stopping for it had not exited after {self.config.exit_wait_s:.0f} s")
+                asked, free = self._reports.get(node_id, (float("-inf"), 0))
+                seen = f"its last report measured {gib(free)} free" if ended_at is not None and asked >= ended_at else "no report came"
+                raise NoRoom(f"{node_id} did not show {gib(self._awaiting_bytes(node_id))} free within {self.config.exit_wait_s:.0f} s: {seen}")
+            if ended_at is not None and self._reports.get(node_id, (float("-inf"), 0))[0] >= ended_at:
+                self.effects.want_report(node_id)  # a report after the stops, short of room: measure again
+            await self._wait_for_change(min(self.config.retry_poll_s, max(0.0, deadline - now)))
+
+    def _no_room(self, place: Place, ref: InstanceRef, message: str) -> None:
+        """X1: a placement whose node never showed the room loads nothing: its reservation goes,
+        the model is not marked failed (its files are not at fault), and the requests waiting for
+        it decide again against the node's latest report."""
+        self._record("load_failed", model=place.model, node_id=place.node_id, reason=f"no_room: {message}; nothing was loaded")
+        if self._instance(place.node_id, place.model) is not None:
+            self.state = remove_instance(self.state, ref)
         self._wake()
 
     def _load_failed(self, place: Place, ref: InstanceRef, reason: str, message: str, attempt: int) -> None:
@@ -757,17 +913,12 @@ class ResidencyController:
         node = self.state.node(place.node_id)
         if node is not None and node.instance(place.model) is not None:
             self.state = remove_instance(self.state, ref)
-        self._spawn(self.effects.stop_instance(ref, "failed to load"))
+        self._stop(ref, "failed to load", None)
         failure = LoadFailure(model=place.model, node_id=place.node_id, reason=reason, message=message, attempt=attempt)
         now = self.effects.now()
         retry = retry_after_failure(failure, self.state, now, self.config)
-        if isinstance(retry, Place):
-            for victim in retry.evict:
-                self._record("evicted", model=victim.model, node_id=victim.node_id, reason=f"retrying {place.model}: {retry.reason}")
-                self._spawn(self.effects.stop_instance(victim, f"evicted to retry {place.model}"))
-            self.state = apply_place(self.state, retry, self.effects.now())
-            self._record("placed", model=retry.model, node_id=retry.node_id, bytes=retry.bytes, reason=retry.reason)
-            self._spawn(self._load(retry, attempt=attempt + 1))
+        if isinstance(retry, Place) and (retry.model, retry.node_id) not in self._removing:
+            self._carry_out(retry, attempt + 1, f"retrying {place.model}: {retry.reason}", f"evicted to retry {place.model}")
         else:  # P9/P10: not retried, nothing evicted; requests are refused until the back-off ends
             self.state = mark_failed(self.state, failure, now)
             self._failed_files[place.model] = self.effects.files_version(place.model)
@@ -796,8 +947,41 @@ class ResidencyController:
             if lease.node_id == ref.node_id and lease.model == ref.model:
                 self._forget_lease(lease_id)
         self._record(kind, model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=reason)
-        self._spawn(self.effects.stop_instance(ref, stop_reason))
+        self._stop(ref, stop_reason, inst.bytes, announce=ref not in self._awaiting_room)  # one still waiting for room runs nothing
         self._wake()
+
+    def _stop(self, ref: InstanceRef, reason: str, nbytes: int | None, *, announce: bool = True) -> asyncio.Task:
+        """Stop the instance's process (the effect takes its incarnation now), tracked as stopping
+        on its node until it has exited: loads placed there meanwhile wait for it (X1). Its exit is
+        a `stopped` event with the bytes it released (`announce`: a process may have run)."""
+        stopping = self.effects.stop_instance(ref, reason)
+        task = self._spawn(self._run_stop(ref, stopping, reason, nbytes if announce else None, announce))
+        self._stopping.setdefault(ref.node_id, set()).add(task)
+
+        def done(t: asyncio.Task, node_id: str = ref.node_id) -> None:
+            on_node = self._stopping.get(node_id)
+            if on_node is not None:
+                on_node.discard(t)
+                if not on_node:
+                    del self._stopping[node_id]
+
+        task.add_done_callback(done)
+        return task
+
+    async def _run_stop(self, ref: InstanceRef, stopping, reason: str, nbytes: int | None, announce: bool) -> bool:
+        try:
+            gone = bool(await stopping)
+        except Exception as e:  # an effect that broke: the exit is not confirmed
+            gone = False
+            reason = f"{reason}; stopping it failed: {type(e).__name__}: {e}"
+        if not gone:  # its memory may still be held: loads there wait for a report that shows the room
+            self._unsure[ref.node_id] = self.effects.now()
+            self.effects.want_report(ref.node_id)
+        if gone and announce:
+            released = f"{gib(nbytes)} released" if nbytes is not None else "its memory released"
+            self._record("stopped", model=ref.model, node_id=ref.node_id, bytes=nbytes, reason=f"its process exited, {released} ({reason})")
+        self._wake()
+        return gone
 
     # ---- plumbing -----------------------------------------------------------------------------
     def _forget_lease(self, lease_id: str) -> None:

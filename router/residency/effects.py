@@ -10,8 +10,11 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import ray
+from ray._private import state as ray_state
+
 from cluster.node_agent import get_agent
-from cluster.placement import actor_name, create_model_server, kill_model_server, new_incarnation
+from cluster.placement import NAMESPACE, actor_name, create_model_server, kill_model_server, new_incarnation
 from deployments.manifest import ManifestEntry, model_location
 from deployments.model_server import unwrap
 from policy import InstanceRef, ModelSpec, Place
@@ -32,6 +35,7 @@ class RayEffects:
         drain_timeout_s: float = 30.0,
         server_options: dict | None = None,
         fetch_max_bytes_per_s: float | None = None,
+        exit_timeout_s: float = 10.0,
     ):
         self.entries = entries
         self.fetch_max_bytes_per_s = fetch_max_bytes_per_s
@@ -39,6 +43,8 @@ class RayEffects:
         self.ray_node_ids: dict[str, str] = {}  # Orchard node id -> Ray node id, kept by the node watcher
         self.load_timeout_s = load_timeout_s
         self.drain_timeout_s = drain_timeout_s
+        self.exit_timeout_s = exit_timeout_s  # after a stop, how long its process may take to be gone
+        self.report_wanted = asyncio.Event()  # the controller wants fresh node reports (the service's watcher waits on it)
         self.listeners: list = []
         self.server_options = server_options or {}  # ModelServer options (coalescing)
         self.actors: dict[tuple[str, str], str] = {}  # (model, node) -> actor name of its current incarnation
@@ -47,6 +53,10 @@ class RayEffects:
 
     def now(self) -> float:
         return time.monotonic()
+
+    def want_report(self, node_id: str) -> None:
+        """The controller waits for a report of `node_id` (X1): the watcher's next round starts now."""
+        self.report_wanted.set()
 
     def files_version(self, model: str) -> str | None:
         """Names, sizes and modification times of the model folder's files as this process sees
@@ -260,20 +270,44 @@ class RayEffects:
         await self._run_fetch(node_id, entry, call, target, folder, f"copying {folder}", "peer")
         return root
 
-    def stop_instance(self, instance: InstanceRef, reason: str) -> Coroutine[Any, Any, None]:
-        """Stop the instance's current incarnation. Its actor name is taken now, not when the stop
-        runs: by then the model may be placed there again, as a new incarnation."""
+    def stop_instance(self, instance: InstanceRef, reason: str) -> Coroutine[Any, Any, bool]:
+        """Stop the instance's current incarnation; True once its process is gone (X1). Its actor
+        name is taken now, not when the stop runs: by then the model may be placed there again, as
+        a new incarnation."""
         name = self.actors.pop((instance.model, instance.node_id), None)
         return self._stop(instance, name, reason)
 
-    async def _stop(self, instance: InstanceRef, name: str | None, reason: str) -> None:
+    async def _stop(self, instance: InstanceRef, name: str | None, reason: str) -> bool:
         if name is None:
-            return
+            return True  # no actor was started for it
+        found = await asyncio.to_thread(live_actor, name)
         log.info("stopping %s (%s): %s", instance, name, reason)
         try:
             await kill_model_server(name, drain_timeout_s=self.drain_timeout_s, reason=reason)
         except Exception:  # a node that died with it: nothing left to stop
             log.exception("stopping %s failed", instance)
+        if found is None:  # gone before the stop began
+            return True
+        return await self._exited(instance.node_id, *found)
+
+    async def _exited(self, node_id: str, actor_id: str, pid: int) -> bool:
+        """Whether the stopped actor is gone within exit_timeout_s: Ray's actor table reads it DEAD
+        and its node's agent no longer finds its worker process (a Mac frees the process's memory
+        only once it has exited)."""
+        agent = get_agent(node_id)
+        deadline = time.monotonic() + self.exit_timeout_s
+        while True:
+            dead = await asyncio.to_thread(actor_dead, actor_id)
+            try:
+                running = dead and agent is not None and pid > 0 and await asyncio.wait_for(agent.process_alive.remote(pid), self.exit_timeout_s)
+            except Exception:  # the agent died with its node: the process with it
+                running = False
+            if dead and not running:
+                return True
+            if time.monotonic() >= deadline:
+                log.warning("%s on %s: %s after its stop", actor_id, node_id, "its process still runs" if dead else "Ray does not read it dead")
+                return False
+            await asyncio.sleep(0.05)
 
     def publish(self, event: ClusterEvent) -> None:
         log.info("%s %s %s %s", event.kind, event.model or "", event.node_id or "", event.reason)
@@ -299,6 +333,26 @@ def load_failure_reason(code: str, message: str) -> LoadFailureReason:
     if code == "unavailable" or any(marker in message.lower() for marker in _OUT_OF_MEMORY):
         return "out_of_memory"
     return "bad_files" if code == "load_failed" else "error"
+
+
+def live_actor(name: str) -> tuple[str, int] | None:
+    """(actor id, worker process id) of the live model server `name` (Ray's actor table, a GCS
+    call); None when Ray lists no live actor by that name."""
+    try:
+        handle = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+    actor_id = handle._actor_id.hex()
+    record = ray_state.actors(actor_id=actor_id)
+    return actor_id, int(record.get("Pid") or 0)
+
+
+def actor_dead(actor_id: str) -> bool:
+    """Whether Ray's actor table reads the actor DEAD."""
+    try:
+        return ray_state.actors(actor_id=actor_id).get("State") == "DEAD"
+    except Exception:  # the GCS unreachable for a moment: not confirmed
+        return False
 
 
 def store_folder(entry: ManifestEntry) -> str | None:

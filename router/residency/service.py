@@ -75,7 +75,11 @@ class ResidencyService:
     # ---- the watcher ---------------------------------------------------------------------------
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(self.watch_period_s)
+            try:  # a round every watch_period_s, or at once when the controller wants node reports (X1)
+                await asyncio.wait_for(self.effects.report_wanted.wait(), self.watch_period_s)
+            except TimeoutError:
+                pass
+            self.effects.report_wanted.clear()
             try:
                 await self._observe_nodes()
                 await self._observe_instances()
@@ -88,7 +92,8 @@ class ResidencyService:
 
     async def _observe_nodes(self) -> None:
         agents = await asyncio.to_thread(ensure_agents)
-        used = {n.node_id: sum(i.bytes for i in n.instances) for n in self.controller.state.nodes}
+        asked = self.effects.now()  # the reports measure after this (X1 trusts only those after a stop)
+        used = {n.node_id: self.controller.held_bytes(n.node_id) for n in self.controller.state.nodes}
         reports = await asyncio.to_thread(collect_reports, agents, used)
         for node_id, report in reports.items():
             self.effects.ray_node_ids[node_id] = report.ray_node_id
@@ -102,6 +107,7 @@ class ResidencyService:
                 free_bytes=report.free_bytes,
                 labels=report.labels,
                 stored=self._stored(report.store) if report.store is not None else None,
+                asked_at=asked,
             )
         alive = {n.node_id for n in await asyncio.to_thread(alive_nodes)}
         for node in self.controller.state.nodes:
@@ -286,7 +292,7 @@ class ResidencyService:
             ref = await self.controller.load(model, node_id)
         except OrchardError as e:
             return error_dict(e)
-        await asyncio.to_thread(self.store.add_load, model, node_id)
+        await self.store.add_load(model, node_id)  # started in the step the load ended (X2)
         return {"model": ref.model, "node_id": ref.node_id, "status": "loaded"}
 
     async def unload(self, model: str) -> dict[str, Any]:
@@ -294,7 +300,7 @@ class ResidencyService:
             refs = self.controller.unload(model)
         except OrchardError as e:
             return error_dict(e)
-        await asyncio.to_thread(self.store.drop_load, model)
+        await self.store.drop_load(model)  # started in the step of the change (X2)
         return {"model": model, "unloaded_from": [r.node_id for r in refs]}
 
     async def pin(self, model: str, pinned: bool) -> dict[str, Any]:
@@ -302,7 +308,7 @@ class ResidencyService:
             spec = self.controller.pin(model, pinned)
         except OrchardError as e:
             return error_dict(e)
-        await asyncio.to_thread(self.store.set_pin, model, pinned)
+        await self.store.set_pin(model, pinned)  # started in the step of the change (X2)
         return {"model": model, "pinned": spec.pinned}
 
     async def pull(self, model: str, nodes: list[str] | None = None) -> dict[str, Any]:
@@ -341,8 +347,9 @@ class ResidencyService:
 
     async def delete_files(self, model: str, node_id: str, force: bool = False) -> dict[str, Any]:
         """Remove the model's folder from one node's store: not while a model using that folder is
-        on the node (loading or loaded) or being copied in; not the cluster's last stored copy
-        unless `force`."""
+        on the node (loading, waiting to load or loaded) or being copied in, and no placement
+        chooses that node for those models until the removal has ended (X3); not the cluster's last
+        stored copy unless `force`."""
         try:
             folder = store_folder(self._entry(model))
             store = self.effects.stores.get(node_id)
@@ -350,19 +357,19 @@ class ResidencyService:
                 raise OrchardError("node_not_found", f"no store report from node {node_id}", "node")
             if folder is None or not (holds(store, folder) or folder in store.get("partial", {})):
                 raise OrchardError("files_not_stored", f"node {node_id}'s store does not hold the files of {model}", "node")
-            node = self.controller.state.node(node_id)
-            users = sorted(i.model for i in node.instances if store_folder(self.effects.entries[i.model]) == folder) if node else []
-            if users:
-                raise OrchardError(
-                    "files_in_use", f"{', '.join(users)} {'is' if len(users) == 1 else 'are'} on {node_id} from these files: unload first", "node"
-                )
-            if not force and not self.effects.entries[model].hub and holds(store, folder) and not self.effects.holders(folder, but=node_id):
-                raise OrchardError(
-                    "last_stored_copy",
-                    f"node {node_id} holds the cluster's last stored copy of {folder}: pass force=true to remove it anyway",
-                    "force",
-                )
-            removed = await self.effects.remove_files(node_id, folder)
+            users = frozenset(name for name, entry in self.effects.entries.items() if store_folder(entry) == folder)
+            self.controller.begin_removing(node_id, users)  # checked and marked in this step: no placement slips in
+            removed = False
+            try:
+                if not force and not self.effects.entries[model].hub and holds(store, folder) and not self.effects.holders(folder, but=node_id):
+                    raise OrchardError(
+                        "last_stored_copy",
+                        f"node {node_id} holds the cluster's last stored copy of {folder}: pass force=true to remove it anyway",
+                        "force",
+                    )
+                removed = await self.effects.remove_files(node_id, folder)
+            finally:
+                self.controller.end_removing(node_id, users, removed)
         except OrchardError as e:
             return error_dict(e)
         self.controller.record("files_removed", model=model, node_id=node_id, reason=f"{folder} removed from the store by an operator")
