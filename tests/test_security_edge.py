@@ -9,6 +9,7 @@ import json
 import time
 from urllib.parse import urlsplit
 
+import openai
 import pytest
 import requests
 
@@ -117,3 +118,16 @@ def test_an_unknown_host_is_refused_and_loopback_names_answer(orchard, via):
     for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
         status, _, body = send(orchard[via], "GET", "/v1/models", {"authorization": f"Bearer {USER}", "host": host})
         assert status == 200 and [m["id"] for m in body["data"]] == ["llama-10m"], host  # the user key sees its model only
+
+
+@pytest.mark.parametrize("via", VIA)
+def test_clients_that_send_the_whole_body_first_read_the_413(orchard, via):
+    """requests and the OpenAI SDK (httpx) write the whole body before reading: they still read the 413
+    the server answered at once and closed on (not a connection error)."""
+    user = {"authorization": f"Bearer {USER}", "content-type": "application/json"}
+    r = requests.post(orchard[via] + "/v1/chat/completions", data=b" " * (4 * 1024**2), headers=user, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    client = openai.OpenAI(base_url=orchard[via] + "/v1", api_key=USER, max_retries=0, timeout=30)
+    with pytest.raises(openai.APIStatusError) as info:
+        client.audio.transcriptions.create(model="llama-10m", file=("big.wav", b"RIFF" + b"\0" * (4 * 1024**2)))
+    assert info.value.status_code == 413
