@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         base = f"http://127.0.0.1:{http_port}"
         for model, node in (("llama-10m", "mac-1"), ("all-minilm-l6-v2", "head"), ("smollm2-135m-instruct", "head")):
             _ok(requests.post(f"{base}/v1/models/{model}/load", json={"node": node}, timeout=300))
-        _ok(requests.post(f"{base}/v1/models/all-minilm-l6-v2/unload", timeout=60))
+        _ok(requests.post(f"{base}/v1/models/all-minilm-l6-v2/unload", json={}, timeout=60))
         time.sleep(3)  # the unloaded server ends itself; the dashboard polls the GCS
         args.out.parent.mkdir(parents=True, exist_ok=True)
         screenshot(f"http://127.0.0.1:{dashboard_port}/#/actors", args.out)

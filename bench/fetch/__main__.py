@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from cluster.local import session_token_env  # does not import Ray
+
+os.environ.update(session_token_env())  # Ray's token auth, as every Orchard cluster runs
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import ray
@@ -143,7 +145,7 @@ def ttft_runs(models_dir: Path, stores: dict[str, Path], port: int) -> dict:
     with_copy = first_token_s(base, "llama-10m")
     events = requests.get(f"{base}/v1/cluster/events", timeout=30).json()["data"]
     fetched = next(e for e in events if e["kind"] == "fetched")
-    assert requests.post(f"{base}/v1/models/llama-10m/unload", timeout=60).status_code == 200
+    assert requests.post(f"{base}/v1/models/llama-10m/unload", json={}, timeout=60).status_code == 200
     time.sleep(1)
     stored = first_token_s(base, "llama-10m")
     serve.shutdown()

@@ -17,11 +17,13 @@ def node_args(name: str, budget_gib: float, cpus: int) -> dict:
 
 
 class Http:
-    """requests with a base URL, for the cluster routes the openai client does not know."""
+    """requests with a base URL, for the cluster routes the openai client does not know. It sends an
+    Authorization header as the openai SDK does (a placeholder when the app has no keys): a POST
+    without one or a JSON body is refused as a possible cross-site request (router/api/guard.py)."""
 
     def __init__(self, base: str, headers: dict[str, str] | None = None):
         self.base = base
-        self.headers = headers or {}
+        self.headers = headers or {"Authorization": "Bearer unused"}
 
     def get(self, path: str, **kw):
         return requests.get(self.base + path, timeout=120, headers=self.headers, **kw)
