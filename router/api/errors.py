@@ -4,7 +4,10 @@ Below the routes everything raises `OrchardError` (router/errors.py); FastAPI's 
 body that does not validate, an unknown route, a wrong method) and anything unexpected arrive
 here too. The protocol is the route's: Anthropic's `{"type": "error", ...}` under /v1/messages,
 OpenAI's `{"error": {...}}` everywhere else, unknown routes included. A status with a retry
-carries Retry-After."""
+carries Retry-After.
+
+What a user key may read of an error is decided here too (`for_principal`): its own request, key and
+model, never the cluster's other models, nodes, memory or files."""
 
 import logging
 from typing import Literal
@@ -48,6 +51,48 @@ def validation_error(protocol: Protocol, errors: list) -> OrchardError:
 
 
 _HTTP_CODES = {404: "route_not_found", 405: "method_not_allowed"}
+
+# Codes whose messages speak only of the caller's own request, key or model (a bad field, a prompt
+# over the context, a model that cannot do what was asked, the key's own limits): every key reads
+# them as they are. Any other code (placement refusals, load failures, instances gone, internal
+# errors, and any code added later) reaches a user key with a neutral message: those name other
+# models, nodes, their memory or the store's paths. Admin keys read every message; the details also
+# stay in the cluster's events (GET /v1/cluster/events, admin keys only).
+USER_SAFE_CODES = frozenset(
+    {
+        "invalid_request",
+        "context_length_exceeded",
+        "unsupported",
+        "cancelled",
+        "model_not_found",
+        "model_not_supported",
+        "unsupported_content",
+        "tools_not_supported",
+        "invalid_api_key",
+        "permission_denied",
+        "rate_limited",
+        "route_not_found",
+        "method_not_allowed",
+        "file_too_large",
+    }
+)
+
+
+def for_principal(e: OrchardError, admin: bool, model: str) -> OrchardError:
+    """`e` as the key that made the request may read it: as it is for an admin key or a code in
+    USER_SAFE_CODES, else the same code, status, parameter and Retry-After with a message that
+    names only `model` (the model the key asked for)."""
+    if admin or e.code in USER_SAFE_CODES:
+        return e
+    if e.status >= 500 and e.status != 503:
+        message = f"model {model!r} failed to answer this request ({e.code})"
+    else:
+        message = f"model {model!r} cannot serve requests right now ({e.code})"
+    if e.retry_after_s:
+        message += f"; retry in {max(1, round(e.retry_after_s))} s"
+    return OrchardError(
+        e.code, message + "; an operator can see why in the cluster's events and logs", e.param, retry_after_s=e.retry_after_s, status=e.status
+    )
 
 
 def install(app: FastAPI) -> None:

@@ -6,6 +6,7 @@ non-streamed one is one call answered at its end (WholeGeneration). A request th
 any output raises (the protocol's error handler answers); one that fails after some output ends
 its stream with the protocol's error event."""
 
+import json
 import time
 from collections.abc import Callable
 
@@ -14,8 +15,10 @@ from router.api.ingress import Ingress
 from router.api.keys import Principal
 from router.api.request_context import ARRIVED
 from router.api.sse import event_stream
+from router.protocols import openai as oai
 from router.protocols.openai import DEFAULT_MAX_TOKENS
 from router.residency import metrics
+from router.residency.limits import estimate_tokens
 from router.serving.generation import ChatOrCompletion, DeltaStream, WholeGeneration, prepare
 from router.serving.output.parsing import OutputParser
 from router.serving.renderers import Renderer
@@ -25,8 +28,7 @@ async def generate(
     ingress: Ingress, who: Principal, body: ChatOrCompletion, make_renderer: Callable[[OutputParser | None], Renderer], *, stream: bool
 ):
     entered = time.monotonic()
-    reserve = getattr(body, "max_completion_tokens", None) or body.max_tokens or DEFAULT_MAX_TOKENS  # what the key's tpm holds
-    async with ingress.hold(who, body.model, reserve) as lease:
+    async with ingress.hold(who, body.model, reserve_tokens(body)) as lease:
         request, parser = prepare(lease, body, allow_remote_images=ingress.allow_remote_images)
         renderer = make_renderer(parser)
         arrived = ARRIVED.get() or entered
@@ -40,7 +42,29 @@ async def generate(
         first = await deltas.first()
         timing = {"Server-Timing": server_timing(entered - arrived, deltas.started - entered, deltas.ttft_s or 0.0)}
         lease.hand_off()  # the event stream ends it: closing `deltas` releases the lease
-        return event_stream(first, deltas, renderer, body.model, headers=timing)
+        return event_stream(first, deltas, renderer, body.model, who, write_timeout_s=ingress.stream_write_timeout_s, headers=timing)
+
+
+def reserve_tokens(body: ChatOrCompletion) -> int:
+    """What a generation holds of its key's tpm until it ends (then its real usage replaces it):
+    the prompt's estimate plus the most it may generate."""
+    return prompt_estimate(body) + (getattr(body, "max_completion_tokens", None) or body.max_tokens or DEFAULT_MAX_TOKENS)
+
+
+def prompt_estimate(body: ChatOrCompletion) -> int:
+    """The prompt's tokens before the model's tokenizer sees it: a token-id prompt's length, else
+    `estimate_tokens` over every text the prompt is made of (messages, tool calls, tool schemas).
+    Images are not estimated (the model's usage counts them when the request ends)."""
+    if isinstance(body, oai.CompletionRequest):
+        return len(body.prompt) if isinstance(body.prompt, list) else estimate_tokens(body.prompt)
+    texts = []
+    for message in body.messages:
+        texts.append(message.text())
+        if message.tool_calls:
+            texts.append(json.dumps(message.tool_calls))
+    if body.tools:
+        texts.append(json.dumps([tool.model_dump(mode="json", exclude_none=True) for tool in body.tools]))
+    return estimate_tokens(*texts)
 
 
 def server_timing(app_s: float, lease_s: float, first_delta_s: float) -> str:

@@ -9,10 +9,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from router.api.errors import for_principal
 from router.api.keys import Principal
 from router.errors import OrchardError
 from router.serving.lease import Lease, Leases
 from router.serving.stream_mux import StreamMux
+
+# A streamed response whose client takes none of a write for this long ends (router/api/sse.py).
+STREAM_WRITE_TIMEOUT_S = 30.0
 
 
 class Ingress:
@@ -26,6 +30,7 @@ class Ingress:
         max_audio_bytes: int = 25 * 1024**2,
         route_linger_s: float = 2.0,
         gil_switch_ms: float | None = None,
+        stream_write_timeout_s: float = STREAM_WRITE_TIMEOUT_S,
     ):
         if gil_switch_ms is not None:
             # How soon Ray's threads (a submit going out, a channel's batch coming in) get the GIL
@@ -40,16 +45,25 @@ class Ingress:
             logging.getLogger("orchard.ingress").warning("no API keys configured: every route is open to whoever reaches this address")
         self.allow_remote_images = allow_remote_images
         self.max_audio_bytes = max_audio_bytes
+        self.stream_write_timeout_s = stream_write_timeout_s
         install(self)
 
     @contextlib.asynccontextmanager
     async def hold(self, who: Principal, model: str, reserve_tokens: int = 0) -> AsyncIterator[Lease]:
         """A lease on `model` for `who` (router.serving.lease), counted against the key's limits with
-        `reserve_tokens` held until it ends; a model the key may not use is a 404."""
+        `reserve_tokens` held until it ends (end it early with `lease.release(used_tokens)` to count
+        what the request really used); a model the key may not use is a 404. Whatever fails while
+        it is held reaches the client as `who` may read it (router.api.errors.for_principal)."""
         if not who.may_use(model):
             raise OrchardError("model_not_found", f"model {model!r} is not in the registry", "model")
-        async with self.leases.hold(model, who.tenant(), reserve_tokens) as lease:
-            yield lease
+        try:
+            async with self.leases.hold(model, who.tenant(), reserve_tokens) as lease:
+                yield lease
+        except OrchardError as e:
+            shown = for_principal(e, who.admin, model)
+            if shown is e:
+                raise
+            raise shown from None
 
     def close(self) -> None:
         """The replica is shutting down: close every channel (each actor cancels what was open)."""

@@ -4,7 +4,13 @@ Every generation this replica runs on an actor shares one Ray stream (ModelServe
 actor sends one item per flush carrying the merged deltas of all those generations, and a reader
 task here fans them out to per-request queues. Relaying one Ray item per stream per flush cost
 about 0.75 ms of CPU each (shared/ray/README.md); per actor per flush, that cost no longer grows
-with the number of open streams."""
+with the number of open streams.
+
+The reader never waits for a request's consumer (one slow request must not stall the channel's
+other streams): each request's queue holds at most `MAX_QUEUED` items, and a request whose consumer
+lets it fill is cancelled (its generation stopped in the engine, its stream ended with `Overrun`)
+instead. The ingress's consumer drains its queue as the items come (router/api/sse.py's pump), so a
+reading client, however slow, never meets this bound."""
 
 import asyncio
 import contextlib
@@ -15,7 +21,10 @@ from typing import Any
 import ray
 
 from deployments.model_server import open_channel
+from router.errors import OrchardError
 from router.serving.detached import send_detached
+
+MAX_QUEUED = 1024  # items (one per flush) a request's consumer may leave unread before it is cancelled
 
 
 class Unavailable(Exception):
@@ -26,7 +35,15 @@ class Unavailable(Exception):
         self.timed_out = timed_out
 
 
+class Overrun(OrchardError):
+    """A request's consumer left MAX_QUEUED items unread: the generation was cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__("cancelled", f"the stream was not read ({MAX_QUEUED} deliveries waited): its generation was stopped")
+
+
 _GONE = object()  # put in every queue of a channel whose actor went away
+_OVERRUN = object()  # put in a request's queue when it filled: the request was cancelled
 
 
 class _Reader:
@@ -38,7 +55,7 @@ class _Reader:
         self.actor = actor
         self.label = label
         self.channel_id = f"{mux.replica_id}:{uuid.uuid4().hex[:8]}"
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, MuxStream] = {}
         self.failure: str | None = None
         self.stream = open_channel(actor, self.channel_id)
         self.task = asyncio.get_running_loop().create_task(self._run())
@@ -47,9 +64,9 @@ class _Reader:
         try:
             async for ref in self.stream:
                 for request_id, item in await ref:
-                    queue = self.queues.get(request_id)
-                    if queue is not None:
-                        queue.put_nowait(item)
+                    stream = self.streams.get(request_id)
+                    if stream is not None:
+                        stream.deliver(item)
             self.failure = f"{self.label} closed its stream"
         except asyncio.CancelledError:
             self.failure = f"{self.label}: the ingress stopped reading"
@@ -58,19 +75,30 @@ class _Reader:
             self.failure = f"{self.label} is unavailable: {type(e).__name__}"
         finally:
             self.mux._forget(self)
-            for queue in self.queues.values():
-                queue.put_nowait(_GONE)
+            for stream in self.streams.values():
+                stream.queue.put_nowait(_GONE)
 
 
 class MuxStream:
     """One generation's deltas (dicts) from its channel, with a per-item inactivity timeout."""
 
-    def __init__(self, reader: _Reader, request_id: str, queue: asyncio.Queue, submitted: Any = None):
+    def __init__(self, reader: _Reader, request_id: str, submitted: Any = None):
         self.reader = reader
         self.request_id = request_id
-        self.queue = queue
+        self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self.submitted = submitted  # the submit call's ObjectRef: a cancel is sent only after it ran
+
+    def deliver(self, item: dict) -> None:
+        """The reader's hand-off: queue `item`, or cancel the request when its consumer left
+        MAX_QUEUED items unread (never wait: the channel carries other requests' streams)."""
+        if self.queue.qsize() < MAX_QUEUED:
+            self.queue.put_nowait(item)
+            return
+        self.close()  # unrouted, and its generation cancelled in the engine
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queue.put_nowait(_OVERRUN)
 
     async def next(self, timeout_s: float) -> dict:
         try:
@@ -83,6 +111,8 @@ class MuxStream:
             raise Unavailable(f"{self.reader.label} sent nothing for {timeout_s:.0f} s", timed_out=True) from None
         if item is _GONE:
             raise Unavailable(self.reader.failure or f"{self.reader.label} is unavailable")
+        if item is _OVERRUN:
+            raise Overrun()
         if "failure" in item or item.get("finish_reason") is not None:
             self.finished = True
         return item
@@ -90,7 +120,7 @@ class MuxStream:
     def close(self) -> None:
         """Stop routing; cancel the generation in the engine unless it already ended (sent detached:
         a cancel sent in the request's context is cancelled with the request, router/serving/detached.py)."""
-        self.reader.queues.pop(self.request_id, None)
+        self.reader.streams.pop(self.request_id, None)
         if not self.finished and self.reader.failure is None:
             send_detached(_Cancel(self.reader.actor, self.submitted), self.request_id)
         self.finished = True
@@ -127,10 +157,9 @@ class StreamMux:
         if reader is None:
             reader = self._readers[key] = _Reader(self, key, actor, label)
         request_id = uuid.uuid4().hex
-        queue: asyncio.Queue = asyncio.Queue()
-        reader.queues[request_id] = queue
-        submitted = actor.submit.remote(reader.channel_id, request_id, request, sent_at=time.time())
-        return MuxStream(reader, request_id, queue, submitted)
+        stream = reader.streams[request_id] = MuxStream(reader, request_id)
+        stream.submitted = actor.submit.remote(reader.channel_id, request_id, request, sent_at=time.time())
+        return stream
 
     def _forget(self, reader: _Reader) -> None:
         if self._readers.get(reader.key) is reader:

@@ -1,4 +1,5 @@
-"""OpenAI embeddings and Cohere / Jina rerank."""
+"""OpenAI embeddings and Cohere / Jina rerank. Both count against a key's tpm: the input's estimate
+at admission, the tokens the model ran at the end."""
 
 from fastapi import APIRouter, Depends
 
@@ -8,6 +9,7 @@ from router.api.ingress import Ingress, current
 from router.api.keys import Principal
 from router.protocols import openai as oai
 from router.protocols.rerank_audio import RerankRequest, rerank_response
+from router.residency.limits import estimate_tokens
 from router.serving.generation import call, require_kind
 
 router = APIRouter(tags=["openai"])
@@ -15,9 +17,10 @@ router = APIRouter(tags=["openai"])
 
 @router.post("/v1/embeddings")
 async def embeddings(body: oai.EmbeddingRequest, ingress: Ingress = Depends(current), who: Principal = Depends(principal)):
-    async with ingress.hold(who, body.model) as lease:
+    async with ingress.hold(who, body.model, estimate_tokens(*body.texts())) as lease:
         require_kind(lease, ("embedding",), "an embedding model")
         result = await call(lease, lambda actor: actor.embed.remote(body.texts(), body.dimensions))
+        lease.release(result["prompt_tokens"])
     return json_body(oai.embedding_response(body.model, result["vectors"], result["prompt_tokens"], body.encoding_format))
 
 
@@ -26,7 +29,9 @@ async def embeddings(body: oai.EmbeddingRequest, ingress: Ingress = Depends(curr
 @router.post("/v2/rerank")
 async def rerank(body: RerankRequest, ingress: Ingress = Depends(current), who: Principal = Depends(principal)):
     """Cohere / Jina shape: query, documents (strings or {"text": ...}), top_n, return_documents."""
-    async with ingress.hold(who, body.model) as lease:
+    documents = body.texts()
+    async with ingress.hold(who, body.model, estimate_tokens(*documents) + len(documents) * estimate_tokens(body.query)) as lease:
         require_kind(lease, ("rerank",), "a rerank model")
-        result = await call(lease, lambda actor: actor.rerank.remote(body.query, body.texts(), body.top_n))
+        result = await call(lease, lambda actor: actor.rerank.remote(body.query, documents, body.top_n))
+        lease.release(result["usage"]["prompt_tokens"])  # every (query, document) pair the model ran
     return json_body(rerank_response(body, result))
