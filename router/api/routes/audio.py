@@ -10,6 +10,7 @@ from router.api.ingress import Ingress, current
 from router.api.keys import Principal
 from router.errors import OrchardError
 from router.protocols.rerank_audio import SpeechRequest, TranscriptionForm
+from router.residency.limits import AUDIO_BYTES_PER_S, audio_tokens, estimate_tokens
 from router.serving.generation import call, require_kind
 
 router = APIRouter(tags=["openai"])
@@ -32,11 +33,13 @@ async def transcriptions(
     audio = await file.read(limit + 1)
     if len(audio) > limit:  # the body's limit leaves room for the form's other fields
         raise OrchardError("file_too_large", f"audio files are limited to {limit} bytes", "file")
-    async with ingress.hold(who, fields.model) as lease:
+    # a key's tpm counts the audio's seconds (AUDIO_TOKENS_PER_S; estimated from its size at admission) and the text
+    async with ingress.hold(who, fields.model, audio_tokens(len(audio) / AUDIO_BYTES_PER_S) + estimate_tokens(fields.prompt or "")) as lease:
         require_kind(lease, ("stt",), "a speech-to-text model")
         result = await call(
             lease, lambda actor: actor.transcribe.remote(audio, fields.language, fields.temperature, fields.prompt, fields.response_format)
         )
+        lease.release(audio_tokens(result["duration_s"]) + estimate_tokens(fields.prompt or "", result["text"]))
     body = result["body"]
     return PlainTextResponse(body) if isinstance(body, str) else body
 
@@ -44,7 +47,7 @@ async def transcriptions(
 @router.post("/v1/audio/speech", response_class=Response)
 async def speech(body: SpeechRequest, ingress: Ingress = Depends(current), who: Principal = Depends(principal)):
     """OpenAI's text-to-speech: model, input, voice, response_format (wav, pcm), speed."""
-    async with ingress.hold(who, body.model) as lease:
+    async with ingress.hold(who, body.model, estimate_tokens(body.input)) as lease:  # a key's tpm counts the text spoken
         require_kind(lease, ("tts",), "a text-to-speech model")
         audio = await call(lease, lambda actor: actor.speak.remote(body.input, body.engine_voice(), body.speed, body.response_format))
     return Response(audio, media_type="audio/wav" if body.response_format == "wav" else "audio/pcm")
