@@ -11,8 +11,11 @@ across Ray, so the router can map it to OpenAI's error format. Importing this mo
 import asyncio
 import contextlib
 import errno
+import re
+import secrets
 import sys
 import time
+import traceback
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -59,11 +62,75 @@ class ModelServerError(Exception):
         return cls(e.code, e.message, e.param)
 
 
+def internal_error(e: BaseException | str, where: str = "the model server") -> ModelServerError:
+    """An unexpected failure as its caller (and so a client) sees it: `internal`, with a short
+    incident id and no exception text; the exception itself (its traceback when there is one) goes
+    to this process's log under the same id, for the operator."""
+    incident = secrets.token_hex(4)
+    if isinstance(e, BaseException):
+        detail = "".join(traceback.format_exception(e)).rstrip()
+    else:
+        detail = e
+    print(f"orchard: incident {incident} in {where}: {detail}", file=sys.stderr, flush=True)
+    return ModelServerError("internal", f"{where} failed unexpectedly (incident {incident}; the operator's logs have the details)")
+
+
+def _engine_error(code: str | None, message: str | None, param: str | None = None) -> ModelServerError:
+    """An engine's failure (a RequestError, an error delta) as it may leave this process: its own
+    message for an expected error, an incident id (`internal_error`) for an internal one."""
+    if code in (None, "internal"):
+        return internal_error(message or "generation failed", "the engine")
+    return ModelServerError(code, message or "generation failed", param)
+
+
+def _actor_died(exc: BaseException) -> Any:
+    """The RayActorError (ActorDiedError, ActorUnavailableError) behind `exc`, or None."""
+    import ray.exceptions as rex
+
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if isinstance(seen, rex.RayActorError):
+            return seen
+        seen = getattr(seen, "cause", None) if isinstance(seen, rex.RayTaskError) else None
+        if seen is None:
+            return None
+    return None
+
+
+def death_cause(exc: BaseException) -> str | None:
+    """What Ray says ended the model server behind a failed call (its GCS death cause: "The actor is
+    dead because it was killed by `ray.kill`.", "... its worker process has died. Worker exit type:
+    SYSTEM_ERROR ...", "... its node has died ..."), without the actor's id, pid, address or Ray's
+    advice; None when the call did not fail for its actor's death or absence."""
+    died = _actor_died(exc)
+    if died is None:
+        return None
+    lines = [line.strip() for line in str(died).splitlines() if line.strip() and not line.startswith("\t")]
+    cause = next((line for line in lines if "dead because" in line or "died because" in line), lines[-1] if lines else type(died).__name__)
+    cause = cause.split(" Some common causes")[0].split(" Node Id:")[0].split(" Owner Id:")[0]
+    return re.sub(r"\b[0-9a-f]{16,}\b", "…", cause)[:300]
+
+
+def crashed(exc: BaseException) -> bool:
+    """Whether a model-server call failed because the actor's process exited on its own: a crash
+    (a segfault, an abort, any exit code) or a SIGKILL (an out-of-memory kill). Not for a
+    `ray.kill` (an operator's or the residency service's), an `exit_actor` (an intended exit), its
+    node's death, or an actor that was only unreachable (tests/test_security_inputs.py)."""
+    import ray.exceptions as rex
+
+    died = _actor_died(exc)
+    if not isinstance(died, rex.ActorDiedError):
+        return False
+    text = str(died)
+    return "worker process has died" in text and "INTENDED_" not in text
+
+
 def unwrap(exc: BaseException) -> ModelServerError:
     """The ModelServerError behind whatever a call to a model server raised: Ray's RayTaskError
     (whose `.cause` is the actor's exception), a FileNotFoundError from `load` (not_found), an
-    engine RequestError, a dead or unreachable actor (unavailable), a cancelled task (cancelled);
-    anything else is internal. The router can map every failure through this one function."""
+    engine RequestError, a dead or unreachable actor (unavailable, with Ray's death cause), a
+    cancelled task (cancelled); anything else is `internal_error` (an incident id, the exception in
+    the log). The router can map every failure through this one function."""
     import ray.exceptions as rex
 
     seen = exc
@@ -77,24 +144,44 @@ def unwrap(exc: BaseException) -> ModelServerError:
     if isinstance(seen, ModelServerError):  # a dual RayTaskError(ModelServerError) without cause
         return ModelServerError(seen.code, seen.message, seen.param)
     if isinstance(seen, RequestError):
-        return ModelServerError.from_request_error(seen)
+        return _engine_error(seen.code, seen.message, seen.param)
     if isinstance(seen, FileNotFoundError):
-        return ModelServerError("not_found", str(seen), "model")
+        return ModelServerError("not_found", without_paths(str(seen)), "model")
     if isinstance(seen, (rex.TaskCancelledError, asyncio.CancelledError)):
         return ModelServerError("cancelled", "the request was cancelled")
     if isinstance(seen, (rex.RayActorError, rex.ActorUnavailableError)):
-        return ModelServerError("unavailable", f"the model server is unavailable: {seen}")
-    return ModelServerError("internal", f"{type(seen).__name__}: {seen}")
+        return ModelServerError("unavailable", f"the model server is unavailable: {death_cause(seen) or type(seen).__name__}")
+    return internal_error(seen)
+
+
+# The folders of an absolute path (POSIX), not a URL's nor a relative path's: what `without_paths` drops.
+_FOLDERS = re.compile(r"(?<![\w.:/~-])(?:/[^\s'\"/]+)+/")
+
+
+def without_paths(text: str) -> str:
+    """`text` with every absolute path cut to its last part: a load failure goes to clients (a
+    503's message), which must not learn where a node keeps its models; the log keeps the whole."""
+    return _FOLDERS.sub("", text)
 
 
 def _load_failure(e: BaseException) -> ModelServerError:
     """A load that failed, as the caller sees it: not_found (no folder), else load_failed with the
-    engine's exception named (the controller tells an out-of-memory from bad files by it)."""
+    engine's exception named (the controller tells an out-of-memory from bad files by it); no
+    absolute path in the message (`without_paths`)."""
     if isinstance(e, ModelServerError):
         return e
     if isinstance(e, FileNotFoundError):
-        return ModelServerError("not_found", str(e), "model")
-    return ModelServerError("load_failed", f"{type(e).__name__}: {e}")
+        return ModelServerError("not_found", without_paths(str(e)), "model")
+    return ModelServerError("load_failed", without_paths(f"{type(e).__name__}: {e}"))
+
+
+def _load_error_for_caller(e: BaseException) -> Exception:
+    """What `load` raises for a failed load: a FileNotFoundError (the caller's not_found) or the
+    ModelServerError of `_load_failure`, without absolute paths either way."""
+    failure = _load_failure(e)
+    if isinstance(e, FileNotFoundError):
+        return FileNotFoundError(errno.ENOENT, failure.message.removeprefix(f"[Errno {errno.ENOENT}] "))
+    return failure
 
 
 def model_server_options(
@@ -267,8 +354,10 @@ class _Delivery:
             return
         d = delta.model_dump()
         if self.first and _is_failure(d):
-            self.fail(ModelServerError(d.get("error_code") or "internal", d.get("error") or "generation failed"))
+            self.fail(_engine_error(d.get("error_code"), d.get("error"), d.get("error_param")))
             return
+        if d.get("error") is not None and d.get("error_code") in (None, "internal"):  # the engine's exception text stays in the log
+            d["error"] = _engine_error(None, d["error"]).message
         ended = d.get("finish_reason") is not None
         self.ch.put(self.request_id, d, self.first or ended, self.most, first=self.first)
         self.first = False
@@ -382,8 +471,8 @@ class ModelServer:
             report = self.engine.memory()
             held = (report.weight_bytes + report.kv_bytes_reserved) / 2**20
             return f"ModelServer({where}, ready, {held:.1f} MiB, loaded in {report.load_seconds:.1f} s)"
-        if self._load_error is not None:
-            return f"ModelServer({where}, failed to load: {_load_failure(self._load_error).message})"
+        if self._load_error is not None:  # the dashboard is the operator's: the whole message
+            return f"ModelServer({where}, failed to load: {type(self._load_error).__name__}: {self._load_error})"
         return f"ModelServer({where}, {health.status})"
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -403,7 +492,8 @@ class ModelServer:
         thread.start()
         thread.join()
         if self._load_error is not None:
-            print(f"orchard: {self.entry.name}@{self.node_id} failed to load: {_load_failure(self._load_error).message}", file=sys.stderr, flush=True)
+            error = self._load_error
+            print(f"orchard: {self.entry.name}@{self.node_id} failed to load: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         else:
             print(f"orchard: {self!r}", file=sys.stderr, flush=True)
 
@@ -419,16 +509,14 @@ class ModelServer:
         twice returns the report of the first."""
         async with self._load_lock:
             if self._load_error is not None:
-                error = self._load_error
-                raise error if isinstance(error, FileNotFoundError) else _load_failure(error)
+                raise _load_error_for_caller(self._load_error)
             if self.engine.health().status == "ready":
                 return self.memory()
             try:
                 await self._load_engine()
-            except FileNotFoundError:
-                raise
             except Exception as e:
-                raise _load_failure(e) from e
+                print(f"orchard: {self.entry.name}@{self.node_id} failed to load: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                raise _load_error_for_caller(e) from None
             return self.memory()
 
     def health(self) -> dict:
@@ -500,9 +588,9 @@ class ModelServer:
         except ModelServerError:
             raise
         except RequestError as e:
-            raise ModelServerError.from_request_error(e) from e
+            raise _engine_error(e.code, e.message, e.param) from None
         except Exception as e:
-            raise ModelServerError("internal", f"{type(e).__name__}: {e}") from e
+            raise internal_error(e) from None
         finally:
             self._in_flight -= 1
 

@@ -47,6 +47,8 @@ STATUS: dict[str, int] = {
     "model_not_supported": 400,
     "unsupported_content": 400,
     "tools_not_supported": 400,
+    # an instance's process died while running the request, which is not retried (router/serving/generation.py)
+    "model_crashed": 502,
     # the HTTP surface
     "invalid_api_key": 401,
     "permission_denied": 403,

@@ -447,6 +447,11 @@ def test_count_tokens(server: FakeServer) -> None:
         (body(system=[{"type": "image", "source": {}}]), "system.0.type: system takes text blocks"),
         (body(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools.0.type: server tools are not supported"),
         (body(tools=[{"name": "f"}]), "tools.0.input_schema: Field required"),
+        # issue 25 item 7: a forced call's grammar needs an object schema (was a 500)
+        (
+            body(tools=[{"name": "f", "input_schema": {"type": "string"}}], tool_choice={"type": "tool", "name": "f"}),
+            "tools.0.input_schema: input_schema must",
+        ),
         (body(tool_choice={"type": "any"}), "tool_choice.type: tool_choice 'any' needs tools"),
         (body(tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"}), "tool_choice.name: tool 'nope' is not in tools"),
         (body(tools=[WEATHER], tool_choice={"type": "tool"}), "tool_choice.name: Field required"),

@@ -260,7 +260,42 @@ BAD_TOOLS = [
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name", "invalid_value"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "invalid_value"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "missing_required_parameter"),
+    # issue 25 item 7: a forced call's grammar needs an object schema (was a 500)
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], "tool_choice": "required"},
+        "tools[0].function.parameters",
+        "invalid_value",
+    ),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ["city"]}}]}, "tools[0].function.parameters", "invalid_type"),
 ]
+
+
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"chat_template": "{% for i in range(10**9) %}x{% endfor %}"}, "chat_template_kwargs.chat_template"),
+        ({"tokenize": False}, "chat_template_kwargs.tokenize"),
+        ({"padding": "max_length", "max_length": 4000}, "chat_template_kwargs.padding"),
+        ({"truncation": True}, "chat_template_kwargs.truncation"),
+        ({"return_dict": True}, "chat_template_kwargs.return_dict"),
+        ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+        ({"tools": []}, "chat_template_kwargs.tools"),
+        ({"documents": [{"text": "x"}]}, "chat_template_kwargs.documents"),
+        ({"enable_thinking": {"nested": True}}, "chat_template_kwargs.enable_thinking"),
+        ({"reasoning_effort": "x" * 1000}, "chat_template_kwargs.reasoning_effort"),
+        ({"thinking": 10**40}, "chat_template_kwargs.thinking"),
+    ],
+)
+def test_chat_template_kwargs_are_template_variables_only(kwargs, param):
+    """Issue 25 item 2: a template of the client's own or a tokenizer argument never reaches
+    apply_chat_template; the 400 names the key."""
+    err = _fails(parse_chat_request, _user(chat_template_kwargs=kwargs))
+    assert (err.param, err.code) == (param, "invalid_value")
+
+
+def test_template_variables_pass():
+    kwargs = {"enable_thinking": False, "reasoning_effort": "low", "thinking": True, "date_string": "26 Jul 2024", "model_identity": None}
+    assert generation_fields(parse_chat_request(_user(chat_template_kwargs=kwargs)))["chat_template_kwargs"] == kwargs
 
 
 @pytest.mark.parametrize("extra,param,code", BAD_TOOLS)

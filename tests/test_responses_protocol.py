@@ -408,6 +408,8 @@ def test_unknown_keys_are_ignored_and_listed() -> None:
         # rules the chat request has too, checked here once, under the Responses field names
         ({"input": "x", "tools": [{**WEATHER, "name": "get weather!"}]}, "tools[0].name", "pattern"),
         ({"input": "x", "tools": [WEATHER, WEATHER]}, "tools", "unique"),
+        # issue 25 item 7: a forced call's grammar needs an object schema (was a 500)
+        ({"input": "x", "tools": [{**WEATHER, "parameters": {"type": "string"}}], "tool_choice": "required"}, "tools[0].parameters", "type 'object'"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input", "only reasoning"),
         (
             {"input": "x", "tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": []}},

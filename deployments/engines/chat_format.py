@@ -3,9 +3,11 @@ as they are. Any other template gets a rendering it can take: the tools listed a
 preamble with the Hermes convention for calling one (`<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>`, the syntax the router parses for such models), assistant tool calls written out in
 that syntax, tool results as user turns wrapped in `<tool_response>...</tool_response>`, and None
-content as "". Pure functions: no tokenizer, no MLX."""
+content as "". Also what a client may pass to a chat template (`template_kwargs_error`). Pure
+functions: no tokenizer, no MLX (the router imports this module to check requests)."""
 
 import json
+import math
 import re
 from typing import Any
 
@@ -17,6 +19,37 @@ TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 _JINJA_BLOCK = re.compile(r"\{\{.*?\}\}|\{%.*?%\}", re.DOTALL)
 _STRING_LITERAL = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.DOTALL)
 _TOOLS = re.compile(r"(?<![\w.])tools\b")
+
+
+# The chat-template variables a client may set (`chat_template_kwargs`): the switches that open
+# models' templates read (Qwen3 / SmolLM3 / GLM `enable_thinking`, DeepSeek V3.1 / Granite `thinking`,
+# gpt-oss `reasoning_effort` and `model_identity`, Llama 3 `date_string` and `tools_in_user_message`).
+# Nothing else reaches apply_chat_template through them: its other keyword arguments belong to the
+# tokenizer (`chat_template`, `tokenize`, `padding`, `truncation`, `max_length`, `return_*`, ...) and
+# `tools`, `documents`, `add_generation_prompt` are the engine's own. Values are JSON scalars (a
+# string of at most TEMPLATE_STRING_MAX characters). docs/protocols.md lists them.
+TEMPLATE_VARIABLES = frozenset({"enable_thinking", "thinking", "reasoning_effort", "model_identity", "date_string", "tools_in_user_message"})
+TEMPLATE_STRING_MAX = 256
+
+
+def template_kwargs_error(kwargs: Any) -> tuple[str | None, str] | None:
+    """Why `kwargs` may not go to a chat template, as (the key at fault or None, the reason), or None
+    when every key is a template variable (TEMPLATE_VARIABLES) with a JSON scalar value."""
+    if not isinstance(kwargs, dict):
+        return None, "chat_template_kwargs must be an object of template variables"
+    for name, value in kwargs.items():
+        if name not in TEMPLATE_VARIABLES:
+            allowed = ", ".join(sorted(TEMPLATE_VARIABLES))
+            return str(name), f"'{name}' is not a chat-template variable Orchard passes on (allowed: {allowed})"
+        if isinstance(value, str):
+            if len(value) > TEMPLATE_STRING_MAX:
+                return name, f"'{name}' is longer than {TEMPLATE_STRING_MAX} characters"
+        elif isinstance(value, float | int) and not isinstance(value, bool):
+            if abs(value) > 2**53 or not math.isfinite(value):
+                return name, f"'{name}' must be a finite number of at most 2**53"
+        elif value is not None and not isinstance(value, bool):
+            return name, f"'{name}' must be a string, number, boolean or null"
+    return None
 
 
 def _names_tools(template: str) -> bool:

@@ -43,13 +43,16 @@ with warnings.catch_warnings():  # the field `schema` shadows BaseModel.schema()
         """What the output must match. json_object: any JSON object; json_schema: `schema` (with
         `strict=False`, keywords llguidance does not implement are ignored instead of refused); regex:
         `pattern` (the whole output); lark: `grammar`, llguidance's Lark dialect (`%json {schema}` inline;
-        a %json block takes the schema's own "x-guidance" options, whitespace-flexible by default)."""
+        a %json block takes the schema's own "x-guidance" options, whitespace-flexible by default).
+        `param`: the request field it came from, which a constraint that does not compile names
+        (response_format unless said: a forced tool call's grammar says tools)."""
 
         type: Literal["json_object", "json_schema", "regex", "lark"]
         schema: dict[str, Any] | None = None  # type: ignore[assignment]
         strict: bool = True
         pattern: str | None = None
         grammar: str | None = None
+        param: Literal["response_format", "tools"] = "response_format"  # PARAM
 
         @model_validator(mode="after")
         def _needs_its_field(self) -> "Constraint":
@@ -115,7 +118,8 @@ def _invalid(constraint: Constraint, detail: str) -> RequestError:
     detail = detail.strip()
     if len(detail) > _MAX_ERROR_CHARS:
         detail = detail[:_MAX_ERROR_CHARS] + " ..."
-    return RequestError("invalid_request", f"the {_WHAT[constraint.type]} does not compile: {detail}", PARAM)
+    what = "forced tool call's grammar (a tool's parameters schema)" if constraint.param == "tools" else _WHAT[constraint.type]
+    return RequestError("invalid_request", f"the {what} does not compile: {detail}", constraint.param)
 
 
 class GrammarProcessor:

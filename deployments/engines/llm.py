@@ -36,7 +36,7 @@ from pydantic import Field, field_validator, model_validator
 
 from deployments.engine import Engine, Frozen, MemoryReport, RequestError, RequestErrorCode
 from deployments.engines import buffer_cache
-from deployments.engines.chat_format import chat_inputs, template_supports_tools
+from deployments.engines.chat_format import chat_inputs, template_kwargs_error, template_supports_tools
 from deployments.engines.constrained import Constraint, GrammarCompiler, GrammarProcessor
 from deployments.engines.options import LLMEngineOptions
 from deployments.engines.sampling import BatchSampler, RowSampling
@@ -122,6 +122,7 @@ class Delta(Frozen):
     usage: Usage | None = None
     error: str | None = None
     error_code: str | None = None
+    error_param: str | None = None  # the request field at fault, when one is
     stop_sequence: str | None = None  # the stop string that ended the stream (None for EOS / length)
 
 
@@ -268,9 +269,10 @@ class LLMEngine(Engine):
         self.kv_bytes_per_token = kv_bytes_per_token(config)
         buffer_cache.keep(self, self.cache_keep_bytes())
         self.eos_ids = sorted(self.tokenizer.eos_token_ids)
+        self.vocab_size = _logits_width(self.model, self.tokenizer)
         self.prompt_cache = LRUPromptCache(max_size=max(1, self._prompt_cache_entries), max_bytes=self._prompt_cache_bytes)
         hf_tokenizer = self.tokenizer._tokenizer
-        self.grammars = GrammarCompiler(hf_tokenizer, self.eos_ids, getattr(getattr(self.model, "args", None), "vocab_size", None))
+        self.grammars = GrammarCompiler(hf_tokenizer, self.eos_ids, self.vocab_size)
         # mlx-lm's own renderers (a Python chat template) take tools; a Jinja one must name them
         self.template_knows_tools = getattr(self.tokenizer, "_chat_template", None) is not None or template_supports_tools(
             getattr(hf_tokenizer, "chat_template", None)
@@ -371,6 +373,7 @@ class LLMEngine(Engine):
         one outbox (ModelServer's channels) needs no task or queue per request. Returns the id
         that `cancel` takes. `grammar`: from `compile`, required when the request has a constraint."""
         self._check_ready()
+        self.check(request)
         if request.constraint is not None and grammar is None:
             raise RequestError("internal", "a constrained request starts with the grammar from compile()")
         request_id = next(self._ids)
@@ -378,6 +381,23 @@ class LLMEngine(Engine):
         self._arrived(1)
         self._prep.submit(self._prepare, request_id, request, asyncio.get_running_loop(), sink, grammar, time.monotonic())
         return request_id
+
+    def check(self, request: GenerationRequest) -> None:
+        """Refuse, before anything reaches the tokenizer or MLX, what only this model can judge: a
+        token id outside its vocabulary (`logit_bias` keys, a token-id prompt: MLX does not check an
+        index, and one past the logits row writes or reads out of bounds, or segfaults the process)
+        and chat_template_kwargs that are not template variables (chat_format.TEMPLATE_VARIABLES)."""
+        vocab = self.vocab_size
+        for param, ids in (("logit_bias", request.logit_bias or ()), ("prompt", request.prompt_tokens or ())):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(
+                    "invalid_request", f"token id {bad} in {param} is outside the vocabulary of model {self.name} (ids 0 to {vocab - 1})", param
+                )
+        refused = template_kwargs_error(request.chat_template_kwargs)
+        if refused is not None:
+            name, why = refused
+            raise RequestError("invalid_request", why, f"chat_template_kwargs.{name}" if name else "chat_template_kwargs")
 
     def cancel(self, request_id: int) -> None:
         """Stop a started request: its KV cache is freed at once and a `cancelled` delta ends it
@@ -521,6 +541,7 @@ class LLMEngine(Engine):
         try:
             _, responses = self.generator.next()
         except Exception as e:  # a broken step must not kill the engine: fail this batch, go on
+            logger.error("a batch step failed; its %d requests end with an error", len(streams), exc_info=e)
             for running in list(streams):
                 stream = streams.pop(running)
                 self._finish(stream, "error", error=f"{type(e).__name__}: {e}", code="internal")
@@ -607,17 +628,13 @@ class LLMEngine(Engine):
                 "context_length_exceeded",
                 f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) exceeds the context of {self.context_length} tokens",
             )
-        vocab = self._vocab()
-        if vocab and any(t < 0 or t >= vocab for t in tokens):
-            raise RequestError("invalid_request", f"prompt token ids must lie in [0, {vocab})")
+        if any(not 0 <= t < self.vocab_size for t in tokens):  # a token-id prompt was checked by start()
+            raise RequestError("invalid_request", f"prompt token ids must lie in [0, {self.vocab_size})", "prompt")
         return tokens
 
     def _arrived(self, n: int) -> None:
         with self._arriving_lock:
             self._arriving += n
-
-    def _vocab(self) -> int | None:
-        return self.model.args.vocab_size if hasattr(self.model, "args") else None
 
     def _reusable_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` the prompt cache could give back, found without copying anything
@@ -633,7 +650,7 @@ class LLMEngine(Engine):
 
     def _admit(self, arrival: _Arrival) -> _Stream:
         """On the MLX thread: the prompt cache's nearest prefix, and the request into the batch."""
-        request, tokens, vocab = arrival.request, arrival.tokens, self._vocab()
+        request, tokens, vocab = arrival.request, arrival.tokens, self.vocab_size
         cache, rest = None, tokens
         if self._prompt_cache_entries > 0 and self._reusable_prefix(tokens) >= max(1, self.prompt_cache_min_tokens):
             cache, rest = self.prompt_cache.fetch_nearest_cache(self.name, tokens)
@@ -678,6 +695,7 @@ class LLMEngine(Engine):
         without generating: for token counting. Safe off the MLX thread (tokenizer only)."""
         if self.tokenizer is None:
             raise RequestError("engine_stopped", f"model {self.name} is not loaded")
+        self.check(request)
         prep = self._prep
         if prep is None:
             return self._tokenize(request)
@@ -694,6 +712,8 @@ class LLMEngine(Engine):
             if not request.messages:
                 raise RequestError("invalid_request", "messages is empty")
             messages, extra = chat_inputs(request.messages, request.tools, self.template_knows_tools)
+            if template_kwargs_error(request.chat_template_kwargs) is not None:  # start() refused it already
+                raise RequestError("invalid_request", "chat_template_kwargs holds more than template variables", "chat_template_kwargs")
             try:
                 tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra, **request.chat_template_kwargs)
             except Exception as e:
@@ -744,11 +764,29 @@ class LLMEngine(Engine):
         stream.pending.append(Delta(finish_reason=reason, usage=usage, error=error, error_code=code, stop_sequence=stop_sequence))
 
 
+def _logits_width(model: Any, tokenizer: Any) -> int:
+    """How many token ids the model's embedding takes and its logits row holds: the config's
+    vocab_size (a VLM's text_config's), else the rows of its output or embedding matrix, else the
+    tokenizer's size. Every token id a client sends is checked against it (`LLMEngine.check`)."""
+    args = getattr(model, "args", None)
+    for config in (args, getattr(args, "text_config", None)):
+        size = config.get("vocab_size") if isinstance(config, dict) else getattr(config, "vocab_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    from mlx.utils import tree_flatten
+
+    for name, weight in cast(list[tuple[str, Any]], tree_flatten(model.parameters())):
+        if name.endswith(("lm_head.weight", "embed_tokens.weight", "wte.weight", "tok_embeddings.weight")):
+            return int(weight.shape[0])
+    return len(tokenizer._tokenizer)
+
+
 def _failure(e: Exception) -> Delta:
     """The one delta of a request that failed before it produced anything."""
-    code = e.code if isinstance(e, RequestError) else "internal"
-    message = e.message if isinstance(e, RequestError) else f"{type(e).__name__}: {e}"
-    return Delta(finish_reason="error", error=message, error_code=code)
+    if isinstance(e, RequestError):
+        return Delta(finish_reason="error", error=e.message, error_code=e.code, error_param=e.param)
+    logger.error("a request failed before its first token", exc_info=e)
+    return Delta(finish_reason="error", error=f"{type(e).__name__}: {e}", error_code="internal")
 
 
 def _merged(stream: _Stream) -> Delta:

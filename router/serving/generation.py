@@ -5,7 +5,15 @@ Text generation of every protocol runs here the same way: `prepare` turns the ch
 completion) request into the model server's request for the lease's model kind, plus the output
 parser a chat protocol runs over the deltas; a `DeltaStream` submits it on this replica's channel
 to the actor and yields its coalesced deltas, and a non-streamed request is a `WholeGeneration`,
-one call answered once at its end. Other kinds (embeddings, rerank, audio) are one call."""
+one call answered once at its end. Other kinds (embeddings, rerank, audio) are one call.
+
+A call whose instance stopped or went away before answering anything moves, once, to a fresh lease
+on the same model, but only when the instance's end is known not to be the request's doing: the
+residency service stopped it (engine_stopped), an operator's or the service's `ray.kill`, an
+intended exit, its node's death, or an actor gone before the request reached it. When the actor's
+process exited on its own (a segfault, an abort, an exit code, a SIGKILL such as an out-of-memory
+kill) while the request ran on it, the request may be what killed it (same input, same death): it
+is not tried again, and the client gets `model_crashed` (502) saying so."""
 
 import asyncio
 import time
@@ -15,7 +23,7 @@ from typing import Any
 
 import ray
 
-from deployments.model_server import ModelServerError, unwrap
+from deployments.model_server import ModelServerError, crashed, death_cause, unwrap
 from router.errors import OrchardError
 from router.protocols import openai as oai
 from router.serving.lease import Lease
@@ -34,6 +42,15 @@ def as_error(e: BaseException) -> OrchardError:
         return OrchardError("model_unavailable", str(e), retry_after_s=1)
     f = unwrap(e)
     return OrchardError(f.code, f.message, f.param, retry_after_s=1 if f.code in ("unavailable", "engine_stopped") else None)
+
+
+def crash_error(lease: Lease, e: BaseException) -> OrchardError:
+    """The client's error for a request whose instance's process died while running it (`crashed`)."""
+    cause = death_cause(e) or "its process exited"
+    return OrchardError(
+        "model_crashed",
+        f"the instance of model {lease.model} died while running this request ({cause}); it was not retried, since the request may be what ended it",
+    )
 
 
 def require_kind(lease: Lease, kinds: tuple[str, ...], what: str) -> None:
@@ -62,10 +79,13 @@ def prepare(lease: Lease, body: ChatOrCompletion, *, allow_remote_images: bool) 
         if config.tool_parser is None:
             raise OrchardError("tools_not_supported", f"model {model} has no tool-call parser configured (registry: tool_parser)", "tools")
         if body.forced_tool is not None:
-            grammar = forced_call_grammar(
-                config.tool_parser, generation["tools"], body.forced_tool, parallel=body.parallel_tool_calls is True, reasoning=config.reasoning
-            )
-            generation["constraint"] = {"type": "lark", "grammar": grammar}
+            try:
+                grammar = forced_call_grammar(
+                    config.tool_parser, generation["tools"], body.forced_tool, parallel=body.parallel_tool_calls is True, reasoning=config.reasoning
+                )
+            except ValueError as e:  # a tool the parsers let through that no grammar can force
+                raise OrchardError("invalid_request", f"the forced tool call cannot be built: {e}", "tools") from None
+            generation["constraint"] = {"type": "lark", "grammar": grammar, "param": "tools"}
     return generation, parser
 
 
@@ -75,8 +95,10 @@ class DeltaStream:
     Its end, or closing it (`aclose`, also on client disconnect), cancels what is left of the
     generation in the engine and releases the lease with the tokens used (a streaming response
     that takes the stream over hands the lease off first). A failure after some output ends the
-    iteration with `Unavailable`. An instance that stopped or died before any output costs nothing:
-    the generation moves, once, to a fresh lease on the same model (`Lease.move`)."""
+    iteration with `Unavailable`. An instance that stopped or went away before any output, for a
+    reason not the request's (see the top), costs nothing: the generation moves, once, to a fresh
+    lease on the same model (`Lease.move`); one whose process crashed while running it is
+    `model_crashed` (`_movable`)."""
 
     def __init__(self, mux: StreamMux, lease: Lease, request: dict, chunk_timeout_s: float):
         self.lease = lease
@@ -99,7 +121,10 @@ class DeltaStream:
                 except Exception as e:
                     if output or self.moved or not instance_gone(e):
                         raise
-                    # Nothing was generated yet and the instance stopped or died: once, on another lease.
+                    death = await self._crash(stream, e)
+                    if death is not None:
+                        raise crash_error(self.lease, death) from None
+                    # Nothing was generated yet and the instance stopped or went away: once, on another lease.
                     self.moved = True
                     if stream is not None:
                         stream.close()
@@ -118,6 +143,29 @@ class DeltaStream:
             if stream is not None:
                 stream.close()
             self.lease.release(self.used_tokens)
+
+    async def _crash(self, stream: Any, e: BaseException) -> BaseException | None:
+        """Ray's word that the instance's process crashed while this generation ran on it (then it
+        does not move), or None. The channel only says its actor is gone (`Unavailable`): whether
+        the request reached it and how the actor ended are asked of Ray, by the submit's own result
+        (failed: the request never reached that process) and a call to the actor, which fails with
+        the death cause the GCS recorded (a live actor only closed its channel). When Ray does not
+        say within _PROBE_S, the generation does not move either: it fails as `Unavailable`."""
+        if not isinstance(e, Unavailable) or stream is None:
+            return e if crashed(e) else None
+        try:
+            await asyncio.wait_for(_result(stream.submitted), _PROBE_S)
+        except TimeoutError:
+            raise e from None
+        except Exception:
+            return None
+        try:
+            await asyncio.wait_for(_result(stream.reader.actor.health.remote()), _PROBE_S)
+        except TimeoutError:
+            raise e from None
+        except Exception as probe:
+            return probe if crashed(probe) else None
+        return None
 
     async def _next(self, stream: Any, chunk_timeout_s: float) -> dict:
         try:
@@ -155,8 +203,9 @@ class WholeGeneration:
     (`ModelServer.generate_whole`), answered with every delta merged into one, instead of a submit
     and its channel's items (a lone short chat saved about 2 ms: docs/serve-path.md). It keeps what
     the channel path gives a request:
-    - an instance that stopped or died before answering costs nothing: since nothing reached the
-      client yet, the generation moves once to a fresh lease (`Lease.move`) however far it got;
+    - an instance that stopped or went away before answering costs nothing: since nothing reached
+      the client yet, the generation moves once to a fresh lease (`Lease.move`) however far it got,
+      unless its process crashed while running it (`model_crashed`: see the top);
     - an instance that makes no progress for `timeout_s` (its `progress` says so, or it does not
       answer that either) fails the request with `model_unavailable`;
     - the request's cancellation (its client went away) cancels the call, hence the generation;
@@ -188,6 +237,8 @@ class WholeGeneration:
                     error = as_error(e)
                     if not isinstance(e, OrchardError) and error.code in ("unavailable", "model_unavailable"):
                         self.lease.report_unavailable(error.message)  # (Lease.actor reports its own)
+                    if crashed(e):
+                        raise crash_error(self.lease, e) from None
                     if self.moved or not instance_gone(e):
                         raise error from None
                     self.moved = True
@@ -233,12 +284,18 @@ class WholeGeneration:
         return time.monotonic() - self.started
 
 
-_GONE_CODES = ("unavailable", "engine_stopped")  # an error delta that says the instance went away, not the request failed
+_GONE_CODES = ("unavailable", "engine_stopped")
+_PROBE_S = 10.0  # how long a stream waits for Ray to say how its instance ended (DeltaStream._movable)  # an error delta that says the instance went away, not the request failed
+
+
+async def _result(ref: Any) -> Any:
+    return await ref
 
 
 def instance_gone(e: BaseException) -> bool:
     """Whether a call failed because its instance is stopping or gone (dead, or its actor name no
-    longer found), not because of the request or a silent instance: worth one more try elsewhere."""
+    longer found), not because of the request or a silent instance: worth one more try elsewhere,
+    unless its process crashed under the request (`crashed`: checked by the callers)."""
     if isinstance(e, Unavailable):
         return not e.timed_out
     return as_error(e).code in ("unavailable", "model_unavailable", "engine_stopped")
@@ -246,7 +303,8 @@ def instance_gone(e: BaseException) -> bool:
 
 async def call(lease: Lease, method: Callable[[Any], Awaitable[Any]]) -> Any:
     """One model-server call (embed, rerank, transcribe, speak, count_tokens) on the lease's actor;
-    once more on a fresh lease when the instance stopped or died before answering."""
+    once more on a fresh lease when the instance stopped or went away before answering, unless its
+    process crashed while running the call (`model_crashed`)."""
     moved = False
     while True:
         try:
@@ -255,6 +313,8 @@ async def call(lease: Lease, method: Callable[[Any], Awaitable[Any]]) -> Any:
             error = as_error(e)
             if error.code in ("unavailable", "model_unavailable"):
                 lease.report_unavailable(error.message)
+            if crashed(e):
+                raise crash_error(lease, e) from None
             if moved or not instance_gone(e):
                 raise error from None
             moved = True

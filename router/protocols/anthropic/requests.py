@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.protocols.anthropic.errors import validation_error
-from router.protocols.openai import MAX_STOP, parse_body, reject as _reject
+from router.protocols.openai import MAX_STOP, object_schema_error, parse_body, reject as _reject
 
 
 class _Part(BaseModel):
@@ -150,6 +150,9 @@ class Tool(_Part):
             raise _reject(f"server tools are not supported (type '{self.type}'); define a client tool with name and input_schema", "type")
         if self.input_schema is None:
             raise _reject("Field required", "input_schema", "missing")
+        error = object_schema_error(self.input_schema)
+        if error is not None:
+            raise _reject(error.replace("a function's parameters", "input_schema"), "input_schema", "invalid_value")
         return self
 
 

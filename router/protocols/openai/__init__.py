@@ -44,6 +44,7 @@ from router.protocols.openai.parts import (
     ResponseFormat,
     StreamOptions,
     Tool,
+    object_schema_error,
 )
 from router.protocols.openai.requests import (
     MAX_STOP,
@@ -107,6 +108,7 @@ __all__ = [
     "join_deltas",
     "new_request_id",
     "now",
+    "object_schema_error",
     "param_path",
     "parse_body",
     "parse_chat_request",

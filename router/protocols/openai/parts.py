@@ -137,11 +137,28 @@ class ResponseFormat(_Part):
         return None
 
 
+def object_schema_error(schema: dict[str, Any] | None) -> str | None:
+    """Why a tool's parameters schema cannot describe a call's arguments, or None: the arguments
+    are a JSON object, so the schema's type is "object" (or left out, meaning the same). Every
+    protocol's tool model checks it (a forced call's grammar is built from it)."""
+    if schema is None or schema.get("type", "object") == "object":
+        return None
+    return f"a function's parameters must be a JSON schema of type 'object' (its arguments are an object), not {schema['type']!r}"
+
+
 class FunctionDefinition(_Part):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        error = object_schema_error(v)
+        if error is not None:
+            raise _invalid(error)
+        return v
 
 
 class Tool(_Part):

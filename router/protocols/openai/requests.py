@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from deployments.engines.chat_format import TEMPLATE_STRING_MAX, template_kwargs_error
 from router.protocols.openai.errors import ProtocolError, _invalid, _unsupported, validation_error
 from router.protocols.openai.parts import ChatMessage, ResponseFormat, StreamOptions, Tool
 
@@ -134,8 +135,10 @@ class ChatCompletionRequest(_Sampling):
     audio: dict[str, Any] | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     web_search_options: dict[str, Any] | None = None
-    reasoning_effort: str | None = None  # passed to the chat template (gpt-oss style templates read it)
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: variables for the chat template
+    reasoning_effort: str | None = Field(
+        default=None, max_length=TEMPLATE_STRING_MAX
+    )  # passed to the chat template (gpt-oss style templates read it)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: variables for the chat template (template variables only)
     # Hints, accepted and ignored: they do not change the completion.
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -151,6 +154,17 @@ class ChatCompletionRequest(_Sampling):
     def _no_functions(cls, v: Any) -> Any:
         if v not in (None, [], "none", "auto"):
             raise _unsupported("the deprecated functions API is not supported; use tools and tool_choice", code="unsupported_parameter")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Template variables only (deployments/engines/chat_format.py's TEMPLATE_VARIABLES): a
+        template of the client's own or a tokenizer argument would run on the instance's tokenizer."""
+        refused = template_kwargs_error(v) if v is not None else None
+        if refused is not None:
+            name, why = refused
+            raise _invalid(why, at=name)
         return v
 
     @field_validator("tool_choice")

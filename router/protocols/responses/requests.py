@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from router.protocols.openai import parse_body, reject as _reject
+from router.protocols.openai import object_schema_error, parse_body, reject as _reject
 
 
 class _Part(BaseModel):
@@ -134,6 +134,14 @@ class FunctionTool(_Part):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        error = object_schema_error(v)
+        if error is not None:
+            raise _reject(error, code="invalid_value")
+        return v
 
     @model_validator(mode="before")
     @classmethod
