@@ -39,9 +39,10 @@ models: $(STAMP)
 # them all at once, and `serve run ray-config.yaml` (ingress http://127.0.0.1:8000/v1, dashboard
 # http://127.0.0.1:8265). Ctrl-C (or `make stop`) stops all of it, and nothing else.
 NODES ?= head:1.5,mac-1:0.8,mac-2:0.6
-# Ray's temp dir is /tmp/orchard-<hash of this checkout's path> (cluster.local.default_temp_root): Ray's
-# socket paths under it must stay under 107 bytes, whatever the checkout's path.
-RAY_ENV = RAY_AUTH_MODE=disabled RAY_TMPDIR=$$($(PY) -m cluster.local tmpdir) RAY_ADDRESS=$$($(PY) -m cluster.local address)
+# `cluster.local env` prints what the driver needs: RAY_ADDRESS, Ray's temp dir /tmp/orchard-<hash of this
+# checkout's path> (its socket paths must stay under 107 bytes, whatever the checkout's path), Ray's token
+# auth with the token's file (made at start, mode 0600; never printed), and the loopback-only setting.
+RAY_ENV = env -u RAY_AUTH_TOKEN $$($(PY) -m cluster.local env)
 run: models
 	$(PY) -m cluster.local start --nodes "$(NODES)" --prometheus-port 9090 --head-store models
 	@trap '$(PY) -m cluster.local stop' EXIT; trap 'exit 130' INT TERM; \

@@ -3,7 +3,8 @@
     python -m cluster.local start --nodes "head:6,mac-1:3,mac-2:2"   # name:budget_gib[:device], head first
     python -m cluster.local status
     python -m cluster.local stop
-    python -m cluster.local tmpdir    # this checkout's RAY_TMPDIR (drivers need it, with `address`)
+    python -m cluster.local tmpdir    # this checkout's RAY_TMPDIR (where its state file, logs and token are)
+    env $(python -m cluster.local env) serve run ray-config.yaml   # a driver: what it must have set
 
 Each node is one `ray start --block` process (in a session of its own, so a Ctrl-C at the shell does not
 reach it), recorded with its pid in <dir>/orchard-local.json; `stop` lists those processes, their descendants
@@ -12,20 +13,22 @@ SIGKILLs what is left after a grace period. It never runs `ray stop`, which woul
 machine.
 
 Why each setting (see docs/cluster.md): all nodes of one machine report the whole machine's RAM, so each
-declares a budget label; RAY_AUTH_MODE=disabled on every node and driver (mixed modes fail with
-InvalidAuthToken); node IP 127.0.0.2 on Linux because 127.0.0.1 is rewritten to the machine's address
-(macOS has no 127.0.0.2 and needs RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 instead); a small object store (Ray
-would reserve 30% of RAM per node); a RAY_TMPDIR of its own per checkout, short whatever the checkout's
-path (default_temp_root), so nothing lands in /tmp/ray and Ray's socket paths fit; every port chosen free,
-because other Ray instances may run on the same machine; and no start while something listens on Serve's
-HTTP port (a second proxy would share it silently).
+declares a budget label; Ray's token auth on every node and driver (RAY_AUTH_MODE=token, the token made
+once per temp dir in <dir>/auth_token, mode 0600, and named by RAY_AUTH_TOKEN_PATH: never printed, never on
+a command line); every node at 127.0.0.1, which makes Ray's own servers (GCS, raylet, object manager,
+workers, agents, dashboard) listen on loopback only (any other node IP and they listen on all interfaces),
+kept as given by RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and, for `ray start` itself, _NODE_MAIN; a small
+object store (Ray would reserve 30% of RAM per node); a RAY_TMPDIR of its own per checkout, short whatever
+the checkout's path (default_temp_root), so nothing lands in /tmp/ray and Ray's socket paths fit; every
+port chosen free, because other Ray instances may run on the same machine; and no start while something
+listens on Serve's HTTP port (a second proxy would share it silently).
 """
 
 import argparse
 import hashlib
 import json
 import os
-import shutil
+import secrets
 import signal
 import socket
 import subprocess
@@ -37,7 +40,6 @@ from typing import Any
 from pydantic import Field
 
 from cluster import prometheus
-from cluster.node_agent import LABEL_BUDGET, LABEL_DEVICE, LABEL_NODE
 from cluster.store import ENV_STORE
 from policy._frozen import Frozen
 from policy.specs import DEVICE_KINDS
@@ -45,6 +47,8 @@ from policy.specs import DEVICE_KINDS
 ROOT = Path(__file__).resolve().parent.parent
 RAY_CONFIG = ROOT / "ray-config.yaml"
 STATE_FILE = "orchard-local.json"
+TOKEN_FILE = "auth_token"  # Ray's auth token for this cluster, in its temp dir
+LOOPBACK = "127.0.0.1"
 MIB = 1 << 20
 # The longest socket path Ray puts under its temp dir (the dashboard's TaskEventsHead module, a 7-digit pid)
 # and the AF_UNIX limit Ray checks it against (validate_socket_filepath).
@@ -77,6 +81,8 @@ class LocalNode(Frozen):
     device: str | None = None
 
     def labels(self) -> dict[str, str]:
+        from cluster.node_agent import LABEL_BUDGET, LABEL_DEVICE, LABEL_NODE  # imports Ray: not at module import
+
         out = {LABEL_NODE: self.name}
         if self.budget_gib is not None:
             out[LABEL_BUDGET] = f"{self.budget_gib:g}"
@@ -111,7 +117,36 @@ def parse_nodes(spec: str) -> list[LocalNode]:
 
 
 def default_ip() -> str:
-    return "127.0.0.1" if sys.platform == "darwin" else "127.0.0.2"
+    """Every node's IP: 127.0.0.1, the one address for which Ray's servers listen on loopback only."""
+    return LOOPBACK
+
+
+def token_path(temp_root: Path = DEFAULT_DIR) -> Path:
+    return _absolute(temp_root) / TOKEN_FILE
+
+
+def ensure_token(temp_root: Path) -> Path:
+    """This cluster's Ray auth token file, made once (64 hex digits from `secrets`, mode 0600) and reused by
+    every later start from the same temp dir, so drivers and the dashboard keep working across restarts.
+    A file that is not a plain file of this user's with mode 0600 is replaced, and a temp dir that another
+    user owns is refused (/tmp/orchard-<hash> is a predictable name)."""
+    temp_root = _absolute(temp_root)
+    temp_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if temp_root.stat().st_uid != os.getuid():
+        raise RuntimeError(f"{temp_root} belongs to another user: pass a --dir of your own")
+    path = temp_root / TOKEN_FILE
+    try:
+        st = os.lstat(path)
+        if (st.st_mode & 0o170777) == 0o100600 and st.st_uid == os.getuid() and st.st_size > 0:
+            return path
+    except FileNotFoundError:
+        pass
+    tmp = temp_root / f".{TOKEN_FILE}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    tmp.replace(path)
+    return path
 
 
 # Ray Serve's throughput mode: user code on the replica's own event loop (no thread hop per call)
@@ -130,20 +165,59 @@ SERVE_ENV = {
 }
 
 
+def driver_env(temp_root: Path) -> dict[str, str]:
+    """What a driver of this cluster (`serve run`, a script) must have set, besides RAY_ADDRESS: printed by
+    `python -m cluster.local env`. The token is named by its file, never given."""
+    temp_root = _absolute(temp_root)
+    return {
+        "RAY_TMPDIR": str(temp_root),
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(temp_root / TOKEN_FILE),
+        # Ray rewrites a loopback address (a node's, the GCS's in RAY_ADDRESS) to the machine's LAN address
+        # unless this is 0, and its servers then listen on all interfaces (ray._private.services
+        # .resolve_ip_for_localhost); "0" is Ray's own default on macOS.
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    }
+
+
+def session_token_env() -> dict[str, str]:
+    """Ray's token auth for a cluster that lives as long as this process and its children (tests and
+    benchmarks: ray.cluster_utils or a local ray.init), for os.environ before Ray is imported:
+    RAY_AUTH_MODE=token and a fresh token in RAY_AUTH_TOKEN (which Ray prefers to any token file), inherited
+    by every node and worker; never written to a file."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+
+
 def ray_env(temp_root: Path) -> dict[str, str]:
     """The environment every node and every driver of this cluster must share."""
     env = dict(os.environ)
-    env["RAY_AUTH_MODE"] = "disabled"
-    env["RAY_TMPDIR"] = str(temp_root)
+    env.pop("RAY_AUTH_TOKEN", None)  # Ray prefers it to RAY_AUTH_TOKEN_PATH: an inherited one would win
+    env.update(driver_env(temp_root))
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     # `ray start --block` drains a node for up to 30 s on SIGTERM (for Serve on Kubernetes); a local demo
     # has nothing to migrate, so stop at once.
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
-    # Worker nodes abort without it on macOS; on Linux it is the default, but an inherited "0" (as tests set
-    # for cluster_utils) would abort them too.
-    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
     env.update(SERVE_ENV)
     return env
+
+
+# `ray start`, run as `python -c _NODE_MAIN start ...`, with two of Ray's settings changed in that process
+# only. With RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (which keeps 127.0.0.1 as given everywhere else) Ray
+# refuses to start a worker node ("Multi-node Ray clusters are not supported on Windows and OSX"), and with
+# it 1, `ray start` rewrites --node-ip-address=127.0.0.1 and --address=127.0.0.1:<port> to the machine's LAN
+# address, whereupon the GCS, raylet, object manager, agents and every worker listen on all interfaces.
+# So: cluster mode on for `ray start`'s own check, loopback addresses kept as given; the processes it
+# starts inherit RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0. Fails loudly if Ray renames either.
+_NODE_MAIN = (
+    "import sys\n"
+    "from ray._private import ray_constants, services\n"
+    "assert hasattr(ray_constants, 'ENABLE_RAY_CLUSTER') and hasattr(services, 'resolve_ip_for_localhost')\n"
+    "ray_constants.ENABLE_RAY_CLUSTER = True\n"
+    "services.resolve_ip_for_localhost = lambda host: host\n"
+    "from ray.scripts.scripts import main\n"
+    "sys.argv[0] = 'ray'\n"
+    "sys.exit(main())\n"
+)
 
 
 def free_port(ip: str = "127.0.0.1") -> int:
@@ -212,22 +286,20 @@ def check_http_port(host: str, port: int) -> None:
 
 
 def _ray_cli(temp_root: Path) -> list[str]:
-    """The command that runs `ray`: this interpreter's own. Ray builds shell command lines from its install
-    path unquoted (the head's ray_client_server is started through `bash -c` and died with exit 127) and sets
-    LD_PRELOAD to its jemalloc, which ld.so splits at spaces: from a checkout whose path holds whitespace
-    (a Mac's "~/Code/My Projects/orchard"), the venv is reached through <temp_root>/venv, a link without
-    one, and Ray's processes all run from there (the raylet starts workers with the interpreter it got)."""
+    """The command that runs `ray` (through _NODE_MAIN): this interpreter. Ray builds shell command lines
+    from its install path unquoted (the head's ray_client_server is started through `bash -c` and died with
+    exit 127) and sets LD_PRELOAD to its jemalloc, which ld.so splits at spaces: from a checkout whose path
+    holds whitespace (a Mac's "~/Code/My Projects/orchard"), the venv is reached through <temp_root>/venv, a
+    link without one, and Ray's processes all run from there (the raylet starts workers with the
+    interpreter it got)."""
+    python = sys.executable
     if any(c.isspace() for c in sys.prefix) and sys.prefix != sys.base_prefix:
         alias = temp_root / "venv"
         if not (alias.is_symlink() and os.readlink(alias) == sys.prefix):
             alias.unlink(missing_ok=True)
             alias.symlink_to(sys.prefix, target_is_directory=True)
-        return [str(alias / "bin" / Path(sys.executable).name), "-m", "ray.scripts.scripts"]
-    exe = Path(sys.executable).parent / "ray"
-    if exe.exists():
-        return [str(exe)]
-    found = shutil.which("ray")
-    return [found] if found else [sys.executable, "-m", "ray.scripts.scripts"]
+        python = str(alias / "bin" / Path(sys.executable).name)
+    return [python, "-c", _NODE_MAIN]
 
 
 def _alive(pid: int) -> bool:
@@ -257,12 +329,23 @@ def read_state(temp_root: Path = DEFAULT_DIR) -> dict | None:
 
 
 def _connect(state: dict):
-    """Connect this process to the cluster as a driver (for status and the start check)."""
+    """Connect this process to the cluster as a driver (for status and the start check). main() puts
+    driver_env in the environment before anything imports Ray; a caller that imported it earlier gets
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 applied here too (Ray reads it at import), so the loopback address
+    is not rewritten."""
+    os.environ.pop("RAY_AUTH_TOKEN", None)
     os.environ.update({k: v for k, v in ray_env(Path(state["temp_root"])).items() if k.startswith("RAY_")})
     import ray
+    from ray._private import ray_constants
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
+    # What the environment now says, for a process that imported Ray before (Ray reads these once; the
+    # last two as Ray's own _enable_token_auth does)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
     if not ray.is_initialized():
-        ray.init(address=state["address"], log_to_driver=False, configure_logging=False, _node_ip_address=state["ip"])
+        ray.init(address=state["address"], log_to_driver=False, configure_logging=False)
     return ray
 
 
@@ -270,7 +353,6 @@ def start(
     nodes: list[LocalNode],
     *,
     temp_root: Path = DEFAULT_DIR,
-    ip: str | None = None,
     port: int = 6379,
     dashboard: bool = True,
     dashboard_port: int = 8265,
@@ -300,7 +382,7 @@ def start(
     old = read_state(temp_root)
     if old and any(_is_node_process(n["pid"]) for n in old["nodes"]):
         raise RuntimeError(f"a local cluster from {temp_root} is running ({old['address']}); stop it first")
-    ip = ip or default_ip()
+    ip = default_ip()
     if _port_open(ip, port):
         raise RuntimeError(f"port {ip}:{port} is taken (another Ray?); pass --port")
     if dashboard and _port_open("127.0.0.1", dashboard_port):
@@ -308,6 +390,7 @@ def start(
     http_host, config_port = serve_http_address()
     http_port = config_port if http_port is None else http_port
     check_http_port(http_host, http_port)
+    ensure_token(temp_root)
     (temp_root / "logs").mkdir(parents=True, exist_ok=True)
     env = ray_env(temp_root)
     address = f"{ip}:{port}"
@@ -360,6 +443,8 @@ def start(
         spawn(head, head_args)
         for node in workers:
             spawn(node, [f"--address={address}", f"--num-cpus={worker_cpus}"])
+        from cluster.node_agent import LABEL_NODE
+
         ray = _connect(state)
         want = {n.name for n in nodes}
         while True:
@@ -380,7 +465,8 @@ def start(
     log(f"Orchard local cluster up in {state['started_s']} s: {len(nodes)} nodes at {address}")
     if dashboard:
         log(f"dashboard: {state['dashboard']}")
-    log(f"connect with: RAY_ADDRESS={address} RAY_AUTH_MODE=disabled RAY_TMPDIR={temp_root}")
+    log(f"connect with: env RAY_ADDRESS={address} {' '.join(f'{k}={v}' for k, v in driver_env(temp_root).items())} <command>")
+    log(f"Ray's auth token (the dashboard asks for it): {temp_root / TOKEN_FILE}")
     log(
         f"once Orchard is served: http://{'127.0.0.1' if http_host in ('0.0.0.0', '') else http_host}:{http_port}/v1 (the head's Serve proxy),"
         " and every node's ingress replica on a port of its own (Serve's direct ingress, 30000 and up; GET /v1/cluster lists them as ingress)"
@@ -537,6 +623,8 @@ def status(temp_root: Path = DEFAULT_DIR) -> list[dict]:
         raise RuntimeError(f"no local cluster in {temp_root}")
     if not _is_node_process(state["nodes"][0]["pid"]):
         raise RuntimeError(f"the local cluster in {temp_root} is not running (its head is gone); run stop")
+    from cluster.node_agent import LABEL_NODE
+
     ray = _connect(state)
     try:
         rows = [
@@ -560,7 +648,6 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start")
     s.add_argument("--nodes", default="head:6,mac-1:3,mac-2:2", help="name:budget_gib[:device],... (head first)")
-    s.add_argument("--ip", default=None, help="node IP (default 127.0.0.2; 127.0.0.1 on macOS)")
     s.add_argument("--port", type=int, default=6379)
     s.add_argument("--dashboard-port", type=int, default=8265)
     s.add_argument("--no-dashboard", action="store_true")
@@ -578,7 +665,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("status")
     sub.add_parser("address", help="print the address drivers connect to (RAY_ADDRESS)")
     sub.add_parser("tmpdir", help="print this cluster's temp dir (RAY_TMPDIR, where its state file and logs are)")
+    sub.add_parser("env", help="print what a driver must set, RAY_ADDRESS included, as NAME=value words for `env` (no secret)")
     a = ap.parse_args(argv)
+    # Before anything imports Ray (parse_nodes does), which reads some of these once
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ.update(driver_env(a.dir))
     if a.cmd == "start":
         try:
             nodes = parse_nodes(a.nodes)
@@ -589,7 +680,6 @@ def main(argv: list[str] | None = None) -> int:
             state = start(
                 nodes,
                 temp_root=a.dir,
-                ip=a.ip,
                 port=a.port,
                 dashboard=not a.no_dashboard,
                 dashboard_port=a.dashboard_port,
@@ -616,6 +706,12 @@ def main(argv: list[str] | None = None) -> int:
             print("no local cluster is running", file=sys.stderr)
             return 1
         print(running["address"])
+    elif a.cmd == "env":
+        running = read_state(a.dir)
+        if running is None:
+            print("no local cluster is running", file=sys.stderr)
+            return 1
+        print(" ".join(f"{k}={v}" for k, v in {"RAY_ADDRESS": running["address"], **driver_env(a.dir)}.items()))
     else:
         for row in status(a.dir):
             labels = ",".join(f"{k}={v}" for k, v in sorted(row["labels"].items()))

@@ -1,12 +1,11 @@
 """Node reports and agents: the measure arithmetic (pure), one agent per node on a real 3-node Ray cluster
 (ray.cluster_utils), and the local launcher's start/status/stop.
 
-Ray settings from ../shared/ray/README.md: auth disabled and 127.0.0.1 kept as is, both set before ray is
-imported; a private RAY_TMPDIR; fast health checks so a removed node reads dead in ~1.5 s, not ~14 s."""
+Ray settings from ../shared/ray/README.md: token auth (conftest.py's session token) and 127.0.0.1 kept as
+is, both set before ray is imported; a private RAY_TMPDIR; fast health checks so a removed node reads dead in ~1.5 s, not ~14 s."""
 
 import os
 
-os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import json
@@ -212,7 +211,9 @@ def test_local_launcher_start_status_stop_from_a_long_path(tmp_path):
         driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env={**os.environ, "RAY_TMPDIR": str(temp_root)})
         sockets = temp_root / "ray" / "session_latest" / "sockets"
         assert (sockets / "dash_MetricsHead").exists(), sorted(p.name for p in sockets.iterdir())
-        with urllib.request.urlopen(f"http://127.0.0.1:{dashboard_port}/api/v0/nodes", timeout=30) as r:
+        token = local.token_path(temp_root).read_text()  # the dashboard wants Ray's token too
+        nodes_api = urllib.request.Request(f"http://127.0.0.1:{dashboard_port}/api/v0/nodes", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(nodes_api, timeout=30) as r:
             assert json.load(r)["result"], "the dashboard's state API answers"
         assert _run_local(checkout, "address").stdout.strip() == f"{ip}:{port}"
         st = _run_local(checkout, "status")

@@ -5,8 +5,7 @@ after a drain."""
 
 import os
 
-# Before `import ray` (shared/ray/README.md pitfalls 1 and 2).
-os.environ["RAY_AUTH_MODE"] = "disabled"
+# Before `import ray` (shared/ray/README.md pitfall 2; token auth as conftest.py sets it).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import asyncio

@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from cluster.local import session_token_env  # does not import Ray
+
+os.environ.update(session_token_env())  # Ray's token auth, as every Orchard cluster runs
 import ray
 
 from bench.serve.__main__ import closed_loop, engine_one, messages, with_steps

@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-from cluster.local import SERVE_ENV  # stdlib only
+from cluster.local import SERVE_ENV, session_token_env  # does not import Ray
+
+os.environ.update(session_token_env())  # Ray's token auth, as every Orchard cluster runs
 
 for _k, _v in SERVE_ENV.items():  # the product's Serve mode
     os.environ.setdefault(_k, _v)
