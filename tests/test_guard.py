@@ -143,6 +143,7 @@ def test_a_chunked_body_is_cut_off_at_the_limit(door):
     chunks = [b"x" * 256] * 100  # 25 KiB promised in pieces, no Content-Length
     r = call("POST", CHAT, JSON | {"authorization": f"Bearer {ADMIN}", "transfer-encoding": "chunked"}, chunks)
     assert r["status"] == 413 and r["headers"]["connection"] == "close", r
+    assert r["json"]["error"]["code"] == "request_too_large", r  # the same code as a Content-Length refused at the door
     assert LIMIT < r["read"] <= LIMIT + 256  # it stopped reading at the first chunk past the limit
 
 

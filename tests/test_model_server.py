@@ -376,11 +376,18 @@ def test_the_operator_store_round_trips_through_the_gcs(ray_node):
     from router.residency.store import OperatorStore
 
     store = OperatorStore(app="store-test", max_events=3)
-    store.set_pin("a", True)
-    store.set_pin("b", False)
-    store.add_load("a", "mac-1")
-    store.add_load("b", None)
-    store.drop_load("b")
+
+    async def write() -> None:  # pins and loads are written in order from the controller's event loop (rule X2)
+        for done in (
+            store.set_pin("a", True),
+            store.set_pin("b", False),
+            store.add_load("a", "mac-1"),
+            store.add_load("b", None),
+            store.drop_load("b"),
+        ):
+            await done
+
+    asyncio.run(write())
     store.add_pull("a", "mac-1")
     store.add_pull("a", "mac-2")
     store.drop_pull("a", "mac-1")

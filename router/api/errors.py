@@ -50,7 +50,7 @@ def validation_error(protocol: Protocol, errors: list) -> OrchardError:
     return anth.validation_error(errors) if protocol == "anthropic" else oai.validation_error(errors)
 
 
-_HTTP_CODES = {404: "route_not_found", 405: "method_not_allowed"}
+_HTTP_CODES = {404: "route_not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 # Codes whose messages speak only of the caller's own request, key or model (a bad field, a prompt
 # over the context, a model that cannot do what was asked, the key's own limits): every key reads
