@@ -5,6 +5,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import os
+import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -31,6 +32,16 @@ def models_dir() -> Path:
 
     folder = Path(os.environ.get("ORCHARD_MODELS_DIR", ROOT / "models"))
     prepare(folder, log=lambda *_: None)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def broken_dir(models_dir, tmp_path_factory):
+    """A copy of llama-10m whose weights are truncated (what a failed download leaves)."""
+    folder = tmp_path_factory.mktemp("broken") / "broken-llama"
+    shutil.copytree(models_dir / "llama-10m", folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
     return folder
 
 

@@ -36,16 +36,6 @@ NEVER_END = {str(t): -100 for t in range(4)}  # llama-10m's special tokens (EOS 
 
 
 @pytest.fixture(scope="module")
-def broken_dir(models_dir, tmp_path_factory):
-    """A copy of llama-10m whose safetensors file is truncated (what a failed download leaves)."""
-    folder = tmp_path_factory.mktemp("broken") / "broken-llama"
-    shutil.copytree(models_dir / "llama-10m", folder)
-    weights = folder / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
-    return folder
-
-
-@pytest.fixture(scope="module")
 def orchard(models_dir, broken_dir):
     """Head (0.7 GiB: one 400 MiB model at a time) + mac-1 (0.3 GiB: small models only). The
     dashboard runs: the Actors view (Ray's state API) is under test here."""

@@ -187,7 +187,8 @@ def test_a_client_gone_during_a_copy_cancels_it_and_the_next_request_resumes_it(
     body = json.dumps({"model": "llama-slow", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}).encode()
     client = socket.create_connection((host, int(port)))
     client.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
     )
     wait_for(lambda: model(orchard, "llama-slow")["fetching"].get("mac-1", {}).get("done_bytes", 0) > 0, 30, "the copy to mac-1 under way")
     client.close()  # the client hangs up mid-copy

@@ -5,7 +5,6 @@ model only, while an admin key's says which models, nodes and bytes stand in the
 
 import hashlib
 import json
-import shutil
 import socket
 import time
 
@@ -33,16 +32,6 @@ EMBEDDING = "all-minilm-l6-v2"
 
 def auth(name: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[name]}"}
-
-
-@pytest.fixture(scope="module")
-def broken_dir(models_dir, tmp_path_factory):
-    """A copy of llama-10m whose weights are truncated (what a failed download leaves)."""
-    folder = tmp_path_factory.mktemp("broken") / "broken-llama"
-    shutil.copytree(models_dir / "llama-10m", folder)
-    weights = folder / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
-    return folder
 
 
 @pytest.fixture(scope="module")
