@@ -129,8 +129,9 @@ class PumpedEventStream(ClosingStreamingResponse):
         renderer: Renderer,
         model: str,
         who: Principal,
+        *,
         write_timeout_s: float,
-        headers: dict[str, str] | None,
+        headers: dict[str, str] | None = None,
         buffer_bytes: int = STREAM_BUFFER_BYTES,
     ):
         self.buffer = StreamBuffer(buffer_bytes)
@@ -164,15 +165,4 @@ class PumpedEventStream(ClosingStreamingResponse):
         await self.deltas.aclose()  # a pump cancelled before its first step never ran its own (idempotent)
 
 
-def event_stream(
-    first: dict,
-    deltas: DeltaStream,
-    renderer: Renderer,
-    model: str,
-    who: Principal,
-    *,
-    write_timeout_s: float,
-    headers: dict[str, str] | None = None,
-    buffer_bytes: int = STREAM_BUFFER_BYTES,
-) -> StreamingResponse:
-    return PumpedEventStream(first, deltas, renderer, model, who, write_timeout_s, headers, buffer_bytes)
+event_stream = PumpedEventStream  # what routes call: the SSE response of a generation

@@ -98,7 +98,7 @@ class DeltaStream:
     iteration with `Unavailable`. An instance that stopped or went away before any output, for a
     reason not the request's (see the top), costs nothing: the generation moves, once, to a fresh
     lease on the same model (`Lease.move`); one whose process crashed while running it is
-    `model_crashed` (`_movable`)."""
+    `model_crashed` (`_crash`)."""
 
     def __init__(self, mux: StreamMux, lease: Lease, request: dict, chunk_timeout_s: float):
         self.lease = lease
@@ -284,8 +284,8 @@ class WholeGeneration:
         return time.monotonic() - self.started
 
 
-_GONE_CODES = ("unavailable", "engine_stopped")
-_PROBE_S = 10.0  # how long a stream waits for Ray to say how its instance ended (DeltaStream._movable)  # an error delta that says the instance went away, not the request failed
+_GONE_CODES = ("unavailable", "engine_stopped")  # an error delta that says the instance went away, not the request failed
+_PROBE_S = 10.0  # how long a stream waits for Ray to say how its instance ended (DeltaStream._crash)
 
 
 async def _result(ref: Any) -> Any:
