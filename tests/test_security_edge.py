@@ -3,7 +3,6 @@ admin key and a user key limited to llama-10m at rpm 5: through the Serve proxy 
 replica's own direct-ingress port, with raw HTTP (http.client: headers sent, the body held back or
 sent in pieces), what is refused before the body arrives. Nothing here loads a model."""
 
-import hashlib
 import http.client
 import json
 import time
@@ -15,35 +14,27 @@ import requests
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
-from support.cluster import free_port  # noqa: E402
+from support.cluster import key_entry, serve_orchard  # noqa: E402
 
 from cluster.serve_endpoints import serve_http_host  # noqa: E402
-from router.api.builder import build_app  # noqa: E402
 
 ADMIN, USER = "sk-edge-admin", "sk-edge-user"
 MAX_REQUEST, MAX_AUDIO = 32 * 1024, 64 * 1024
 ANSWER_WITHIN_S = 10  # a server waiting for the body would never answer: the socket times out instead
 
 
-def sha(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
 @pytest.fixture(scope="module")
 def orchard(models_dir, shared_ray):
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "models_dir": str(models_dir),
         "api_keys": [
-            {"name": "ops", "role": "admin", "key_sha256": sha(ADMIN)},
-            {"name": "team", "role": "user", "key_sha256": sha(USER), "models": ["llama-10m"], "rpm": 5},
+            key_entry("ops", ADMIN, "admin"),
+            key_entry("team", USER, models=["llama-10m"], rpm=5),
         ],
         "max_request_bytes": MAX_REQUEST,
         "max_audio_bytes": MAX_AUDIO,
     }
-    serve.run(build_app(args), name="orchard", route_prefix="/")
-    proxy = f"http://127.0.0.1:{port}"
+    proxy = serve_orchard(args)
     deadline = time.monotonic() + 30
     while True:  # a replica's own server starts once it is ready: the list can lag the deploy
         ingress = requests.get(proxy + "/v1/cluster", headers={"authorization": f"Bearer {ADMIN}"}, timeout=30).json()["ingress"]

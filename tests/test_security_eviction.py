@@ -5,7 +5,6 @@ created only once A's actor is dead by Ray's word and its worker process is gone
 the cluster throughout: at no moment do A (its actor listed, or its process alive) and B's actor
 exist together."""
 
-import hashlib
 import threading
 import time
 
@@ -17,10 +16,9 @@ ray = pytest.importorskip("ray")
 import openai  # noqa: E402
 from ray import serve  # noqa: E402
 from ray._private import state as ray_state  # noqa: E402
-from support.cluster import free_port  # noqa: E402
+from support.cluster import key_entry, serve_orchard  # noqa: E402
 
 from cluster.placement import NAMESPACE, live_model_server_names, parse_actor_name  # noqa: E402
-from router.api.builder import build_app  # noqa: E402
 
 MIB = 1024**2
 GIB = 1024**3
@@ -31,18 +29,15 @@ BIG = {"kind": "llm", "path": "llama-10m", "weight_bytes": "3.5GiB"}
 
 @pytest.fixture(scope="module")
 def orchard(models_dir, shared_ray):
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     models = [{"name": "evict-a"} | BIG, {"name": "evict-b"} | BIG]
     policy = {"min_residency_s": 0, "instance_overhead_bytes": 32 * MIB, "safety_margin_bytes": 16 * MIB, "safety_margin_fraction": 0}
     args = {
         "models_dir": str(models_dir),
         "models": models,
         "policy": policy,
-        "api_keys": [{"name": "ops", "role": "admin", "key_sha256": hashlib.sha256(KEY.encode()).hexdigest()}],
+        "api_keys": [key_entry("ops", KEY, "admin")],
     }
-    serve.run(build_app(args), name="orchard", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
+    base = serve_orchard(args)
     yield {"base": base, "client": openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)}
     serve.shutdown()
 

@@ -5,7 +5,6 @@ naming the parameter and the instance that refused them lives on; chat_template_
 template variables only (a template of the client's own, `tokenize`, `padding` are 400s); a forced
 tool whose parameters are not an object schema is a 400 naming it, on all three protocols."""
 
-import hashlib
 import os
 import signal
 import threading
@@ -15,9 +14,7 @@ import requests
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
-from support.cluster import free_port, wait_for  # noqa: E402
-
-from router.api.builder import build_app  # noqa: E402
+from support.cluster import key_entry, serve_orchard, wait_for  # noqa: E402
 
 ADMIN_KEY = "sk-orchard-security-admin"
 USER_KEY = "sk-orchard-security-user"
@@ -29,19 +26,16 @@ HELLO = [{"role": "user", "content": "Hello"}]
 
 @pytest.fixture(scope="module")
 def orchard(models_dir, shared_ray):
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "models_dir": str(models_dir),
         "models": [{"name": "llama-10m", "kind": "llm", "path": "llama-10m"}],
         "policy": {"min_residency_s": 0, "instance_overhead_bytes": 32 * 1024**2},
         "api_keys": [
-            {"name": "ops", "role": "admin", "key_sha256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()},
-            {"name": "team", "role": "user", "key_sha256": hashlib.sha256(USER_KEY.encode()).hexdigest(), "models": ["llama-10m"], "rpm": 5},
+            key_entry("ops", ADMIN_KEY, "admin"),
+            key_entry("team", USER_KEY, models=["llama-10m"], rpm=5),
         ],
     }
-    serve.run(build_app(args), name="orchard", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
+    yield serve_orchard(args)
     serve.shutdown()
 
 

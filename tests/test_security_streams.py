@@ -3,7 +3,6 @@ admin key and scoped user keys: a streaming client that stops reading does not k
 key's tpm counts the prompt at admission and what embeddings use; a user key's 503 names its own
 model only, while an admin key's says which models, nodes and bytes stand in the way."""
 
-import hashlib
 import json
 import socket
 import time
@@ -13,9 +12,8 @@ import requests
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
-from support.cluster import free_port  # noqa: E402
+from support.cluster import key_entry, serve_orchard  # noqa: E402
 
-from router.api.builder import build_app  # noqa: E402
 from router.residency.registry import from_manifest  # noqa: E402
 
 MIB = 1024**2
@@ -36,26 +34,22 @@ def auth(name: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def orchard(models_dir, shared_ray, broken_dir):
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     small = {"kind": "llm", "path": "llama-10m"}
     models = from_manifest(models_dir) + [
         {"name": "llama-pinned", "pinned": True, "weight_bytes": "4GiB"} | small,  # holds most of the 6 GiB head once loaded
         {"name": "llama-big", "weight_bytes": "4GiB"} | small,  # cannot be placed beside it
         {"name": "broken-llama", "kind": "llm", "path": str(broken_dir), "weight_bytes": "40MiB", "kv_bytes_per_token": "8KiB"},
     ]
-    sha = {name: hashlib.sha256(key.encode()).hexdigest() for name, key in KEYS.items()}
     api_keys = [
-        {"name": "ops", "role": "admin", "key_sha256": sha["ops"]},
-        {"name": "team-a", "role": "user", "key_sha256": sha["team-a"], "models": ["llama-10m"], "rpm": 5},
-        {"name": "solo", "role": "user", "key_sha256": sha["solo"], "models": ["llama-10m"], "max_concurrent": 1},
-        {"name": "frugal", "role": "user", "key_sha256": sha["frugal"], "models": ["llama-10m", EMBEDDING], "tpm": 400},
-        {"name": "team-c", "role": "user", "key_sha256": sha["team-c"], "models": ["llama-big", "broken-llama"]},
+        key_entry("ops", KEYS["ops"], "admin"),
+        key_entry("team-a", KEYS["team-a"], models=["llama-10m"], rpm=5),
+        key_entry("solo", KEYS["solo"], models=["llama-10m"], max_concurrent=1),
+        key_entry("frugal", KEYS["frugal"], models=["llama-10m", EMBEDDING], tpm=400),
+        key_entry("team-c", KEYS["team-c"], models=["llama-big", "broken-llama"]),
     ]
     policy = {"min_residency_s": 0, "instance_overhead_bytes": 32 * MIB, "contention": "fail"}
     args = {"models_dir": str(models_dir), "models": models, "policy": policy, "api_keys": api_keys, "watch_period_s": 0.5}
-    serve.run(build_app(args), name="orchard", route_prefix="/")
-    yield {"base": f"http://127.0.0.1:{port}", "broken_dir": broken_dir}
+    yield {"base": serve_orchard(args), "broken_dir": broken_dir}
     serve.shutdown()
 
 

@@ -1,10 +1,11 @@
 """What the end-to-end modules share to set up a local Ray cluster and talk to Orchard over HTTP."""
 
+import hashlib
 import time
 
 import requests
 
-from cluster.local import free_port  # noqa: F401  (the e2e modules import it from here)
+from cluster.local import free_port
 
 MIB = 1024**2
 # Ray notices a dead node in ~1.5 s instead of ~14 s (shared/ray/README.md)
@@ -14,6 +15,23 @@ HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health
 def node_args(name: str, budget_gib: float, cpus: int) -> dict:
     """cluster_utils node arguments: Orchard's node name and memory budget as labels, a small object store."""
     return {"num_cpus": cpus, "labels": {"orchard.node": name, "orchard.budget_gib": str(budget_gib)}, "object_store_memory": 80 * MIB}
+
+
+def key_entry(name: str, key: str, role: str = "user", **limits) -> dict:
+    """An `api_keys` entry for `key`, given by its SHA-256 as ray-config.yaml may (models, rpm, ... in `limits`)."""
+    return {"name": name, "role": role, "key_sha256": hashlib.sha256(key.encode()).hexdigest(), **limits}
+
+
+def serve_orchard(args: dict) -> str:
+    """Orchard (`build_app(args)`) served by Serve on a free loopback port of the connected cluster; its base URL."""
+    from ray import serve
+
+    from router.api.builder import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(args), name="orchard", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
 
 
 class Http:
