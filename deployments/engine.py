@@ -39,7 +39,8 @@ RequestErrorCode = Literal["invalid_request", "context_length_exceeded", "unsupp
 
 class RequestError(Exception):
     """One request failed; the engine and every other request go on. The router maps `code` to an
-    HTTP status (router/errors.py: the engines carry none)."""
+    HTTP status (deployments/wire/failure.py: the engines carry none); it becomes an OrchardError
+    before it leaves the model server."""
 
     def __init__(self, code: RequestErrorCode, message: str, param: str | None = None):
         super().__init__(message)

@@ -4,9 +4,10 @@ Orchard's placement policy decides the node; `model_server_options` turns that d
 actor options (num_cpus=0 and a hard node affinity: Apple GPUs are not a Ray resource). The actor
 streams LLM / VLM output coalesced and multiplexed (one channel per caller, one Ray item per flush
 for all of its streams), because every Ray stream item costs ~0.75 ms of CPU end to end (docs in
-shared/ray/README.md), and turns every failure into a `ModelServerError` that pickles
-across Ray, so the router can map it to OpenAI's error format. Importing this module stays light
-(no MLX): the router imports `ModelServerError` and `unwrap` from here."""
+shared/ray/README.md), and turns every failure into the wire's `OrchardError`
+(deployments/wire/failure.py), which pickles across Ray by its fields; `unwrap` takes Ray's wrappers
+off again on the caller's side. Importing this module stays light (no MLX): the router imports
+`unwrap` from here."""
 
 import asyncio
 import contextlib
@@ -24,6 +25,7 @@ from pydantic import ValidationError
 
 from deployments.engine import RequestError
 from deployments.manifest import ManifestEntry, model_location
+from deployments.wire.failure import OrchardError
 
 # Which method serves which kind, and the words an error message uses for it.
 _SERVES = {
@@ -37,32 +39,12 @@ _VLM_FIELDS = {"messages", "images", "max_tokens", "temperature", "top_p", "stop
 _STT_FORMATS = ("json", "text", "verbose_json")
 
 
-class ModelServerError(Exception):
-    """A structured failure of one call, seen by the caller after Ray wraps it (see `unwrap`).
-    `code` is an engine RequestError code or one of not_found / load_failed / unavailable /
-    cancelled; the router maps the code to an HTTP status (router/errors.py)."""
-
-    def __init__(self, code: str, message: str, param: str | None = None):
-        super().__init__(code, message, param)
-        self.code = code
-        self.message = message
-        self.param = param
-
-    def __reduce__(self):  # pickle by the three fields, whatever else was attached
-        return (type(self), (self.code, self.message, self.param))
-
-    def __str__(self) -> str:
-        return f"[{self.code}] {self.message}" + (f" (param: {self.param})" if self.param else "")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "param": self.param}
-
-    @classmethod
-    def from_request_error(cls, e: RequestError) -> "ModelServerError":
-        return cls(e.code, e.message, e.param)
+# Codes that say the instance went away, not that the request failed: a retry (elsewhere) may serve it.
+_RETRYABLE = ("unavailable", "engine_stopped")
+_RETRY_S = 1.0
 
 
-def internal_error(e: BaseException | str, where: str = "the model server") -> ModelServerError:
+def internal_error(e: BaseException | str, where: str = "the model server") -> OrchardError:
     """An unexpected failure as its caller (and so a client) sees it: `internal`, with a short
     incident id and no exception text; the exception itself (its traceback when there is one) goes
     to this process's log under the same id, for the operator."""
@@ -72,15 +54,15 @@ def internal_error(e: BaseException | str, where: str = "the model server") -> M
     else:
         detail = e
     print(f"orchard: incident {incident} in {where}: {detail}", file=sys.stderr, flush=True)
-    return ModelServerError("internal", f"{where} failed unexpectedly (incident {incident}; the operator's logs have the details)")
+    return OrchardError("internal", f"{where} failed unexpectedly (incident {incident}; the operator's logs have the details)")
 
 
-def _engine_error(code: str | None, message: str | None, param: str | None = None) -> ModelServerError:
+def _engine_error(code: str | None, message: str | None, param: str | None = None) -> OrchardError:
     """An engine's failure (a RequestError, an error delta) as it may leave this process: its own
     message for an expected error, an incident id (`internal_error`) for an internal one."""
     if code in (None, "internal"):
         return internal_error(message or "generation failed", "the engine")
-    return ModelServerError(code, message or "generation failed", param)
+    return OrchardError(code, message or "generation failed", param, retry_after_s=_RETRY_S if code in _RETRYABLE else None)
 
 
 def _actor_died(exc: BaseException) -> Any:
@@ -125,32 +107,34 @@ def crashed(exc: BaseException) -> bool:
     return "worker process has died" in text and "INTENDED_" not in text
 
 
-def unwrap(exc: BaseException) -> ModelServerError:
-    """The ModelServerError behind whatever a call to a model server raised: Ray's RayTaskError
+def unwrap(exc: BaseException) -> OrchardError:
+    """The OrchardError behind whatever a call to a model server raised: Ray's RayTaskError
     (whose `.cause` is the actor's exception), a FileNotFoundError from `load` (not_found), an
     engine RequestError, a dead or unreachable actor (unavailable, with Ray's death cause), a
     cancelled task (cancelled); anything else is `internal_error` (an incident id, the exception in
-    the log). The router can map every failure through this one function."""
+    the log). The one translator: the router, the residency service and this server (for what its
+    engine raised) map every failure through it. An instance that went away (unavailable,
+    engine_stopped) says a retry could help (`retry_after_s`)."""
     import ray.exceptions as rex
 
     seen = exc
     for _ in range(8):  # RayTaskError chains (an actor calling an actor) nest causes
-        if isinstance(seen, ModelServerError) and not isinstance(seen, rex.RayTaskError):
+        if isinstance(seen, OrchardError) and not isinstance(seen, rex.RayTaskError):
             return seen
         cause = getattr(seen, "cause", None) if isinstance(seen, rex.RayTaskError) else None
         if cause is None:
             break
         seen = cause
-    if isinstance(seen, ModelServerError):  # a dual RayTaskError(ModelServerError) without cause
-        return ModelServerError(seen.code, seen.message, seen.param)
+    if isinstance(seen, OrchardError):  # a dual RayTaskError(OrchardError) without cause
+        return OrchardError(seen.code, seen.message, seen.param, retry_after_s=seen.retry_after_s)
     if isinstance(seen, RequestError):
         return _engine_error(seen.code, seen.message, seen.param)
     if isinstance(seen, FileNotFoundError):
-        return ModelServerError("not_found", without_paths(str(seen)), "model")
+        return OrchardError("not_found", without_paths(str(seen)), "model")
     if isinstance(seen, (rex.TaskCancelledError, asyncio.CancelledError)):
-        return ModelServerError("cancelled", "the request was cancelled")
+        return OrchardError("cancelled", "the request was cancelled")
     if isinstance(seen, (rex.RayActorError, rex.ActorUnavailableError)):
-        return ModelServerError("unavailable", f"the model server is unavailable: {death_cause(seen) or type(seen).__name__}")
+        return OrchardError("unavailable", f"the model server is unavailable: {death_cause(seen) or type(seen).__name__}", retry_after_s=_RETRY_S)
     return internal_error(seen)
 
 
@@ -164,20 +148,20 @@ def without_paths(text: str) -> str:
     return _FOLDERS.sub("", text)
 
 
-def _load_failure(e: BaseException) -> ModelServerError:
+def _load_failure(e: BaseException) -> OrchardError:
     """A load that failed, as the caller sees it: not_found (no folder), else load_failed with the
     engine's exception named (the controller tells an out-of-memory from bad files by it); no
     absolute path in the message (`without_paths`)."""
-    if isinstance(e, ModelServerError):
+    if isinstance(e, OrchardError):
         return e
     if isinstance(e, FileNotFoundError):
-        return ModelServerError("not_found", without_paths(str(e)), "model")
-    return ModelServerError("load_failed", without_paths(f"{type(e).__name__}: {e}"))
+        return OrchardError("not_found", without_paths(str(e)), "model")
+    return OrchardError("load_failed", without_paths(f"{type(e).__name__}: {e}"))
 
 
 def _load_error_for_caller(e: BaseException) -> Exception:
     """What `load` raises for a failed load: a FileNotFoundError (the caller's not_found) or the
-    ModelServerError of `_load_failure`, without absolute paths either way."""
+    OrchardError of `_load_failure`, without absolute paths either way."""
     failure = _load_failure(e)
     if isinstance(e, FileNotFoundError):
         return FileNotFoundError(errno.ENOENT, failure.message.removeprefix(f"[Errno {errno.ENOENT}] "))
@@ -364,7 +348,7 @@ class _Delivery:
         if ended:
             self._end()
 
-    def fail(self, error: ModelServerError) -> None:
+    def fail(self, error: OrchardError) -> None:
         """End with an error: a {"failure"} item before any output, an error delta after some."""
         if self.ended:
             return
@@ -418,7 +402,7 @@ def open_channel(server: Any, channel_id: str) -> Any:
 
 class ModelServer:
     """One engine (built by deployments.models.open_engine) behind a Ray actor. Methods valid only
-    for another kind raise ModelServerError("unsupported"); engine RequestErrors keep their code."""
+    for another kind raise OrchardError("unsupported"); engine RequestErrors keep their code."""
 
     def __init__(
         self,
@@ -505,7 +489,7 @@ class ModelServer:
     async def load(self) -> dict:
         """Load the engine (done already when created with load_now); the MemoryReport (bytes,
         load_seconds) as a dict. FileNotFoundError when the model folder is missing on this node
-        (the caller's not_found), ModelServerError("load_failed") when the engine fails; loading
+        (the caller's not_found), OrchardError("load_failed") when the engine fails; loading
         twice returns the report of the first."""
         async with self._load_lock:
             if self._load_error is not None:
@@ -576,16 +560,16 @@ class ModelServer:
     def _engine_for(self, method: str) -> Any:
         kinds, what = _SERVES[method]
         if self.entry.kind not in kinds:
-            raise ModelServerError("unsupported", f"model {self.entry.name} ({self.entry.kind}) does not serve {what}", "model")
+            raise OrchardError("unsupported", f"model {self.entry.name} ({self.entry.kind}) does not serve {what}", "model")
         return self.engine
 
     @contextlib.asynccontextmanager
     async def _call(self):
-        """Count the call for drain and turn every failure into a ModelServerError."""
+        """Count the call for drain and turn every failure into an OrchardError."""
         self._in_flight += 1
         try:
             yield
-        except ModelServerError:
+        except OrchardError:
             raise
         except RequestError as e:
             raise _engine_error(e.code, e.message, e.param) from None
@@ -605,12 +589,12 @@ class ModelServer:
             except ValidationError as e:
                 first = e.errors()[0]
                 param = ".".join(str(p) for p in first["loc"]) or None
-                raise ModelServerError("invalid_request", f"{param + ': ' if param else ''}{first['msg']}", param) from None
+                raise OrchardError("invalid_request", f"{param + ': ' if param else ''}{first['msg']}", param) from None
         if not isinstance(request, dict) or "messages" not in request:
-            raise ModelServerError("invalid_request", "a VLM request is a dict with messages (and images)", "messages")
+            raise OrchardError("invalid_request", "a VLM request is a dict with messages (and images)", "messages")
         unknown = sorted(set(request) - _VLM_FIELDS)
         if unknown:
-            raise ModelServerError("invalid_request", f"unsupported field(s) for a VLM model: {', '.join(unknown)}", unknown[0])
+            raise OrchardError("invalid_request", f"unsupported field(s) for a VLM model: {', '.join(unknown)}", unknown[0])
         return request
 
     # ---- multiplexed streams: one Ray item per flush for all of a caller's streams -------------
@@ -749,7 +733,7 @@ class ModelServer:
                 delivery.put_nowait(delta)
                 if delivery.ended:
                     return
-            delivery.fail(ModelServerError("internal", "the engine stream ended early"))
+            delivery.fail(OrchardError("internal", "the engine stream ended early"))
         except Exception as e:
             delivery.fail(unwrap(e))
         finally:
@@ -762,7 +746,7 @@ class ModelServer:
         async with self._call():
             self._engine_for("generate")
             if self.entry.kind != "llm":
-                raise ModelServerError("unsupported", f"model {self.entry.name} ({self.entry.kind}) does not count tokens", "model")
+                raise OrchardError("unsupported", f"model {self.entry.name} ({self.entry.kind}) does not count tokens", "model")
             return len(await asyncio.to_thread(self.engine.tokenize, self._parse_generation(request)))  # type: ignore[attr-defined]  # an LLM/VLM engine's own
 
     async def embed(self, texts: list[str] | str, dimensions: int | None = None) -> dict:
@@ -790,7 +774,7 @@ class ModelServer:
         async with self._call():
             engine = self._engine_for("transcribe")
             if response_format not in _STT_FORMATS:
-                raise ModelServerError(
+                raise OrchardError(
                     "unsupported",
                     f"response_format {response_format!r} is not supported; use one of {', '.join(_STT_FORMATS)}",
                     "response_format",
@@ -808,7 +792,7 @@ class ModelServer:
             from deployments.engines.tts import FORMATS, encode
 
             if response_format not in FORMATS:
-                raise ModelServerError(
+                raise OrchardError(
                     "unsupported",
                     f"response_format {response_format!r} is not supported; use one of {', '.join(FORMATS)}",
                     "response_format",

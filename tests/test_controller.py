@@ -9,9 +9,9 @@ import pytest
 from support.builders import spec
 
 from deployments.manifest import ManifestEntry
+from deployments.wire.failure import OrchardError
 from policy import InstanceRef, Place, PolicyConfig
 from policy.config import GIB
-from router.errors import OrchardError
 from router.residency.controller import LoadError, LoadResult, ResidencyController
 from router.residency.service import ResidencyService
 from router.residency.store import OperatorStore

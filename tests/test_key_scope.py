@@ -8,13 +8,13 @@ import re
 import pytest
 from support.builders import PLAIN, cluster, failed, inst, node, spec
 
+from deployments.model_server import unwrap
+from deployments.wire.failure import STATUS, OrchardError
 from policy import Reject, ensure
 from policy.failures import reject_marked
 from router.api.errors import USER_SAFE_CODES, error_response, for_principal
-from router.errors import STATUS, OrchardError
 from router.residency.controller import _error_for
 from router.residency.limits import RateLimited
-from router.serving.generation import as_error
 from router.serving.stream_mux import Unavailable
 
 NOW = 1000.0
@@ -39,7 +39,7 @@ def _refusals() -> list[OrchardError]:
     assert all(isinstance(d, Reject) for d in decisions), decisions
     assert {d.code for d in decisions} == {"blocked", "too_large", "busy", "load_failed"}
     errors = [_error_for(d) for d in decisions]  # type: ignore[arg-type]
-    errors.append(as_error(Unavailable("model mine on mac-studio-2 is unavailable: RayActorError")))
+    errors.append(unwrap(Unavailable("model mine on mac-studio-2 is unavailable: RayActorError")))
     errors.append(OrchardError("model_gave_up", "gave up after waiting 60 s: model mine waits for its weights on mac-studio-2 (3.1 GiB of 4.0 GiB)"))
     errors.append(OrchardError("internal", "KeyError: 'secret-b' in /opt/orchard/deployments/engines/llm.py"))
     return errors

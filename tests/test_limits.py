@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from deployments.wire.failure import STATUS
 from router.api.generate import prompt_estimate, reserve_tokens
-from router.errors import STATUS
 from router.protocols import openai as oai
 from router.residency.limits import AUDIO_BYTES_PER_S, AUDIO_TOKENS_PER_S, Limiter, RateLimited, Tenant, audio_tokens, estimate_tokens
 

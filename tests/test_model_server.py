@@ -1,6 +1,6 @@
 """The model-server actor on a real local Ray cluster with real MLX weights: streams (multiplexed on
 channels) are coalesced yet identical to the engine's own output, cancelling a stream frees the engine, failures reach the
-caller as structured ModelServerErrors, and detached named servers are found again and removed
+caller as structured OrchardErrors, and detached named servers are found again and removed
 after a drain."""
 
 import os
@@ -20,8 +20,8 @@ import ray
 from cluster.placement import NAMESPACE, actor_name, create_model_server, find_model_servers, kill_model_server
 from deployments.engines.llm import GenerationRequest, LLMEngine
 from deployments.manifest import read_manifest
-from deployments.model_server import ModelServerError, open_channel, unwrap
-from router.errors import STATUS
+from deployments.model_server import open_channel, unwrap
+from deployments.wire.failure import STATUS, OrchardError
 
 NODE = "head"  # Orchard's name for the one node of the shared cluster
 LLAMA = actor_name("llama-10m", NODE)
@@ -72,7 +72,7 @@ def local_engine(models_dir):
 
 def _stream(handle, request: dict) -> tuple[list[dict], list[float]]:
     """All items of one request, submitted on a channel of its own, and the seconds each arrived
-    after the submit. A request that fails before any output raises its ModelServerError, as the
+    after the submit. A request that fails before any output raises its OrchardError, as the
     ingress does with the channel's failure item."""
     channel = f"one-{time.monotonic_ns()}"
     started = time.perf_counter()
@@ -84,7 +84,7 @@ def _stream(handle, request: dict) -> tuple[list[dict], list[float]]:
             for _, item in ray.get(next(stream), timeout=30):
                 if "failure" in item:
                     f = item["failure"]
-                    raise ModelServerError(f["code"], f["message"], f.get("param"))
+                    raise OrchardError(f["code"], f["message"], f.get("param"))
                 items.append(item)
                 times.append(time.perf_counter() - started)
     finally:
@@ -97,7 +97,7 @@ def _running(handle) -> int:
     return max(health["running_requests"], health["in_flight"])
 
 
-def _error(call) -> ModelServerError:
+def _error(call) -> OrchardError:
     with pytest.raises(Exception) as info:
         call()
     return unwrap(info.value)
@@ -172,7 +172,9 @@ def test_channel_carries_several_streams_in_one_item_per_flush(llama, local_engi
     for rid, request in requests.items():
         handle.submit.remote("test-channel", rid, request)
     items, batches = _read_channel(handle, "test-channel", set(requests))
-    assert items["bad"] == [{"failure": {"code": "invalid_request", "message": items["bad"][0]["failure"]["message"], "param": "max_tokens"}}]
+    assert items["bad"] == [
+        {"failure": {"code": "invalid_request", "message": items["bad"][0]["failure"]["message"], "param": "max_tokens", "retry_after_s": None}}
+    ]
     per_stream = sum(len(items[rid]) for rid in requests if rid != "bad")
     print(f"\nchannel: {per_stream} stream items in {batches} Ray items")
     assert batches < per_stream
@@ -305,7 +307,11 @@ def test_embedding_server_returns_vectors(embedder):
 def test_failures_reach_the_caller_as_model_server_errors(llama, embedder):
     handle, _ = llama
     bad = _error(lambda: _stream(handle, {"prompt": "x", "max_tokens": 0}))
-    assert (bad.code, bad.param, STATUS[bad.code]) == ("invalid_request", "max_tokens", 400)  # the status is the router's (router/errors.py)
+    assert (bad.code, bad.param, STATUS[bad.code]) == (
+        "invalid_request",
+        "max_tokens",
+        400,
+    )  # the status is the one table's (deployments/wire/failure.py)
     too_long = _error(lambda: _stream(handle, {"prompt": "hi", "max_tokens": 5000}))
     assert too_long.code == "context_length_exceeded"
     assert _error(lambda: _stream(handle, {"prompt_tokens": [10**6], "max_tokens": 2})).code == "invalid_request"
@@ -314,8 +320,8 @@ def test_failures_reach_the_caller_as_model_server_errors(llama, embedder):
     assert (wrong.code, wrong.param) == ("unsupported", "model") and "llama-10m" in wrong.message
     assert _error(lambda: _stream(embedder, {"prompt": "x"})).code == "unsupported"
     assert _error(lambda: ray.get(embedder.speak.remote("hi"))).code == "unsupported"
-    # Ray's wrapper is itself a ModelServerError with the fields, and the error pickles alone
-    with pytest.raises(ModelServerError) as info:
+    # Ray's wrapper is itself a OrchardError with the fields, and the error pickles alone
+    with pytest.raises(OrchardError) as info:
         ray.get(handle.rerank.remote("q", ["d"]))
     assert info.value.code == "unsupported"
     again = pickle.loads(pickle.dumps(unwrap(info.value)))

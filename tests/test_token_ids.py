@@ -21,8 +21,8 @@ import pytest
 from ray.core.generated.common_pb2 import ActorDiedErrorContext
 from ray.exceptions import ActorDiedError
 
-from deployments.model_server import ModelServerError, _load_failure, crashed, death_cause, internal_error, unwrap, without_paths
-from router.errors import OrchardError
+from deployments.model_server import _load_failure, crashed, death_cause, internal_error, unwrap, without_paths
+from deployments.wire.failure import OrchardError
 from router.serving import generation
 from router.serving.stream_mux import Unavailable
 
@@ -123,7 +123,7 @@ def died(cause: str) -> ActorDiedError:
 def test_a_crash_is_told_from_a_kill_an_exit_and_a_node_death():
     assert crashed(died(WORKER_DIED))  # a segfault, an abort, an exit code, a SIGKILL: all read the same
     assert not any(crashed(died(cause)) for cause in (RAY_KILL, EXITED, NODE_DIED))
-    assert not crashed(ModelServerError("engine_stopped", "stopping")) and not crashed(Unavailable("gone"))
+    assert not crashed(OrchardError("engine_stopped", "stopping")) and not crashed(Unavailable("gone"))
     cause = death_cause(died(WORKER_DIED))
     assert cause is not None and cause.startswith("The actor is dead because its worker process has died") and "SYSTEM_ERROR" in cause
     for text in (cause, unwrap(died(NODE_DIED)).message):  # no pid, address, actor id, or Ray's advice

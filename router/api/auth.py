@@ -16,9 +16,9 @@ for the GIL behind the event loop (docs/serve-path.md, session 11)."""
 
 from fastapi import Depends, Request
 
+from deployments.wire.failure import OrchardError
 from router.api.guard import principal_of
 from router.api.keys import Principal
-from router.errors import OrchardError
 
 
 async def principal(request: Request) -> Principal:

@@ -1,6 +1,6 @@
 """Every error the app answers, in the protocol the client speaks, from one set of handlers.
 
-Below the routes everything raises `OrchardError` (router/errors.py); FastAPI's own failures (a
+Below the routes everything raises `OrchardError` (deployments/wire/failure.py); FastAPI's own failures (a
 body that does not validate, an unknown route, a wrong method) and anything unexpected arrive
 here too. The protocol is the route's: Anthropic's `{"type": "error", ...}` under /v1/messages,
 OpenAI's `{"error": {...}}` everywhere else, unknown routes included. A status with a retry
@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.errors import OrchardError
+from deployments.wire.failure import OrchardError
 from router.protocols import anthropic as anth, openai as oai
 
 Protocol = Literal["openai", "anthropic"]

@@ -30,10 +30,10 @@ from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.routing import Match
 from starlette.types import Message, Receive, Scope, Send
 
+from deployments.wire.failure import OrchardError
 from router.api.errors import error_response, protocol_of
 from router.api.ingress import current
 from router.api.keys import OPEN, Principal, identify
-from router.errors import OrchardError
 
 PRINCIPAL = "orchard.principal"  # the scope key the principal is kept under
 MULTIPART_ROOM = 64 * 1024  # an upload route's limit over max_audio_bytes: the form's other fields and boundaries

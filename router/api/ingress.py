@@ -9,9 +9,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from deployments.wire.failure import OrchardError
 from router.api.errors import for_principal
 from router.api.keys import Principal
-from router.errors import OrchardError
 from router.serving.lease import Lease, Leases
 from router.serving.stream_mux import StreamMux
 

@@ -21,11 +21,12 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
+from deployments.model_server import unwrap
+from deployments.wire.failure import OrchardError
 from router.api.errors import for_principal
 from router.api.keys import Principal
-from router.errors import OrchardError
 from router.residency import metrics
-from router.serving.generation import DeltaStream, as_error
+from router.serving.generation import DeltaStream
 from router.serving.renderers import Renderer
 
 log = logging.getLogger("orchard.ingress")
@@ -106,7 +107,7 @@ async def pump(first: dict, deltas: DeltaStream, renderer: Renderer, model: str,
                 )
                 break
     except Exception as e:  # Unavailable, or the instance's failure after some output
-        error = for_principal(as_error(e), who.admin, model)
+        error = for_principal(unwrap(e), who.admin, model)
         out.put(renderer.fail(error.status, error.code, error.message))
     finally:
         try:

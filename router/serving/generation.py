@@ -23,8 +23,8 @@ from typing import Any
 
 import ray
 
-from deployments.model_server import ModelServerError, crashed, death_cause, unwrap
-from router.errors import OrchardError
+from deployments.model_server import crashed, death_cause, unwrap
+from deployments.wire.failure import OrchardError
 from router.protocols import openai as oai
 from router.serving.lease import Lease
 from router.serving.output.parsing import OutputConfig, OutputParser
@@ -32,16 +32,6 @@ from router.serving.output.tool_grammar import forced_call_grammar
 from router.serving.stream_mux import StreamMux, Unavailable
 
 ChatOrCompletion = oai.ChatCompletionRequest | oai.CompletionRequest
-
-
-def as_error(e: BaseException) -> OrchardError:
-    """Whatever a model-server call raised, as an OrchardError (Ray's wrappers unwrapped)."""
-    if isinstance(e, OrchardError):
-        return e
-    if isinstance(e, Unavailable):
-        return OrchardError("model_unavailable", str(e), retry_after_s=1)
-    f = unwrap(e)
-    return OrchardError(f.code, f.message, f.param, retry_after_s=1 if f.code in ("unavailable", "engine_stopped") else None)
 
 
 def crash_error(lease: Lease, e: BaseException) -> OrchardError:
@@ -174,8 +164,7 @@ class DeltaStream:
             self.lease.report_unavailable(str(e))
             raise
         if "failure" in delta:
-            failure = delta["failure"]
-            raise ModelServerError(failure["code"], failure["message"], failure.get("param"))
+            raise OrchardError(**delta["failure"])
         return delta
 
     async def first(self) -> dict:
@@ -184,7 +173,7 @@ class DeltaStream:
         except StopAsyncIteration:
             raise OrchardError("empty_stream", "the model returned nothing") from None
         except Exception as e:
-            raise as_error(e) from None
+            raise unwrap(e) from None
         self.ttft_s = time.monotonic() - self.started
         return delta
 
@@ -228,15 +217,15 @@ class WholeGeneration:
                 try:
                     reply = await self._call(self.lease.actor())
                     if "failure" in reply:
-                        failure = reply["failure"]
-                        raise ModelServerError(failure["code"], failure["message"], failure.get("param"))
+                        raise OrchardError(**reply["failure"])
                     delta = reply["delta"]
                     if delta.get("finish_reason") == "error" and delta.get("error_code") in _GONE_CODES:
-                        raise ModelServerError(delta["error_code"], delta.get("error") or "the engine stopped")
+                        raise OrchardError(delta["error_code"], delta.get("error") or "the engine stopped", retry_after_s=1)
                 except Exception as e:
-                    error = as_error(e)
-                    if not isinstance(e, OrchardError) and error.code in ("unavailable", "model_unavailable"):
-                        self.lease.report_unavailable(error.message)  # (Lease.actor reports its own)
+                    error = unwrap(e)
+                    # Lease.actor reports its own error (raised here as it is, so `unwrap` returns it unchanged).
+                    if (error is not e or isinstance(e, Unavailable)) and error.code in ("unavailable", "model_unavailable"):
+                        self.lease.report_unavailable(error.message)
                     if crashed(e):
                         raise crash_error(self.lease, e) from None
                     if self.moved or not instance_gone(e):
@@ -298,7 +287,7 @@ def instance_gone(e: BaseException) -> bool:
     unless its process crashed under the request (`crashed`: checked by the callers)."""
     if isinstance(e, Unavailable):
         return not e.timed_out
-    return as_error(e).code in ("unavailable", "model_unavailable", "engine_stopped")
+    return unwrap(e).code in ("unavailable", "model_unavailable", "engine_stopped")
 
 
 async def call(lease: Lease, method: Callable[[Any], Awaitable[Any]]) -> Any:
@@ -310,7 +299,7 @@ async def call(lease: Lease, method: Callable[[Any], Awaitable[Any]]) -> Any:
         try:
             return await method(lease.actor())
         except Exception as e:
-            error = as_error(e)
+            error = unwrap(e)
             if error.code in ("unavailable", "model_unavailable"):
                 lease.report_unavailable(error.message)
             if crashed(e):

@@ -8,7 +8,7 @@ leave in the same protocol's error format (mid-stream; before the stream, router
 
 from typing import Any, Literal
 
-from router.errors import STATUS as HTTP_STATUS
+from deployments.wire.failure import STATUS as HTTP_STATUS
 from router.protocols import anthropic as anth, openai as oai, responses as resp
 from router.serving.output.parsing import OutputParser
 

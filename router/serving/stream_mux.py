@@ -21,17 +21,20 @@ from typing import Any
 import ray
 
 from deployments.model_server import open_channel
-from router.errors import OrchardError
+from deployments.wire.failure import OrchardError
 from router.serving.detached import send_detached
 
 MAX_QUEUED = 1024  # items (one per flush) a request's consumer may leave unread before it is cancelled
 
 
-class Unavailable(Exception):
-    """The instance died or stopped answering mid-request (`timed_out`: it only went silent)."""
+class Unavailable(OrchardError):
+    """The instance died or stopped answering mid-request (`timed_out`: it only went silent):
+    model_unavailable, worth another try in a second."""
+
+    timed_out = False  # also once unpickled (OrchardError pickles by its own fields)
 
     def __init__(self, message: str, timed_out: bool = False):
-        super().__init__(message)
+        super().__init__("model_unavailable", message, retry_after_s=1)
         self.timed_out = timed_out
 
 

@@ -5,10 +5,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, File, Form, UploadFile
 from fastapi.responses import PlainTextResponse, Response
 
+from deployments.wire.failure import OrchardError
 from router.api.auth import principal
 from router.api.ingress import Ingress, current
 from router.api.keys import Principal
-from router.errors import OrchardError
 from router.protocols.rerank_audio import SpeechRequest, TranscriptionForm
 from router.residency.limits import AUDIO_BYTES_PER_S, audio_tokens, estimate_tokens
 from router.serving.generation import call, require_kind

@@ -4,8 +4,8 @@ import asyncio
 
 from fastapi import APIRouter, Depends
 
+from deployments.wire.failure import OrchardError
 from router.api.ingress import Ingress, current
-from router.errors import OrchardError
 
 router = APIRouter(tags=["health"])
 

@@ -7,10 +7,10 @@ from typing import Any
 from fastapi import APIRouter, Body, Depends, Query
 from pydantic import BaseModel, ConfigDict
 
+from deployments.wire.failure import OrchardError, raise_for_error
 from router.api.auth import principal, require_admin
 from router.api.ingress import Ingress, current
 from router.api.keys import Principal
-from router.errors import OrchardError, raise_for_error
 
 router = APIRouter(tags=["models"])
 

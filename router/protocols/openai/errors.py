@@ -12,10 +12,10 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
-from router.errors import STATUS, OrchardError
+from deployments.wire.failure import STATUS, OrchardError
 from router.protocols.events import Finish
 
-# The status of each error code: the one table (router/errors.py).
+# The status of each error code: the one table (deployments/wire/failure.py).
 ENGINE_STATUS = STATUS
 
 
