@@ -1,37 +1,16 @@
 """The contract every engine keeps, whatever its kind: load, stop, health, a memory report in the
-units policy/ consumes, and per-request failures that never take the engine down."""
+units policy/ consumes (both reports are the wire's, deployments/wire/reports.py: the model server
+sends them on), and per-request failures that never take the engine down."""
 
 import abc
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from deployments.wire.reports import EngineStatus, Health, MemoryReport
+from policy._frozen import Frozen
 from policy.specs import ModelKind
 
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class MemoryReport(Frozen):
-    """What the engine holds, in bytes, for the node agent and the residency controller."""
-
-    weight_bytes: int = Field(ge=0)
-    kv_bytes_in_use: int = Field(default=0, ge=0)  # KV of the requests running now
-    prefix_cache_bytes: int = Field(default=0, ge=0)  # KV kept for reuse by later requests
-    kv_bytes_reserved: int = Field(default=0, ge=0)
-    active_bytes: int = Field(default=0, ge=0)  # mx.get_active_memory() of this process
-    peak_bytes: int = Field(default=0, ge=0)
-    load_seconds: float = Field(default=0.0, ge=0)
-
-
-class Health(Frozen):
-    status: Literal["loading", "ready", "stopped", "failed"]
-    kind: ModelKind
-    model: str
-    detail: str = ""
-    running_requests: int = 0
+__all__ = ["Engine", "Frozen", "Health", "MemoryReport", "RequestError", "RequestErrorCode"]
 
 
 RequestErrorCode = Literal["invalid_request", "context_length_exceeded", "unsupported", "engine_stopped", "internal"]
@@ -60,7 +39,7 @@ class Engine(abc.ABC):
     def __init__(self, name: str, path: str):
         self.name = name
         self.path = path
-        self._status: Literal["loading", "ready", "stopped", "failed"] = "loading"
+        self._status: EngineStatus = "loading"
         self._detail = ""
         self._load_seconds = 0.0
 

@@ -21,11 +21,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from deployments.engine import RequestError
 from deployments.manifest import ManifestEntry, model_location
 from deployments.wire.failure import OrchardError
+from deployments.wire.generation import ChannelItem, GenerationDelta, GenerationRequest, VLMRequest, WholeReply, parse_request
+from deployments.wire.reports import HealthReport, MemoryReport
 
 # Which method serves which kind, and the words an error message uses for it.
 _SERVES = {
@@ -35,7 +35,6 @@ _SERVES = {
     "transcribe": (("stt",), "transcription"),
     "speak": (("tts",), "speech"),
 }
-_VLM_FIELDS = {"messages", "images", "max_tokens", "temperature", "top_p", "stop"}
 _STT_FORMATS = ("json", "text", "verbose_json")
 
 
@@ -216,11 +215,12 @@ def remote_model_server():
 _PATH_COUNTERS = {"submit_lag_s": 0.0, "submits": 0, "first_flush_s": 0.0, "first_flushes": 0, "taken_s": 0.0, "flushes": 0}
 
 
-def _merge(items: list[dict]) -> dict:
-    """Deltas (as dicts) in order -> one delta: text and tokens joined, the last one's finish."""
+def _merge(items: list[Any]) -> Any:
+    """A request's items in order -> one: deltas' text and tokens joined, the last one's finish (a
+    failure before any output is its request's only item)."""
     if len(items) == 1:
         return items[0]
-    out = dict(items[-1])
+    out: GenerationDelta = dict(items[-1])  # type: ignore[assignment]  # a delta: a failure is never merged
     out["text"] = "".join(d.get("text") or "" for d in items)
     if "token_ids" in out:
         out["token_ids"] = [t for d in items for t in d.get("token_ids") or ()]
@@ -230,12 +230,14 @@ def _merge(items: list[dict]) -> dict:
     return out
 
 
-def _size(delta: dict) -> int:
-    """Tokens in a delta (an LLM delta lists them; a VLM delta is about one)."""
-    return len(delta["token_ids"]) if "token_ids" in delta else 1
+def _size(item: ChannelItem) -> int:
+    """Tokens in an item (an LLM delta lists them; a VLM delta is about one, a failure none)."""
+    if isinstance(item, OrchardError):
+        return 0
+    return len(item["token_ids"]) if "token_ids" in item else 1
 
 
-def _is_failure(delta: dict) -> bool:
+def _is_failure(delta: GenerationDelta) -> bool:
     """A first delta that only reports an error (admission failed, engine stopped)."""
     failed = delta.get("finish_reason") == "error" or delta.get("error_code") is not None
     return failed and not delta.get("text") and not delta.get("token_ids")
@@ -247,7 +249,7 @@ class _Channel:
     (~0.75 ms of CPU end to end) is paid per flush, not per stream (shared/ray/README.md)."""
 
     def __init__(self, path: dict[str, float]) -> None:
-        self.ready: dict[str, list[dict]] = {}
+        self.ready: dict[str, list[ChannelItem]] = {}
         self.tokens: dict[str, int] = {}
         self.path = path  # the server's path counters (ModelServer.counters): how long first deltas wait here
         self.firsts: list[float] = []  # when each first delta in `ready` was put
@@ -257,7 +259,7 @@ class _Channel:
         self.wake = asyncio.Event()  # something is waiting to go out
         self.urgent = asyncio.Event()  # ... and should go out now (a first delta, an end, a full buffer)
 
-    def put(self, request_id: str, item: dict, urgent: bool, most: int, first: bool = False) -> None:
+    def put(self, request_id: str, item: ChannelItem, urgent: bool, most: int, first: bool = False) -> None:
         if first:
             self.firsts.append(time.monotonic())
         self.ready.setdefault(request_id, []).append(item)
@@ -268,7 +270,7 @@ class _Channel:
         if urgent or self.tokens[request_id] >= most:
             self.urgent.set()
 
-    def take(self) -> list[tuple[str, dict]]:
+    def take(self) -> list[tuple[str, ChannelItem]]:
         batch = [(rid, _merge(items)) for rid, items in self.ready.items()]
         if self.firsts:
             now = time.monotonic()
@@ -287,27 +289,27 @@ class _Whole:
     for _Delivery (`put`, `open`)."""
 
     def __init__(self) -> None:
-        self.items: list[dict] = []
+        self.items: list[ChannelItem] = []
         self.open: dict[str, _Delivery] = {}
         self.started = self.last = time.monotonic()
         self.first_at: float | None = None
         self.done = asyncio.Event()
 
-    def put(self, request_id: str, item: dict, urgent: bool, most: int, first: bool = False) -> None:
+    def put(self, request_id: str, item: ChannelItem, urgent: bool, most: int, first: bool = False) -> None:
         self.last = time.monotonic()
         if first:
             self.first_at = self.last
         self.items.append(item)
-        if "failure" in item or item.get("finish_reason") is not None:
+        if isinstance(item, OrchardError) or item.get("finish_reason") is not None:
             self.done.set()
 
-    def reply(self) -> dict:
-        """{"failure": ...} when it failed before any output, else {"delta": every delta merged,
-        "first_s": its start to its first delta, "last_s": its first delta to its end}."""
-        if "failure" in self.items[0]:
+    def reply(self) -> WholeReply | OrchardError:
+        """The OrchardError when it failed before any output, else every delta merged with its
+        timings (WholeReply)."""
+        if isinstance(self.items[0], OrchardError):
             return self.items[0]
         first_at = self.first_at if self.first_at is not None else self.last
-        return {"delta": _merge(self.items), "first_s": first_at - self.started, "last_s": self.last - first_at}
+        return WholeReply(delta=_merge(self.items), first_s=first_at - self.started, last_s=self.last - first_at)
 
 
 class _Delivery:
@@ -336,7 +338,7 @@ class _Delivery:
             if delta.finish_reason is not None:
                 self._end()
             return
-        d = delta.model_dump()
+        d: GenerationDelta = delta.model_dump()  # the engine's Delta (or VLMDelta), in the wire's shape
         if self.first and _is_failure(d):
             self.fail(_engine_error(d.get("error_code"), d.get("error"), d.get("error_param")))
             return
@@ -349,14 +351,14 @@ class _Delivery:
             self._end()
 
     def fail(self, error: OrchardError) -> None:
-        """End with an error: a {"failure"} item before any output, an error delta after some."""
+        """End with an error: the OrchardError itself before any output, an error delta after some."""
         if self.ended:
             return
         if not self.cancelled:
-            item = (
-                {"failure": error.to_dict()}
+            item: ChannelItem = (
+                error
                 if self.first
-                else {"text": "", "finish_reason": "error", "error": error.message, "error_code": error.code}
+                else GenerationDelta(text="", finish_reason="error", error=error.message, error_code=error.code, error_param=error.param)
             )
             self.ch.put(self.request_id, item, True, self.most)
         self._end()
@@ -453,7 +455,7 @@ class ModelServer:
         where = f"{self.entry.name}@{self.node_id}"
         if health.status == "ready":
             report = self.engine.memory()
-            held = (report.weight_bytes + report.kv_bytes_reserved) / 2**20
+            held = report.held_bytes / 2**20
             return f"ModelServer({where}, ready, {held:.1f} MiB, loaded in {report.load_seconds:.1f} s)"
         if self._load_error is not None:  # the dashboard is the operator's: the whole message
             return f"ModelServer({where}, failed to load: {type(self._load_error).__name__}: {self._load_error})"
@@ -486,9 +488,9 @@ class ModelServer:
             raise FileNotFoundError(errno.ENOENT, f"model folder of {self.entry.name} not found on node {self.node_id}", str(self.path))
         await self.engine.load()
 
-    async def load(self) -> dict:
-        """Load the engine (done already when created with load_now); the MemoryReport (bytes,
-        load_seconds) as a dict. FileNotFoundError when the model folder is missing on this node
+    async def load(self) -> dict[str, Any]:
+        """Load the engine (done already when created with load_now); its MemoryReport (bytes,
+        load_seconds), as `memory` answers it. FileNotFoundError when the model folder is missing on this node
         (the caller's not_found), OrchardError("load_failed") when the engine fails; loading
         twice returns the report of the first."""
         async with self._load_lock:
@@ -503,20 +505,27 @@ class ModelServer:
                 raise _load_error_for_caller(e) from None
             return self.memory()
 
-    def health(self) -> dict:
-        """Engine health plus this server's node and its calls in flight (streams included)."""
+    # health, memory and load answer their wire reports (deployments/wire/reports.py) as dicts
+    # until their readers in router/residency, cluster/placement.py and the tests read the models.
+
+    def health(self) -> dict[str, Any]:
+        """The HealthReport: engine health plus this server's node and its calls in flight (streams included)."""
         import ray
 
-        report = self.engine.health().model_dump()
-        name = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
-        report.update(node_id=self.node_id, in_flight=self._in_flight, actor_name=name)
-        scheduling = getattr(self.engine, "scheduling", None)
-        if scheduling is not None:  # an LLM engine's admission settings, as this instance runs them
-            report["scheduling"] = scheduling()
-        return report
+        scheduling = getattr(self.engine, "scheduling", None)  # an LLM engine's admission settings, as this instance runs them
+        report = HealthReport(
+            **self.engine.health().model_dump(),
+            node_id=self.node_id,
+            in_flight=self._in_flight,
+            actor_name=ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None,
+            scheduling=scheduling() if scheduling is not None else None,
+        )
+        return report.model_dump(exclude={"scheduling"} if report.scheduling is None else None)  # as before: an LLM's alone
 
-    def memory(self) -> dict:
-        return self.engine.memory().model_dump()
+    def memory(self) -> dict[str, Any]:
+        """The MemoryReport: what the engine holds, in bytes, and how long its load took."""
+        report: MemoryReport = self.engine.memory()
+        return report.model_dump()
 
     def counters(self) -> dict:
         """The engine's work counters (an LLM engine: mlx-lm's BatchGenerator counters; {} else),
@@ -578,32 +587,18 @@ class ModelServer:
         finally:
             self._in_flight -= 1
 
-    def _parse_generation(self, request: Any) -> Any:
-        """A generation request checked for this kind: an LLM GenerationRequest (validated here,
-        so a bad field is an invalid_request naming it), or a VLM request dict."""
-        if self.entry.kind == "llm":
-            from deployments.engines.llm import GenerationRequest
-
-            try:
-                return request if isinstance(request, GenerationRequest) else GenerationRequest.model_validate(request)
-            except ValidationError as e:
-                first = e.errors()[0]
-                param = ".".join(str(p) for p in first["loc"]) or None
-                raise OrchardError("invalid_request", f"{param + ': ' if param else ''}{first['msg']}", param) from None
-        if not isinstance(request, dict) or "messages" not in request:
-            raise OrchardError("invalid_request", "a VLM request is a dict with messages (and images)", "messages")
-        unknown = sorted(set(request) - _VLM_FIELDS)
-        if unknown:
-            raise OrchardError("invalid_request", f"unsupported field(s) for a VLM model: {', '.join(unknown)}", unknown[0])
-        return request
+    def _parse_generation(self, request: Any) -> GenerationRequest | VLMRequest:
+        """A generation request checked for this kind: a GenerationRequest for an LLM, a VLMRequest
+        for a VLM (the model itself, or its fields as a dict: a bad field is an invalid_request
+        naming it)."""
+        return parse_request(GenerationRequest if self.entry.kind == "llm" else VLMRequest, request)
 
     # ---- multiplexed streams: one Ray item per flush for all of a caller's streams -------------
-    async def channel(self, channel_id: str) -> AsyncIterator[list[tuple[str, dict]]]:
-        """The stream of batches for one caller: [(request_id, delta dict), ...], one Ray item per
+    async def channel(self, channel_id: str) -> AsyncIterator[list[tuple[str, ChannelItem]]]:
+        """The stream of batches for one caller: [(request_id, GenerationDelta), ...], one Ray item per
         flush. A flush goes out at once when a stream has its first delta, its end, or
         `coalesce_tokens` tokens waiting, else `flush_interval_s()` after the oldest waiting delta. A
-        request that fails before any output sends {"failure": {code, message, param}} as its only
-        item. Closing the channel (the caller went away) cancels its requests."""
+        request that fails before any output sends its OrchardError as its only item. Closing the channel (the caller went away) cancels its requests."""
         ch = self._channel(channel_id)
         try:
             while True:
@@ -639,7 +634,7 @@ class ModelServer:
         stretch = min(1.0, max(0.0, (streams - 8) / 8))
         return (self.coalesce_ms + stretch * (self.coalesce_max_ms - self.coalesce_ms)) / 1000.0
 
-    def submit(self, channel_id: str, request_id: str, request: dict, sent_at: float | None = None) -> None:
+    def submit(self, channel_id: str, request_id: str, request: GenerationRequest | VLMRequest | dict, sent_at: float | None = None) -> None:
         """Start a generation whose deltas go out on `channel_id` under `request_id`. Never raises:
         a bad request is reported on the channel, so the caller need not wait for this call.
         `sent_at`: the caller's time.time() when it sent this call (counted in submit_lag_s)."""
@@ -650,7 +645,7 @@ class ModelServer:
             return
         self._begin(self._channel(channel_id), request_id, request)
 
-    def _begin(self, outbox: "_Channel | _Whole", request_id: str, request: dict) -> "_Delivery | None":
+    def _begin(self, outbox: "_Channel | _Whole", request_id: str, request: GenerationRequest | VLMRequest | dict) -> "_Delivery | None":
         """Start a generation whose deltas go to `outbox`; None when the request was refused (its
         failure is the outbox's one item)."""
         most = max(1, self.coalesce_tokens)
@@ -658,11 +653,11 @@ class ModelServer:
             self._engine_for("generate")
             parsed = self._parse_generation(request)
         except Exception as e:
-            outbox.put(request_id, {"failure": unwrap(e).to_dict()}, True, most)
+            outbox.put(request_id, unwrap(e), True, most)
             return None
         delivery = _Delivery(self, outbox, request_id, most)
         loop = asyncio.get_running_loop()
-        if self.entry.kind != "llm":
+        if isinstance(parsed, VLMRequest):
             delivery.watch(loop.create_task(self._feed(delivery, parsed)))
         elif parsed.constraint is not None:  # its grammar compiles first, off the loop
             delivery.watch(loop.create_task(self._start_constrained(delivery, parsed)))
@@ -670,11 +665,12 @@ class ModelServer:
             self._start(delivery, parsed, None)
         return delivery
 
-    async def generate_whole(self, request_id: str, request: dict) -> dict:
+    async def generate_whole(self, request_id: str, request: GenerationRequest | VLMRequest | dict) -> WholeReply | OrchardError:
         """A whole generation in one call, for a caller that wants no deltas before the end (a
         non-streamed request): one Ray reply instead of a submit and a channel item. The reply is
-        `_Whole.reply()`: a {"failure"} before any output, else every delta merged into one (an
-        error after some output is its finish_reason "error"). Cancelling the call (`ray.cancel`:
+        `_Whole.reply()`: the OrchardError (returned, not raised) when it failed before any output,
+        else a WholeReply, every delta merged into one (an error after some output is its
+        finish_reason "error"). Cancelling the call (`ray.cancel`:
         the caller went away or gave up) cancels the generation. `progress(request_id)` says how
         long it has been since it last produced anything."""
         whole = self._wholes[request_id] = _Whole()
@@ -723,10 +719,15 @@ class ModelServer:
                 return True
         return False
 
-    async def _feed(self, delivery: _Delivery, request: dict) -> None:
+    async def _feed(self, delivery: _Delivery, request: VLMRequest) -> None:
         """A VLM generation: its engine's delta stream -> the delivery."""
         stream = self.engine.generate(  # type: ignore[attr-defined]  # an LLM/VLM engine's own
-            request["messages"], images=request.get("images") or [], **{k: v for k, v in request.items() if k not in ("messages", "images")}
+            request.messages,
+            images=request.images,
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            stop=request.stop,
         )
         try:
             async for delta in stream:
@@ -740,7 +741,7 @@ class ModelServer:
             with contextlib.suppress(BaseException):
                 await stream.aclose()
 
-    async def count_tokens(self, request: dict) -> int:
+    async def count_tokens(self, request: GenerationRequest | dict) -> int:
         """Prompt tokens of a text-generation request as the engine would feed it (chat template,
         tools included), without generating: Anthropic's count_tokens."""
         async with self._call():

@@ -8,7 +8,8 @@ import mlx.core as mx
 import pytest
 
 from deployments.engines import buffer_cache
-from deployments.engines.llm import GenerationRequest, LLMEngine
+from deployments.engines.llm import LLMEngine
+from deployments.wire.generation import GenerationRequest
 
 
 def _fill_cache() -> None:

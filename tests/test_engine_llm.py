@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from deployments.engine import RequestError
-from deployments.engines.llm import GenerationRequest, LLMEngine
+from deployments.engines.llm import LLMEngine
+from deployments.wire.generation import GenerationRequest
 
 PROMPTS = [
     "The number one is",

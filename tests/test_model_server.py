@@ -18,10 +18,11 @@ import pytest
 import ray
 
 from cluster.placement import NAMESPACE, actor_name, create_model_server, find_model_servers, kill_model_server
-from deployments.engines.llm import GenerationRequest, LLMEngine
+from deployments.engines.llm import LLMEngine
 from deployments.manifest import read_manifest
 from deployments.model_server import open_channel, unwrap
 from deployments.wire.failure import STATUS, OrchardError
+from deployments.wire.generation import GenerationRequest
 
 NODE = "head"  # Orchard's name for the one node of the shared cluster
 LLAMA = actor_name("llama-10m", NODE)
@@ -82,9 +83,8 @@ def _stream(handle, request: dict) -> tuple[list[dict], list[float]]:
     try:
         while not items or items[-1].get("finish_reason") is None:
             for _, item in ray.get(next(stream), timeout=30):
-                if "failure" in item:
-                    f = item["failure"]
-                    raise OrchardError(f["code"], f["message"], f.get("param"))
+                if isinstance(item, OrchardError):
+                    raise item
                 items.append(item)
                 times.append(time.perf_counter() - started)
     finally:
@@ -154,7 +154,7 @@ def _read_channel(handle, channel_id: str, want: set[str], timeout_s: float = 60
         batches += 1
         for rid, item in batch:
             items[rid].append(item)
-            if "failure" in item or item.get("finish_reason") is not None:
+            if isinstance(item, OrchardError) or item.get("finish_reason") is not None:
                 open_.discard(rid)
     ray.cancel(stream)
     assert not open_, f"requests never ended: {open_}"
@@ -172,9 +172,8 @@ def test_channel_carries_several_streams_in_one_item_per_flush(llama, local_engi
     for rid, request in requests.items():
         handle.submit.remote("test-channel", rid, request)
     items, batches = _read_channel(handle, "test-channel", set(requests))
-    assert items["bad"] == [
-        {"failure": {"code": "invalid_request", "message": items["bad"][0]["failure"]["message"], "param": "max_tokens", "retry_after_s": None}}
-    ]
+    [bad] = items["bad"]
+    assert isinstance(bad, OrchardError) and (bad.code, bad.param, bad.retry_after_s) == ("invalid_request", "max_tokens", None)
     per_stream = sum(len(items[rid]) for rid in requests if rid != "bad")
     print(f"\nchannel: {per_stream} stream items in {batches} Ray items")
     assert batches < per_stream
@@ -221,11 +220,11 @@ def test_constrained_requests_end_once_whether_finished_failed_or_cancelled(llam
     handle.cancel.remote("gone-early")
     seen: dict[str, list[dict]] = {}
     deadline = time.monotonic() + 30
-    while not ({"good", "bad"} <= {rid for rid, items in seen.items() if items[-1].get("finish_reason") or "failure" in items[-1]}):
+    while not ({"good", "bad"} <= {rid for rid, items in seen.items() if isinstance(items[-1], OrchardError) or items[-1].get("finish_reason")}):
         assert time.monotonic() < deadline, seen
         for rid, item in ray.get(next(stream), timeout=30):
             seen.setdefault(rid, []).append(item)
-    assert "failure" in seen["bad"][0] and seen["bad"][0]["failure"]["param"] == "response_format"
+    assert isinstance(seen["bad"][0], OrchardError) and seen["bad"][0].param == "response_format"
     text = "".join(d.get("text") or "" for d in seen["good"])
     assert seen["good"][-1]["finish_reason"] in ("stop", "length") and text.startswith("{")
     deadline = time.monotonic() + 10
@@ -259,17 +258,17 @@ def test_closing_a_channel_cancels_its_requests(llama, local_engine):
 def test_a_whole_generation_is_one_reply_equal_to_the_engines_output(llama, local_engine):
     """generate_whole (a non-streamed request): every delta merged into one reply, the same tokens and
     text as the engine's own, with its usage, the time to its first delta and after; a request the
-    engine refuses is a {"failure"} reply; nothing stays counted once it is answered."""
+    engine refuses is its OrchardError as the reply; nothing stays counted once it is answered."""
     handle, _ = llama
     request = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0}
     reply = ray.get(handle.generate_whole.remote("whole-1", request), timeout=60)
-    delta = reply["delta"]
+    delta = reply.delta
     reference = asyncio.run(local_engine.complete(GenerationRequest(**request)))
     assert delta["token_ids"] == reference.token_ids and delta["text"] == reference.text
     assert delta["finish_reason"] == "length" and delta["usage"]["completion_tokens"] == 48
-    assert reply["first_s"] > 0 and reply["last_s"] > 0  # 47 more steps after the first
+    assert reply.first_s > 0 and reply.last_s > 0  # 47 more steps after the first
     refused = ray.get(handle.generate_whole.remote("whole-2", {"prompt": "x", "max_tokens": 0}), timeout=30)
-    assert refused["failure"]["code"] == "invalid_request" and refused["failure"]["param"] == "max_tokens"
+    assert isinstance(refused, OrchardError) and (refused.code, refused.param) == ("invalid_request", "max_tokens")
     assert ray.get(handle.progress.remote("whole-1")) is None  # answered: no longer known
     assert _running(handle) == 0
 
@@ -304,14 +303,11 @@ def test_embedding_server_returns_vectors(embedder):
     assert ray.get(embedder.embed.remote("one text", dimensions=64))["dimensions"] == 64
 
 
-def test_failures_reach_the_caller_as_model_server_errors(llama, embedder):
+def test_failures_reach_the_caller_as_orchard_errors(llama, embedder):
     handle, _ = llama
     bad = _error(lambda: _stream(handle, {"prompt": "x", "max_tokens": 0}))
-    assert (bad.code, bad.param, STATUS[bad.code]) == (
-        "invalid_request",
-        "max_tokens",
-        400,
-    )  # the status is the one table's (deployments/wire/failure.py)
+    # the status is the one table's (deployments/wire/failure.py)
+    assert (bad.code, bad.param, STATUS[bad.code]) == ("invalid_request", "max_tokens", 400)
     too_long = _error(lambda: _stream(handle, {"prompt": "hi", "max_tokens": 5000}))
     assert too_long.code == "context_length_exceeded"
     assert _error(lambda: _stream(handle, {"prompt_tokens": [10**6], "max_tokens": 2})).code == "invalid_request"
@@ -320,13 +316,36 @@ def test_failures_reach_the_caller_as_model_server_errors(llama, embedder):
     assert (wrong.code, wrong.param) == ("unsupported", "model") and "llama-10m" in wrong.message
     assert _error(lambda: _stream(embedder, {"prompt": "x"})).code == "unsupported"
     assert _error(lambda: ray.get(embedder.speak.remote("hi"))).code == "unsupported"
-    # Ray's wrapper is itself a OrchardError with the fields, and the error pickles alone
+    # Ray's wrapper is itself an OrchardError with the fields, and the error pickles alone
     with pytest.raises(OrchardError) as info:
         ray.get(handle.rerank.remote("q", ["d"]))
     assert info.value.code == "unsupported"
     again = pickle.loads(pickle.dumps(unwrap(info.value)))
     assert (again.code, again.param) == ("unsupported", "model") and "reranking" in again.message
     assert _running(handle) == 0
+
+
+def test_a_stopped_servers_failure_arrives_as_the_same_orchard_error_every_way(ray_node, manifest, models_dir):
+    """A model server whose engine stopped refuses a generation with engine_stopped, which says a
+    retry elsewhere may serve it: the caller gets the same OrchardError (code, param, retry_after_s,
+    status) whether it came raised through Ray's wrapper (a call), as a channel's item or as a whole
+    generation's reply, and it pickles alone with the same fields."""
+    handle = create_model_server(manifest.entry("llama-10m"), NODE, ray_node_id=ray_node, models_dir=models_dir, incarnation="stopped")
+    try:
+        ray.get(handle.load.remote(), timeout=60)
+        ray.get(handle.stop.remote("a test"), timeout=30)
+        request = GenerationRequest(prompt="x", max_tokens=2)
+        with pytest.raises(OrchardError) as raised:  # Ray's RayTaskError, itself an OrchardError
+            ray.get(handle.count_tokens.remote(request), timeout=30)
+        on_channel = _error(lambda: _stream(handle, request.model_dump()))
+        whole = ray.get(handle.generate_whole.remote("stopped-1", request), timeout=30)
+        assert isinstance(whole, OrchardError)
+        for error in (unwrap(raised.value), on_channel, whole, pickle.loads(pickle.dumps(whole))):
+            assert type(error) is OrchardError
+            assert (error.code, error.param, error.retry_after_s, error.status) == ("engine_stopped", None, 1.0, 503)
+            assert "llama-10m" in error.message
+    finally:
+        asyncio.run(kill_model_server(handle, 1.0))
 
 
 def test_a_missing_model_folder_is_not_found(ray_node):
@@ -351,7 +370,7 @@ def test_found_again_then_drained_and_killed(llama):
     items: list[dict] = []
 
     def read():  # as the ingress's reader does, concurrently with the drain
-        while not items or (items[-1].get("finish_reason") is None and "failure" not in items[-1]):
+        while not items or (not isinstance(items[-1], OrchardError) and items[-1].get("finish_reason") is None):
             items.extend(item for _, item in ray.get(next(stream), timeout=30))
 
     reader = threading.Thread(target=read)
@@ -367,7 +386,7 @@ def test_found_again_then_drained_and_killed(llama):
     assert asyncio.run(kill_model_server(LLAMA, drain_timeout_s=180)) == 0  # waited until the end was taken
     reader.join(60)
     assert not reader.is_alive()
-    assert "failure" not in items[-1], items[-1]  # what went wrong, if it did (seen once in make test)
+    assert not isinstance(items[-1], OrchardError), items[-1]  # what went wrong, if it did (seen once in make test)
     assert sum(len(item["token_ids"]) for item in items) == 48 and items[-1]["finish_reason"] == "length"
     with pytest.raises(ValueError):
         ray.get_actor(LLAMA, namespace=NAMESPACE)

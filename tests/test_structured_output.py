@@ -17,8 +17,8 @@ from support.schemas import random_schemas
 
 from deployments.engine import RequestError
 from deployments.engines import chat_format
-from deployments.engines.constrained import Constraint
-from deployments.engines.llm import GenerationRequest, LLMEngine
+from deployments.engines.llm import LLMEngine
+from deployments.wire.generation import Constraint, GenerationRequest
 
 
 def run(coro):

@@ -23,6 +23,7 @@ from ray.exceptions import ActorDiedError
 
 from deployments.model_server import _load_failure, crashed, death_cause, internal_error, unwrap, without_paths
 from deployments.wire.failure import OrchardError
+from deployments.wire.generation import GenerationRequest, WholeReply
 from router.serving import generation
 from router.serving.stream_mux import Unavailable
 
@@ -31,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ENGINE_SCRIPT = """
 import asyncio, json, sys
 from deployments.engine import RequestError
-from deployments.engines.llm import GenerationRequest, LLMEngine
+from deployments.engines.llm import LLMEngine
+from deployments.wire.generation import GenerationRequest
 
 async def main(path):
     engine = LLMEngine("llama-10m", path, max_batch=4)
@@ -202,11 +204,13 @@ class FakeActor:
         self.progress = Method(0.0)
 
 
-ANSWER = {"delta": {"text": "hi", "token_ids": [5], "finish_reason": "length", "usage": {"prompt_tokens": 1, "completion_tokens": 1}}, "last_s": 0.0}
+ANSWER = WholeReply(
+    delta={"text": "hi", "token_ids": [5], "finish_reason": "length", "usage": {"prompt_tokens": 1, "completion_tokens": 1}}, first_s=0.0, last_s=0.0
+)
 
 
 def whole(lease) -> dict:
-    return asyncio.run(generation.WholeGeneration(lease, {"prompt": "x"}, timeout_s=5).run())
+    return asyncio.run(generation.WholeGeneration(lease, GenerationRequest(prompt="x"), timeout_s=5).run())
 
 
 def test_a_non_streamed_request_whose_instance_crashed_is_not_moved():
@@ -266,7 +270,7 @@ class FakeMux:
 
 def stream_first(lease, *streams) -> dict:
     async def go():
-        deltas = generation.DeltaStream(FakeMux(*streams), lease, {"prompt": "x"}, chunk_timeout_s=5)
+        deltas = generation.DeltaStream(FakeMux(*streams), lease, GenerationRequest(prompt="x"), chunk_timeout_s=5)
         try:
             return await deltas.first()
         finally:
@@ -279,7 +283,7 @@ def test_a_stream_whose_instance_crashed_before_any_output_is_not_moved():
     crash = died(WORKER_DIED)
     lease = FakeLease(FakeActor(crash), FakeActor(ANSWER))
     with pytest.raises(OrchardError) as info:
-        stream_first(lease, lambda actor: FakeStream(actor, submitted=None), lambda actor: FakeStream(actor, None, ANSWER["delta"]))
+        stream_first(lease, lambda actor: FakeStream(actor, submitted=None), lambda actor: FakeStream(actor, None, ANSWER.delta))
     assert info.value.code == "model_crashed" and lease.moves == []
 
 
@@ -288,5 +292,5 @@ def test_a_stream_whose_instance_went_away_for_another_reason_moves_once(how):
     first = FakeActor(died(RAY_KILL)) if how == "ray.kill" else FakeActor(died(WORKER_DIED)) if how == "never reached" else FakeActor(ANSWER)
     submitted = died(WORKER_DIED) if how == "never reached" else None  # the submit itself failed: it never ran there
     lease = FakeLease(first, FakeActor(ANSWER))
-    delta = stream_first(lease, lambda actor: FakeStream(actor, submitted), lambda actor: FakeStream(actor, None, ANSWER["delta"]))
+    delta = stream_first(lease, lambda actor: FakeStream(actor, submitted), lambda actor: FakeStream(actor, None, ANSWER.delta))
     assert delta["text"] == "hi" and len(lease.moves) == 1

@@ -18,8 +18,9 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import BatchGenerator
 
-from deployments.engines.llm import GenerationRequest, LLMEngine
+from deployments.engines.llm import LLMEngine
 from deployments.models import prepare
+from deployments.wire.generation import GenerationRequest
 
 MLX_VERSION: str = mx.__version__  # type: ignore[attr-defined]  # not in mlx's stubs
 TOPICS = ["the sea", "a city at night", "bread", "mountains", "a small robot", "rain", "music", "the moon"]

@@ -35,8 +35,9 @@ import deployments  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from deployments.engines.llm import GenerationRequest, LLMEngine
+from deployments.engines.llm import LLMEngine
 from deployments.engines.sampling import RowSampling
+from deployments.wire.generation import GenerationRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -34,7 +34,8 @@ from mlx_lm.sample_utils import make_sampler
 
 from bench.engine.__main__ import TOPICS  # the engine benchmark's prompts (MLX only, as here)
 from deployments.engines import buffer_cache
-from deployments.engines.llm import GenerationRequest, LLMEngine
+from deployments.engines.llm import LLMEngine
+from deployments.wire.generation import GenerationRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 

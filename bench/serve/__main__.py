@@ -32,9 +32,10 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from bench.engine.share import Bare, messages  # noqa: E402  (the same prompts on every side)
 from cluster.placement import find_model_server  # noqa: E402
-from deployments.engines.llm import GenerationRequest, LLMEngine  # noqa: E402
+from deployments.engines.llm import LLMEngine  # noqa: E402
 from deployments.engines.options import LLMEngineOptions  # noqa: E402
 from deployments.models import prepare  # noqa: E402
+from deployments.wire.generation import GenerationRequest  # noqa: E402
 from router.api.builder import AppArgs, build_app  # noqa: E402
 from router.residency.registry import from_manifest  # noqa: E402
 

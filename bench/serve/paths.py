@@ -24,6 +24,8 @@ from cluster.placement import create_model_server
 from deployments.engines.llm import LLMEngine
 from deployments.manifest import read_manifest
 from deployments.models import prepare
+from deployments.wire.failure import OrchardError
+from deployments.wire.generation import GenerationRequest
 from router.serving.stream_mux import StreamMux
 
 
@@ -63,14 +65,17 @@ def main() -> None:
         def via(actor):
             async def one(i: int) -> tuple[int, float]:
                 started, first, tokens = time.perf_counter(), None, 0
-                stream = mux.open(actor, "bench", {"messages": messages(i), "max_tokens": args.max_tokens, "temperature": 0})
+                stream = mux.open(actor, "bench", GenerationRequest(messages=messages(i), max_tokens=args.max_tokens, temperature=0))
                 try:
                     while True:
                         d = await stream.next(120)
+                        if isinstance(d, OrchardError):
+                            raise d
                         if first is None and d.get("text"):
                             first = time.perf_counter() - started
-                        if d.get("usage"):
-                            tokens = d["usage"]["completion_tokens"]
+                        usage = d.get("usage")
+                        if usage:
+                            tokens = usage.get("completion_tokens", 0)
                         if d.get("finish_reason"):
                             return tokens, first or 0.0
                 finally:

@@ -14,16 +14,15 @@ Whitespace in JSON is fixed (", " and ": ", no other whitespace): a random-weigh
 cannot loop on whitespace, and the output stays close to the JSON models are trained on."""
 
 import threading
-import warnings
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
 import mlx.core as mx
 import numpy as np
-from pydantic import model_validator
 
-from deployments.engine import Frozen, RequestError
+from deployments.engine import RequestError
+from deployments.wire.generation import Constraint
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of the stub only
@@ -34,32 +33,6 @@ PARAM = "response_format"
 JSON_OPTIONS: "JsonCompileOptions" = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 _MAX_ERROR_CHARS = 2000
-
-
-with warnings.catch_warnings():  # the field `schema` shadows BaseModel.schema(), a deprecated classmethod
-    warnings.filterwarnings("ignore", message='Field name "schema"', category=UserWarning)
-
-    class Constraint(Frozen):
-        """What the output must match. json_object: any JSON object; json_schema: `schema` (with
-        `strict=False`, keywords llguidance does not implement are ignored instead of refused); regex:
-        `pattern` (the whole output); lark: `grammar`, llguidance's Lark dialect (`%json {schema}` inline;
-        a %json block takes the schema's own "x-guidance" options, whitespace-flexible by default).
-        `param`: the request field it came from, which a constraint that does not compile names
-        (response_format unless said: a forced tool call's grammar says tools)."""
-
-        type: Literal["json_object", "json_schema", "regex", "lark"]
-        schema: dict[str, Any] | None = None  # type: ignore[assignment]
-        strict: bool = True
-        pattern: str | None = None
-        grammar: str | None = None
-        param: Literal["response_format", "tools"] = "response_format"  # PARAM
-
-        @model_validator(mode="after")
-        def _needs_its_field(self) -> "Constraint":
-            needed = {"json_schema": "schema", "regex": "pattern", "lark": "grammar"}.get(self.type)
-            if needed is not None and getattr(self, needed) is None:
-                raise ValueError(f"a {self.type} constraint needs `{needed}`")
-            return self
 
 
 def grammar_source(constraint: Constraint) -> str:

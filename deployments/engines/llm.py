@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Protocol, cast
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 
@@ -32,67 +32,21 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field
 
 from deployments.engine import Engine, Frozen, MemoryReport, RequestError, RequestErrorCode
 from deployments.engines import buffer_cache
 from deployments.engines.chat_format import chat_inputs, template_kwargs_error, template_supports_tools
-from deployments.engines.constrained import Constraint, GrammarCompiler, GrammarProcessor
+from deployments.engines.constrained import GrammarCompiler, GrammarProcessor
 from deployments.engines.options import LLMEngineOptions
 from deployments.engines.sampling import BatchSampler, RowSampling
 from deployments.engines.text_stream import StopStringFilter
 from deployments.estimate import kv_bytes_per_token
 from deployments.manifest import safetensors_bytes
+from deployments.wire.generation import FinishReason, GenerationRequest
 from deployments.worker import MLXWorker
 
 logger = logging.getLogger(__name__)
-
-FinishReason = Literal["stop", "length", "cancelled", "error"]
-
-
-class GenerationRequest(Frozen):
-    """One completion. Exactly one of prompt (raw text), messages (chat) or prompt_tokens.
-
-    messages may hold OpenAI tool history: assistant messages with `tool_calls` (content None) and
-    role "tool" messages with `tool_call_id`. `tools` are OpenAI function tools; a chat template
-    that knows tools gets them, any other renders them through `chat_format`. `constraint` makes
-    the output match a JSON object / JSON schema / regex / Lark grammar (`constrained`)."""
-
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    prompt_tokens: list[int] | None = None
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    max_tokens: int = Field(default=256, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list, max_length=8)
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    logit_bias: dict[int, float] | None = None
-    logprobs: bool = False
-    top_logprobs: int = Field(default=0, ge=0, le=20)
-    constraint: Constraint | None = None
-    tools: list[dict[str, Any]] | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _function_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        for i, tool in enumerate(tools or ()):
-            function = tool.get("function")
-            if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise ValueError(f'tools[{i}] is not {{"type": "function", "function": {{"name": ..., ...}}}}')
-        return tools
-
-    @model_validator(mode="after")
-    def _one_prompt(self) -> "GenerationRequest":
-        given = [x is not None for x in (self.prompt, self.messages, self.prompt_tokens)]
-        if sum(given) != 1:
-            raise ValueError("give exactly one of prompt, messages or prompt_tokens")
-        return self
 
 
 class TokenLogprob(Frozen):
@@ -312,7 +266,7 @@ class LLMEngine(Engine):
             return self.prefill_cache_keep_mib * 2**20
         return self.kv_bytes_per_token * self.reserve_context_tokens * self.reserve_concurrency
 
-    def scheduling(self) -> dict[str, int]:
+    def scheduling(self) -> dict[str, int | None]:
         """The admission settings this engine runs with (deployments/engines/options.py's fields)."""
         return {name: getattr(self, name) for name in LLMEngineOptions.model_fields}
 

@@ -23,6 +23,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from deployments.model_server import unwrap
 from deployments.wire.failure import OrchardError
+from deployments.wire.generation import GenerationDelta
 from router.api.errors import for_principal
 from router.api.keys import Principal
 from router.residency import metrics
@@ -93,7 +94,7 @@ class StreamBuffer:
             yield chunk
 
 
-async def pump(first: dict, deltas: DeltaStream, renderer: Renderer, model: str, who: Principal, out: StreamBuffer) -> None:
+async def pump(first: GenerationDelta, deltas: DeltaStream, renderer: Renderer, model: str, who: Principal, out: StreamBuffer) -> None:
     """Drain the generation into `out` as rendered SSE bytes; close it (cancelling what is left and
     releasing the lease) at its end, on a failure, when `out` is over its bound, or when cancelled."""
     try:
@@ -125,7 +126,7 @@ class PumpedEventStream(ClosingStreamingResponse):
 
     def __init__(
         self,
-        first: dict,
+        first: GenerationDelta,
         deltas: DeltaStream,
         renderer: Renderer,
         model: str,

@@ -25,6 +25,7 @@ import ray
 
 from deployments.model_server import crashed, death_cause, unwrap
 from deployments.wire.failure import OrchardError
+from deployments.wire.generation import GenerationDelta, GenerationRequest, VLMRequest, WholeReply, parse_request
 from router.protocols import openai as oai
 from router.serving.lease import Lease
 from router.serving.output.parsing import OutputConfig, OutputParser
@@ -48,20 +49,21 @@ def require_kind(lease: Lease, kinds: tuple[str, ...], what: str) -> None:
         raise OrchardError("model_not_supported", f"model {lease.model} is a {lease.kind} model, not {what}", "model")
 
 
-def prepare(lease: Lease, body: ChatOrCompletion, *, allow_remote_images: bool) -> tuple[dict, OutputParser | None]:
-    """The model server's request for this lease's model kind, and the output parser a chat
+def prepare(lease: Lease, body: ChatOrCompletion, *, allow_remote_images: bool) -> tuple[GenerationRequest | VLMRequest, OutputParser | None]:
+    """The model server's request for this lease's model kind (checked here, so a field the
+    engine refuses is an invalid_request before anything is sent), and the output parser a chat
     protocol runs over its deltas. Raises OrchardError for what this model cannot do."""
     model = body.model
     require_kind(lease, ("llm", "vlm"), "a text-generation model")
     if not isinstance(body, oai.ChatCompletionRequest):
         if lease.kind != "llm":
             raise OrchardError("model_not_supported", f"model {model} is a {lease.kind} model: use chat completions", "model")
-        return oai.generation_fields(body), None
+        return parse_request(GenerationRequest, oai.generation_fields(body)), None
     config = OutputConfig(tool_parser=lease.tool_parser, reasoning=lease.reasoning)
     parser = OutputParser(config, tools=body.uses_tools)
     if lease.kind == "vlm":
         oai.check_image_urls(body, allow_remote=allow_remote_images)
-        return oai.to_vlm_request(body), parser
+        return parse_request(VLMRequest, oai.to_vlm_request(body)), parser
     if body.has_images():
         raise OrchardError("unsupported_content", f"model {model} takes no images; use a vision model", "messages")
     generation = oai.generation_fields(body)
@@ -76,7 +78,7 @@ def prepare(lease: Lease, body: ChatOrCompletion, *, allow_remote_images: bool) 
             except ValueError as e:  # a tool the parsers let through that no grammar can force
                 raise OrchardError("invalid_request", f"the forced tool call cannot be built: {e}", "tools") from None
             generation["constraint"] = {"type": "lark", "grammar": grammar, "param": "tools"}
-    return generation, parser
+    return parse_request(GenerationRequest, generation), parser
 
 
 class DeltaStream:
@@ -90,7 +92,7 @@ class DeltaStream:
     lease on the same model (`Lease.move`); one whose process crashed while running it is
     `model_crashed` (`_crash`)."""
 
-    def __init__(self, mux: StreamMux, lease: Lease, request: dict, chunk_timeout_s: float):
+    def __init__(self, mux: StreamMux, lease: Lease, request: GenerationRequest | VLMRequest, chunk_timeout_s: float):
         self.lease = lease
         self.started = time.monotonic()
         self.ttft_s: float | None = None
@@ -99,7 +101,7 @@ class DeltaStream:
         self.moved = False  # its first instance went away before any output: it runs on another
         self._deltas = self._run(mux, request, chunk_timeout_s)
 
-    async def _run(self, mux: StreamMux, request: dict, chunk_timeout_s: float) -> AsyncGenerator[dict, None]:
+    async def _run(self, mux: StreamMux, request: GenerationRequest | VLMRequest, chunk_timeout_s: float) -> AsyncGenerator[GenerationDelta, None]:
         stream = None
         output = False
         try:
@@ -157,17 +159,17 @@ class DeltaStream:
             return probe if crashed(probe) else None
         return None
 
-    async def _next(self, stream: Any, chunk_timeout_s: float) -> dict:
+    async def _next(self, stream: Any, chunk_timeout_s: float) -> GenerationDelta:
         try:
-            delta = await stream.next(chunk_timeout_s)
+            item = await stream.next(chunk_timeout_s)
         except Unavailable as e:
             self.lease.report_unavailable(str(e))
             raise
-        if "failure" in delta:
-            raise OrchardError(**delta["failure"])
-        return delta
+        if isinstance(item, OrchardError):  # the request failed before any output
+            raise item
+        return item
 
-    async def first(self) -> dict:
+    async def first(self) -> GenerationDelta:
         try:
             delta = await self._deltas.__anext__()
         except StopAsyncIteration:
@@ -180,7 +182,7 @@ class DeltaStream:
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started
 
-    def __aiter__(self) -> AsyncIterator[dict]:
+    def __aiter__(self) -> AsyncIterator[GenerationDelta]:
         return self._deltas
 
     async def aclose(self) -> None:
@@ -200,7 +202,7 @@ class WholeGeneration:
     - the request's cancellation (its client went away) cancels the call, hence the generation;
     - the lease is released with the tokens used (the key's limits count them)."""
 
-    def __init__(self, lease: Lease, request: dict, timeout_s: float):
+    def __init__(self, lease: Lease, request: GenerationRequest | VLMRequest, timeout_s: float):
         self.lease = lease
         self.request = request
         self.timeout_s = timeout_s
@@ -209,18 +211,19 @@ class WholeGeneration:
         self.tokens = 0
         self.moved = False
 
-    async def run(self) -> dict:
+    async def run(self) -> GenerationDelta:
         """The merged delta, or the request's OrchardError (raised)."""
         used = None
         try:
             while True:
                 try:
                     reply = await self._call(self.lease.actor())
-                    if "failure" in reply:
-                        raise OrchardError(**reply["failure"])
-                    delta = reply["delta"]
-                    if delta.get("finish_reason") == "error" and delta.get("error_code") in _GONE_CODES:
-                        raise OrchardError(delta["error_code"], delta.get("error") or "the engine stopped", retry_after_s=1)
+                    if isinstance(reply, OrchardError):  # the request failed before any output
+                        raise reply
+                    delta = reply.delta
+                    code = delta.get("error_code")
+                    if delta.get("finish_reason") == "error" and code is not None and code in _GONE_CODES:
+                        raise OrchardError(code, delta.get("error") or "the engine stopped", retry_after_s=1)
                 except Exception as e:
                     error = unwrap(e)
                     # Lease.actor reports its own error (raised here as it is, so `unwrap` returns it unchanged).
@@ -235,7 +238,7 @@ class WholeGeneration:
                     continue
                 break
             self.tokens = len(delta.get("token_ids") or ())
-            self.ttft_s = max(0.0, time.monotonic() - self.started - reply["last_s"])
+            self.ttft_s = max(0.0, time.monotonic() - self.started - reply.last_s)
             usage = delta.get("usage")
             if usage:
                 used = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
@@ -243,7 +246,7 @@ class WholeGeneration:
         finally:
             self.lease.release(used)
 
-    async def _call(self, actor: Any) -> dict:
+    async def _call(self, actor: Any) -> WholeReply | OrchardError:
         request_id = uuid.uuid4().hex
         ref = actor.generate_whole.remote(request_id, self.request)
         reply = asyncio.ensure_future(ref)

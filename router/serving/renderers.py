@@ -1,14 +1,16 @@
 """One generation's deltas rendered in the protocol the client spoke.
 
 The ingress runs every text generation the same way (lease, stream from the instance's actor,
-release); only the rendering differs. Each renderer takes the engine's delta dicts, runs them through
+release); only the rendering differs. Each renderer takes the model server's deltas (deployments/wire/generation.py), runs them through
 the model's output parser (reasoning split, tool calls: router.serving.output.parsing) where the protocol
 is a chat protocol, and returns SSE bytes (streaming) or the response body (not streaming). Errors
 leave in the same protocol's error format (mid-stream; before the stream, router/api's handlers)."""
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from deployments.wire.failure import STATUS as HTTP_STATUS
+from deployments.wire.generation import GenerationDelta
 from router.protocols import anthropic as anth, openai as oai, responses as resp
 from router.serving.output.parsing import OutputParser
 
@@ -30,13 +32,13 @@ class OpenAIRenderer:
             "chat" if self.chat else "completion", req.model, self.request_id, self.created, include_usage=req.include_usage, statuses=HTTP_STATUS
         )
 
-    def _parsed(self, delta: dict) -> dict:
+    def _parsed(self, delta: GenerationDelta) -> Mapping[str, Any]:
         return oai.with_events(delta, self.parser.feed(delta)) if self.parser is not None else delta
 
     def start(self) -> bytes:
         return b""
 
-    def feed(self, delta: dict) -> bytes:
+    def feed(self, delta: GenerationDelta) -> bytes:
         return self.encoder.feed(self._parsed(delta))
 
     def fail(self, status: int, code: str, message: str) -> bytes:
@@ -45,7 +47,7 @@ class OpenAIRenderer:
     def close(self) -> bytes:
         return self.encoder.close()
 
-    def respond(self, deltas: list[dict]) -> dict[str, Any]:
+    def respond(self, deltas: list[GenerationDelta]) -> dict[str, Any]:
         joined = oai.join_deltas([self._parsed(d) for d in deltas])
         build = oai.chat_completion_response if self.chat else oai.completion_response
         return build(self.req.model, self.request_id, self.created, joined, statuses=HTTP_STATUS)
@@ -61,13 +63,13 @@ class _EventRenderer:
         self.parser = parser
         self.encoder = encoder
 
-    def _events(self, deltas: list[dict]) -> list:
+    def _events(self, deltas: list[GenerationDelta]) -> list:
         return [e for d in deltas for e in self.parser.feed(d)]
 
     def start(self) -> bytes:
         return self.encoder.start()
 
-    def feed(self, delta: dict) -> bytes:
+    def feed(self, delta: GenerationDelta) -> bytes:
         return b"".join(self.encoder.feed(e) for e in self.parser.feed(delta))
 
     def fail(self, status: int, code: str, message: str) -> bytes:
@@ -87,7 +89,7 @@ class AnthropicRenderer(_EventRenderer):
         self.message_id = anth.new_message_id()
         super().__init__(parser, anth.MessageStreamEncoder(req.model, self.message_id, statuses=HTTP_STATUS))
 
-    def respond(self, deltas: list[dict]) -> dict[str, Any]:
+    def respond(self, deltas: list[GenerationDelta]) -> dict[str, Any]:
         return anth.message_response(self.req.model, self.message_id, self._events(deltas), statuses=HTTP_STATUS)
 
 
@@ -99,7 +101,7 @@ class ResponsesRenderer(_EventRenderer):
         self.response_id = resp.new_response_id()
         super().__init__(parser, resp.ResponseStreamEncoder(req, self.response_id, statuses=HTTP_STATUS))
 
-    def respond(self, deltas: list[dict]) -> dict[str, Any]:
+    def respond(self, deltas: list[GenerationDelta]) -> dict[str, Any]:
         return resp.response_object(self.req, self.response_id, self._events(deltas), statuses=HTTP_STATUS)
 
 

@@ -22,6 +22,7 @@ import ray
 
 from deployments.model_server import open_channel
 from deployments.wire.failure import OrchardError
+from deployments.wire.generation import ChannelItem, GenerationRequest, VLMRequest
 from router.serving.detached import send_detached
 
 MAX_QUEUED = 1024  # items (one per flush) a request's consumer may leave unread before it is cancelled
@@ -83,7 +84,8 @@ class _Reader:
 
 
 class MuxStream:
-    """One generation's deltas (dicts) from its channel, with a per-item inactivity timeout."""
+    """One generation's items from its channel (its deltas, or its failure before any output),
+    with a per-item inactivity timeout."""
 
     def __init__(self, reader: _Reader, request_id: str, submitted: Any = None):
         self.reader = reader
@@ -92,7 +94,7 @@ class MuxStream:
         self.finished = False
         self.submitted = submitted  # the submit call's ObjectRef: a cancel is sent only after it ran
 
-    def deliver(self, item: dict) -> None:
+    def deliver(self, item: ChannelItem) -> None:
         """The reader's hand-off: queue `item`, or cancel the request when its consumer left
         MAX_QUEUED items unread (never wait: the channel carries other requests' streams)."""
         if self.queue.qsize() < MAX_QUEUED:
@@ -103,7 +105,7 @@ class MuxStream:
             self.queue.get_nowait()
         self.queue.put_nowait(_OVERRUN)
 
-    async def next(self, timeout_s: float) -> dict:
+    async def next(self, timeout_s: float) -> ChannelItem:
         try:
             if self.queue.empty():
                 async with asyncio.timeout(timeout_s):  # no task per item, unlike wait_for
@@ -116,7 +118,7 @@ class MuxStream:
             raise Unavailable(self.reader.failure or f"{self.reader.label} is unavailable")
         if item is _OVERRUN:
             raise Overrun()
-        if "failure" in item or item.get("finish_reason") is not None:
+        if isinstance(item, OrchardError) or item.get("finish_reason") is not None:
             self.finished = True
         return item
 
@@ -152,9 +154,9 @@ class StreamMux:
         self.replica_id = uuid.uuid4().hex[:12]
         self._readers: dict[str, _Reader] = {}
 
-    def open(self, actor: Any, label: str, request: dict) -> MuxStream:
-        """Submit `request` to `actor` (not awaited: a bad request comes back on the channel as an
-        {"failure": ...} item) and return its stream."""
+    def open(self, actor: Any, label: str, request: GenerationRequest | VLMRequest) -> MuxStream:
+        """Submit `request` to `actor` (not awaited: a request the server refuses comes back on the
+        channel as its OrchardError) and return its stream."""
         key = actor._actor_id.hex()
         reader = self._readers.get(key)
         if reader is None:

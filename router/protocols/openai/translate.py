@@ -3,13 +3,11 @@ and images for a VLM, and the GenerationRequest fields (sampling defaults as Ope
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from deployments.wire.generation import GenerationRequest
 from router.protocols.openai.errors import ProtocolError, UnsupportedParameter
 from router.protocols.openai.requests import ChatCompletionRequest, CompletionRequest, _Sampling
-
-if TYPE_CHECKING:  # the engine module imports MLX; the router must not need it to parse requests
-    from deployments.engines.llm import GenerationRequest
 
 DEFAULT_MAX_TOKENS = 512  # OpenAI's chat default is "up to the context"; a bound keeps a slot from running away
 
@@ -75,8 +73,8 @@ def _sampling(req: _Sampling) -> dict[str, Any]:
 
 
 def generation_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
-    """The fields of a GenerationRequest, as a plain dict (what crosses to the model actor; the
-    actor validates it). max_tokens: max_completion_tokens, else max_tokens, else 512; temperature
+    """The fields of a GenerationRequest, as a plain dict (router/serving/generation.py adds a forced
+    tool call's grammar before it builds the request). max_tokens: max_completion_tokens, else max_tokens, else 512; temperature
     1.0 and top_p 1.0 as OpenAI."""
     out: dict[str, Any] = {}
     if isinstance(req, ChatCompletionRequest):
@@ -111,15 +109,13 @@ def generation_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[st
 
 
 def to_generation_request(req: ChatCompletionRequest | CompletionRequest) -> GenerationRequest:
-    """The engine's GenerationRequest (imports the LLM engine module, hence MLX, on first use; the
-    ingress can send `generation_fields(req)` instead, which the model actor validates the same)."""
-    from deployments.engines.llm import GenerationRequest
-
+    """The model server's GenerationRequest (deployments/wire: no engine, no MLX)."""
     return GenerationRequest(**generation_fields(req))
 
 
 def to_vlm_request(req: ChatCompletionRequest) -> dict[str, Any]:
-    """The model actor's VLM request dict (messages, images, max_tokens, temperature, top_p, stop).
+    """The fields of the model server's VLMRequest as a dict (messages, images, max_tokens,
+    temperature, top_p, stop).
     Sampling controls the VLM engine lacks are a 400 when set, never dropped silently."""
     used = {
         "logprobs": bool(req.logprobs),

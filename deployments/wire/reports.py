@@ -1,0 +1,53 @@
+"""What a model server reports about itself to whoever placed it (the residency service, which
+adopts and accounts for instances by them; an operator's tools): the memory it holds, after a load
+and on asking (`MemoryReport`), and its health (`HealthReport`). Engines make the first and the
+core of the second (deployments/engine.py); the model server adds what only it knows."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from policy._frozen import Frozen
+from policy.specs import ModelKind
+
+EngineStatus = Literal["loading", "ready", "stopped", "failed"]
+
+
+class MemoryReport(Frozen):
+    """What the engine holds, in bytes, for the node agent and the residency controller: its
+    weights, KV cache (of the requests running now, kept for reuse, reserved), this process's MLX
+    memory, and how long its load took (`ModelServer.load` and `ModelServer.memory` answer it)."""
+
+    weight_bytes: int = Field(ge=0)
+    kv_bytes_in_use: int = Field(default=0, ge=0)  # KV of the requests running now
+    prefix_cache_bytes: int = Field(default=0, ge=0)  # KV kept for reuse by later requests
+    kv_bytes_reserved: int = Field(default=0, ge=0)
+    active_bytes: int = Field(default=0, ge=0)  # mx.get_active_memory() of this process
+    peak_bytes: int = Field(default=0, ge=0)
+    load_seconds: float = Field(default=0.0, ge=0)
+
+    @property
+    def held_bytes(self) -> int:
+        """What the instance holds for placement's accounting: its weights and its KV reservation."""
+        return self.weight_bytes + self.kv_bytes_reserved
+
+
+class Health(Frozen):
+    """An engine's health: its status (and why, when it failed), kind, model and running requests."""
+
+    status: EngineStatus
+    kind: ModelKind
+    model: str
+    detail: str = ""
+    running_requests: int = 0
+
+
+class HealthReport(Health):
+    """A model server's health (`ModelServer.health`): its engine's, plus the Orchard node it serves
+    on, its calls in flight (streams included), its Ray actor name (None outside Ray) and, for an
+    LLM, the admission settings it runs (`LLMEngine.scheduling`)."""
+
+    node_id: str
+    in_flight: int = Field(ge=0)
+    actor_name: str | None = None
+    scheduling: dict[str, int | None] | None = None
