@@ -26,6 +26,7 @@ from deployments.manifest import ManifestEntry, model_location
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import ChannelItem, GenerationDelta, GenerationRequest, VLMRequest, WholeReply, parse_request
 from deployments.wire.reports import HealthReport, MemoryReport
+from deployments.wire.results import EmbeddingResult, RerankResult, TranscribedSegment, TranscriptionResult
 
 # Which method serves which kind, and the words an error message uses for it.
 _SERVES = {
@@ -750,17 +751,15 @@ class ModelServer:
                 raise OrchardError("unsupported", f"model {self.entry.name} ({self.entry.kind}) does not count tokens", "model")
             return len(await asyncio.to_thread(self.engine.tokenize, self._parse_generation(request)))  # type: ignore[attr-defined]  # an LLM/VLM engine's own
 
-    async def embed(self, texts: list[str] | str, dimensions: int | None = None) -> dict:
-        """EmbeddingResult as a dict: vectors, prompt_tokens, dimensions."""
+    async def embed(self, texts: list[str] | str, dimensions: int | None = None) -> EmbeddingResult:
+        """The vectors, the tokens the model ran, their dimensions."""
         async with self._call():
-            result = await self._engine_for("embed").embed(texts, dimensions=dimensions)
-            return result.model_dump()
+            return await self._engine_for("embed").embed(texts, dimensions=dimensions)
 
-    async def rerank(self, query: str, documents: list[str], top_n: int | None = None) -> dict:
-        """RerankResult as a dict: model, results (index, relevance_score; best first), usage."""
+    async def rerank(self, query: str, documents: list[str], top_n: int | None = None) -> RerankResult:
+        """The documents' relevance to the query, best first, and the tokens the model ran."""
         async with self._call():
-            result = await self._engine_for("rerank").rerank(query, documents, top_n=top_n)
-            return result.model_dump(mode="json")
+            return await self._engine_for("rerank").rerank(query, documents, top_n=top_n)
 
     async def transcribe(
         self,
@@ -769,8 +768,8 @@ class ModelServer:
         temperature: float = 0.0,
         prompt: str | None = None,
         response_format: str = "json",
-    ) -> dict:
-        """The Transcription (text, language, duration_s, segments) plus `body`: OpenAI's response
+    ) -> TranscriptionResult:
+        """The transcription (text, language, duration_s, segments) and `body`: OpenAI's response
         for `response_format` (a dict, or a str for "text")."""
         async with self._call():
             engine = self._engine_for("transcribe")
@@ -781,10 +780,13 @@ class ModelServer:
                     "response_format",
                 )
             result = await engine.transcribe(audio, language=language, temperature=temperature, prompt=prompt)
-            out = result.model_dump(mode="json")
-            out["segments"] = [{"start": s.start, "end": s.end, "text": s.text} for s in result.segments]
-            out["body"] = result.response(response_format)
-            return out
+            return TranscriptionResult(
+                text=result.text,
+                language=result.language,
+                duration_s=result.duration_s,
+                segments=[TranscribedSegment(start=s.start, end=s.end, text=s.text) for s in result.segments],
+                body=result.response(response_format),
+            )
 
     async def speak(self, text: str, voice: str | None = None, speed: float = 1.0, response_format: str = "wav") -> bytes:
         """Encoded audio bytes (wav or pcm, OpenAI's formats the engine can write)."""

@@ -298,9 +298,9 @@ def test_cancelling_a_whole_generation_stops_it_and_progress_tracks_it(llama, lo
 
 def test_embedding_server_returns_vectors(embedder):
     out = ray.get(embedder.embed.remote(["a red apple", "a green pear"]))
-    assert out["dimensions"] == 384 and len(out["vectors"]) == 2 and out["prompt_tokens"] > 0
-    assert all(abs(sum(x * x for x in v) - 1) < 1e-3 for v in out["vectors"])
-    assert ray.get(embedder.embed.remote("one text", dimensions=64))["dimensions"] == 64
+    assert out.dimensions == 384 and len(out.vectors) == 2 and out.prompt_tokens > 0
+    assert all(abs(sum(x * x for x in v) - 1) < 1e-3 for v in out.vectors)
+    assert ray.get(embedder.embed.remote("one text", dimensions=64)).dimensions == 64
 
 
 def test_failures_reach_the_caller_as_orchard_errors(llama, embedder):

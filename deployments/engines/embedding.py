@@ -6,16 +6,10 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
-from pydantic import Field
 
-from deployments.engine import Frozen, RequestError
+from deployments.engine import RequestError
 from deployments.engines.encoder import EncoderEngine, mean_pooled_embeddings_each
-
-
-class EmbeddingResult(Frozen):
-    vectors: list[list[float]]
-    prompt_tokens: int = Field(ge=0)
-    dimensions: int
+from deployments.wire.results import EmbeddingResult
 
 
 class EmbeddingEngine(EncoderEngine):

@@ -20,28 +20,12 @@ import deployments  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from pydantic import Field
 
-from deployments.engine import Frozen, RequestError
+from deployments.engine import RequestError
 from deployments.engines.encoder import EncoderEngine, mean_pooled_embeddings, run_batches
+from deployments.wire.results import RerankItem, RerankResult, RerankUsage
 
 Mode = Literal["cross-encoder", "bi-encoder"]
-
-
-class RerankItem(Frozen):
-    index: int = Field(ge=0)  # position in the request's documents
-    relevance_score: float
-
-
-class RerankUsage(Frozen):
-    prompt_tokens: int = Field(ge=0)  # tokens run through the model, after truncation
-    total_tokens: int = Field(ge=0)
-
-
-class RerankResult(Frozen):
-    model: str
-    results: tuple[RerankItem, ...]  # by relevance_score, highest first
-    usage: RerankUsage
 
 
 class CrossEncoder(nn.Module):

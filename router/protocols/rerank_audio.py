@@ -1,11 +1,13 @@
 """Wire shapes of the rerank (Cohere / Jina) and audio (OpenAI transcription and speech) endpoints.
-Pure pydantic: the ingress validates with these and the model servers do the work."""
+Pure pydantic: the ingress validates with these and the model servers do the work (their answers:
+deployments/wire/results.py)."""
 
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments.wire.results import RerankResult
 from router.protocols import openai as oai
 
 
@@ -33,16 +35,16 @@ class RerankRequest(BaseModel):
         return self
 
 
-def rerank_response(req: RerankRequest, result: dict) -> dict:
+def rerank_response(req: RerankRequest, result: RerankResult) -> dict:
     """Cohere v2 / Jina: results best first with index and relevance_score (and the document)."""
     texts = req.texts()
     results = []
-    for r in result["results"]:
-        item = {"index": r["index"], "relevance_score": r["relevance_score"]}
+    for r in result.results:
+        item: dict[str, Any] = {"index": r.index, "relevance_score": r.relevance_score}
         if req.return_documents:
-            item["document"] = {"text": texts[r["index"]]}
+            item["document"] = {"text": texts[r.index]}
         results.append(item)
-    tokens = (result.get("usage") or {}).get("total_tokens", 0)
+    tokens = result.usage.total_tokens
     return {
         "id": f"rerank-{uuid.uuid4().hex}",
         "object": "list",

@@ -39,8 +39,8 @@ async def transcriptions(
         result = await call(
             lease, lambda actor: actor.transcribe.remote(audio, fields.language, fields.temperature, fields.prompt, fields.response_format)
         )
-        lease.release(audio_tokens(result["duration_s"]) + estimate_tokens(fields.prompt or "", result["text"]))
-    body = result["body"]
+        lease.release(audio_tokens(result.duration_s) + estimate_tokens(fields.prompt or "", result.text))
+    body = result.body
     return PlainTextResponse(body) if isinstance(body, str) else body
 
 

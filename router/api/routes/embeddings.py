@@ -20,8 +20,8 @@ async def embeddings(body: oai.EmbeddingRequest, ingress: Ingress = Depends(curr
     async with ingress.hold(who, body.model, estimate_tokens(*body.texts())) as lease:
         require_kind(lease, ("embedding",), "an embedding model")
         result = await call(lease, lambda actor: actor.embed.remote(body.texts(), body.dimensions))
-        lease.release(result["prompt_tokens"])
-    return json_body(oai.embedding_response(body.model, result["vectors"], result["prompt_tokens"], body.encoding_format))
+        lease.release(result.prompt_tokens)
+    return json_body(oai.embedding_response(body.model, result.vectors, result.prompt_tokens, body.encoding_format))
 
 
 @router.post("/v1/rerank")
@@ -33,5 +33,5 @@ async def rerank(body: RerankRequest, ingress: Ingress = Depends(current), who: 
     async with ingress.hold(who, body.model, estimate_tokens(*documents) + len(documents) * estimate_tokens(body.query)) as lease:
         require_kind(lease, ("rerank",), "a rerank model")
         result = await call(lease, lambda actor: actor.rerank.remote(body.query, documents, body.top_n))
-        lease.release(result["usage"]["prompt_tokens"])  # every (query, document) pair the model ran
+        lease.release(result.usage.prompt_tokens)  # every (query, document) pair the model ran
     return json_body(rerank_response(body, result))
