@@ -559,7 +559,7 @@ def test_every_engine_error_code_has_its_status_in_the_one_table():
     from deployments.engine import RequestErrorCode
     from deployments.wire.failure import STATUS
 
-    codes = set(get_args(RequestErrorCode)) | {"not_found", "load_failed", "unavailable", "cancelled"}  # + ModelServerError's own
+    codes = set(get_args(RequestErrorCode)) | {"not_found", "load_failed", "unavailable", "cancelled"}  # + the model server's own
     assert codes <= set(STATUS) and op.ENGINE_STATUS is STATUS
     from policy.decisions import RejectCode
 
