@@ -25,12 +25,14 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.node_report import NodeReport, gib_to_bytes, read_report
 from cluster.store import CHUNK_BYTES as CHUNK, ENV_STORE, Store, StoreError, StoreManifest, default_root
+from cluster.stream import StreamBroken, StreamOffer, StreamServer, copy_folder
 from policy._frozen import Frozen
 from policy.specs import DEVICE_KINDS, DeviceKind
 
 log = logging.getLogger(__name__)
 
-READ_AHEAD = 4  # chunks a copy keeps in flight (x CHUNK bytes in each node's object store)
+READ_AHEAD = 4  # chunks a copy through Ray calls keeps in flight (x CHUNK bytes in each node's object store)
+OPEN_STREAM_S = 30.0  # the source agent's answer to open_stream
 
 NAMESPACE = "orchard"
 # The files an MLX loader reads from a Hub repo (mlx-lm's own download list, plus the other loaders' configs).
@@ -132,8 +134,9 @@ class _Fetch:
 @ray.remote(num_cpus=0, max_restarts=0)
 class NodeAgent:
     """Measures its own node and keeps its model store (cluster/store.py): it serves its complete
-    folders to peers in chunks, and copies a folder in from peers' agents. It reads identity from its
-    node's labels, so a report always describes the node the agent actually runs on."""
+    folders to peers over a direct stream (cluster/stream.py; in chunks over Ray calls where the stream
+    cannot be opened), and copies a folder in from peers' agents. It reads identity from its node's
+    labels, so a report always describes the node the agent actually runs on."""
 
     def __init__(self) -> None:
         ctx = ray.get_runtime_context()
@@ -141,6 +144,7 @@ class NodeAgent:
         disk = self._ident.labels.get(LABEL_DISK_BUDGET)
         budget = gib_to_bytes(float(disk)) if disk else None
         self.store = Store(Path(os.environ.get(ENV_STORE) or default_root()).expanduser(), budget)  # ORCHARD_STORE: the raylet's environment
+        self._address = ray.util.get_node_ip_address()  # the node's address as Ray knows it: streams listen there
         self._lock = threading.Lock()
         self._fetches: dict[str, _Fetch] = {}
 
@@ -182,6 +186,12 @@ class NodeAgent:
 
     def read_chunk(self, folder: str, path: str, offset: int) -> bytes:
         return self.store.read(folder, path, offset, CHUNK)
+
+    def open_stream(self, folder: str) -> StreamOffer:
+        """A stream of `folder`'s files for one peer: the address it listens on and its one-time ticket
+        (this call, authenticated by Ray's token, is how the peer gets it). StoreError(not_found) if
+        this store does not hold the folder."""
+        return StreamServer(self.store, folder, self._address).offer
 
     def remove(self, folder: str) -> dict:
         """Remove a stored folder (and its partial copy) unless a copy of it is running now."""
@@ -324,9 +334,26 @@ class NodeAgent:
         }
 
     def _copy(self, flight: _Fetch, max_bytes_per_s: float | None = None) -> dict:
+        """From each source in turn until one serves the folder to the end: over its direct stream, or
+        through Ray calls to its agent when the stream cannot be opened; a source that fails is left
+        for the next one, which resumes from the partial files."""
         folder = flight.manifest.folder
         sizes = {f.path: f.size for f in flight.manifest.files}
         tried: list[str] = []
+        paced = [time.monotonic()]
+
+        def step(n: int) -> None:
+            """Between buffers: stop if nobody waits for the copy; keep to the operator's cap on copies
+            (AppArgs.fetch_max_bytes_per_s)."""
+            if flight.cancelled.is_set():
+                raise StoreError("cancelled", f"the copy of {folder} was cancelled: nobody waits for it")
+            if max_bytes_per_s and n:
+                flight.cancelled.wait(max(0.0, n / max_bytes_per_s - (time.monotonic() - paced[0])))
+            paced[0] = time.monotonic()
+
+        def progress(done: int) -> None:
+            flight.done_bytes = done
+
         for node in flight.sources:
             source = get_agent(node)
             if source is None:
@@ -336,32 +363,43 @@ class NodeAgent:
             inflight: dict[tuple[str, int], ray.ObjectRef] = {}  # chunks asked for ahead of the one being written
 
             def read(path: str, offset: int, source=source, inflight=inflight) -> bytes:
-                if flight.cancelled.is_set():
-                    raise StoreError("cancelled", f"the copy of {folder} was cancelled: nobody waits for it")
-                started = time.monotonic()
+                step(0)
                 for k in range(READ_AHEAD):  # keep READ_AHEAD chunks in flight: transfer overlaps writing and hashing
                     at = offset + k * CHUNK
                     if at < sizes[path] and (path, at) not in inflight:
                         inflight[(path, at)] = source.read_chunk.remote(folder, path, at)
                 chunk = ray.get(inflight.pop((path, offset)), timeout=120)
-                if max_bytes_per_s:  # the operator's cap on copies (AppArgs.fetch_max_bytes_per_s)
-                    flight.cancelled.wait(max(0.0, len(chunk) / max_bytes_per_s - (time.monotonic() - started)))
+                step(len(chunk))
                 return chunk
 
-            def progress(done: int) -> None:
-                flight.done_bytes = done
-
+            offer: StreamOffer | None = None
+            why = ""
             try:
-                copied = self.store.copy_in(flight.manifest, read, progress)
+                offer = ray.get(source.open_stream.remote(folder), timeout=OPEN_STREAM_S)
+            except StoreError as e:
+                tried.append(f"{node}: {e.message}")  # that source lacks it; try the next
+                continue
+            except (ray.exceptions.RayError, TimeoutError) as e:  # Ray calls are the way, if any is
+                why = f"open_stream: {type(e).__name__}"
+            try:
+                copied = copy_folder(self.store, flight.manifest, offer, read, step, progress, why)
             except StoreError as e:
                 if e.code in ("checksum", "disk_full", "io_error", "bad_request", "cancelled"):
                     return {"ok": False, "code": e.code, "message": e.message}
                 tried.append(f"{node}: {e.message}")  # not_found: that source lacks it; try the next
                 continue
-            except (ray.exceptions.RayError, TimeoutError) as e:  # the source died or stalled: resume elsewhere
-                tried.append(f"{node}: {type(e).__name__}")
+            except (ray.exceptions.RayError, TimeoutError, StreamBroken) as e:  # the source died or stalled: resume elsewhere
+                tried.append(f"{node}: {type(e).__name__}: {e}")
                 continue
-            return {"ok": True, "bytes": copied, "total_bytes": flight.manifest.total_bytes, "seconds": time.time() - flight.started, "source": node}
+            result = {
+                "ok": True,
+                "bytes": copied.bytes,
+                "total_bytes": flight.manifest.total_bytes,
+                "seconds": time.time() - flight.started,
+                "source": node,
+                "transport": copied.transport,
+            }
+            return result | ({"fallback": copied.fallback} if copied.transport == "ray" else {})
         return {"ok": False, "code": "source_gone", "message": f"no source could serve {folder} ({'; '.join(tried) or 'no sources'})"}
 
     def __repr__(self) -> str:

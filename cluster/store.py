@@ -13,16 +13,22 @@ until `seal` hashes it. A copy is written under .partial, every file's sha256 ch
 source's manifest, the manifest written, and the folder renamed into place in one step: a partial
 copy never looks complete, and a crash leaves only a partial one, which the next copy resumes.
 
-Plain files and hashlib only: the node agent (cluster/node_agent.py) moves the chunks over Ray."""
+Plain files and hashlib only: the bytes come in through `receive` from a transport (cluster/stream.py:
+a direct stream between node agents, or chunks read over Ray calls), which fills each IncomingFile;
+the store writes them, hashes them as they arrive and seals what verifies."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 from pydantic import Field
 
@@ -32,6 +38,9 @@ ENV_STORE = "ORCHARD_STORE"
 MANIFEST = ".orchard-manifest.json"
 PARTIAL = ".partial"
 CHUNK_BYTES = 8 * 1024 * 1024  # one read or write (a copy keeps a few in flight), never a whole file in memory
+RECEIVE_BYTES = 4 * 1024 * 1024  # one buffer of the ring a stream is received into, written from and hashed from
+RECEIVE_DEPTH = 4  # buffers of the ring: one being received into while the hash thread reads the others
+HASH_BYTES = 1024 * 1024  # received bytes hashed in one job: a job's cost is noise, and the bytes are still in the cache
 
 
 def default_root() -> Path:
@@ -77,7 +86,7 @@ def _checked(folder: str) -> str:
     return str(PurePosixPath(*parts))
 
 
-def _checked_file(path: str) -> str:
+def checked_file(path: str) -> str:
     """A file's path inside a folder: relative, no '..' (hidden names are fine: a loader's marker)."""
     parts = PurePosixPath(path).parts
     if not parts or PurePosixPath(path).is_absolute() or any(p in ("..", "") for p in parts) or parts[-1].startswith(MANIFEST):
@@ -214,13 +223,21 @@ class Store:
         _write_atomically(base / MANIFEST, manifest.model_dump_json())
         return manifest
 
-    def read(self, folder: str, path: str, offset: int, size: int) -> bytes:
-        """`size` bytes (fewer at the end) of one file of a complete folder; only files its manifest
-        lists. A folder put in by hand is sealed first (a peer may read from any holder)."""
+    def served_manifest(self, folder: str) -> StoreManifest:
+        """The manifest of a folder this store serves to a peer: a complete one, or one put in by hand,
+        sealed now (a peer may read from any holder). StoreError(not_found) if there is none."""
         manifest = self.manifest(folder)
         if manifest is None and self.folder(folder).is_dir():
             manifest = self.seal(folder)
-        if manifest is None or path not in {f.path for f in manifest.files}:
+        if manifest is None:
+            raise StoreError("not_found", f"{folder} is not in the store at {self.root}")
+        return manifest
+
+    def read(self, folder: str, path: str, offset: int, size: int) -> bytes:
+        """`size` bytes (fewer at the end) of one file of a complete folder; only files its manifest
+        lists."""
+        manifest = self.served_manifest(folder)
+        if path not in {f.path for f in manifest.files}:
             raise StoreError("not_found", f"{folder}/{path} is not in the store at {self.root}")
         with (self.folder(folder) / path).open("rb") as f:
             f.seek(offset)
@@ -270,10 +287,31 @@ class Store:
         progress: Callable[[int], None] = lambda _: None,
     ) -> int:
         """Copy `manifest`'s folder in through `read(path, offset) -> bytes` (a chunk; b"" past the end),
-        resuming what an earlier copy left under .partial; returns the bytes read now. Every file's
-        sha256 is checked before the folder is sealed and renamed into place. `read` raising is passed
-        on with the partial files kept (a caller resumes from another source). `progress(bytes)`
-        after each chunk, counting resumed bytes as done."""
+        as `receive` does; the transport of chunks asked for one by one (Ray calls)."""
+
+        def pull(files: list[IncomingFile]) -> None:
+            for f in files:
+                while f.missing:
+                    chunk = read(f.path, f.offset)
+                    if not chunk:
+                        raise StoreError("not_found", f"the source ended {f.path} at {f.offset} of {f.expected.size} bytes")
+                    f.write(chunk[: f.missing])
+
+        return self.receive(manifest, pull, progress)
+
+    def receive(
+        self,
+        manifest: StoreManifest,
+        transfer: Callable[[list[IncomingFile]], None],
+        progress: Callable[[int], None] = lambda _: None,
+    ) -> int:
+        """Copy `manifest`'s folder in: `transfer(files)` fills each IncomingFile from its offset (what an
+        earlier copy left under .partial is resumed, not fetched again); returns the bytes received now.
+        Every file's sha256, computed as its bytes arrive, is checked against the manifest's before the
+        folder is sealed and renamed into place; a file that differs is removed (fetched again, whole)
+        and StoreError(checksum) raised. `transfer` raising is passed on with the partial files kept (a
+        caller resumes from another source). `progress(bytes)` after each write, counting resumed bytes
+        as done."""
         folder = _checked(manifest.folder)
         partial = self.root / PARTIAL / folder
         partial.mkdir(parents=True, exist_ok=True)
@@ -282,39 +320,15 @@ class Store:
         have = sum(p.stat().st_size for p in _files(partial))
         if need - have > free:
             raise StoreError("disk_full", f"{folder} needs {need - have} more bytes; {free} free in {self.root}")
-        copied, done = 0, 0
-        for f in manifest.files:
-            target = partial / _checked_file(f.path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            start = target.stat().st_size if target.exists() else 0
-            if start > f.size:
-                target.unlink()
-                start = 0
-            h = hashlib.sha256()
-            if start:
-                with target.open("rb") as existing:
-                    while block := existing.read(CHUNK_BYTES):
-                        h.update(block)
-            done += start
-            progress(done)
-            with target.open("ab") as out:
-                offset = start
-                while offset < f.size:
-                    chunk = read(f.path, offset)
-                    if not chunk:
-                        raise StoreError("not_found", f"the source ended {f.path} at {offset} of {f.size} bytes")
-                    try:
-                        out.write(chunk)
-                    except OSError as e:
-                        raise StoreError("disk_full" if e.errno == 28 else "io_error", f"writing {f.path}: {e}") from e
-                    h.update(chunk)
-                    offset += len(chunk)
-                    copied += len(chunk)
-                    done += len(chunk)
-                    progress(done)
-            if h.hexdigest() != f.sha256:
-                target.unlink()  # a bad file is fetched again, whole
-                raise StoreError("checksum", f"{folder}/{f.path}: sha256 {h.hexdigest()[:12]}… is not the source's {f.sha256[:12]}…")
+        with _Receiving(folder, progress) as receiving:
+            files = [IncomingFile(f, partial / checked_file(f.path), receiving) for f in manifest.files]
+            receiving.start(sum(f.offset for f in files))
+            transfer(files)
+            for f in files:
+                if f.missing:
+                    raise StoreError("not_found", f"the source ended {f.path} at {f.offset} of {f.expected.size} bytes")
+                f.finish()
+            receiving.verify_all()
         sealed = manifest.model_copy(update={"sealed_at": time.time()})
         _write_atomically(partial / MANIFEST, sealed.model_dump_json())
         final = self.folder(folder)
@@ -322,7 +336,7 @@ class Store:
             shutil.rmtree(final)
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(partial, final)
-        return copied
+        return receiving.received
 
     def seal_partial(self, folder: str, source: str, revision: str | None = None) -> StoreManifest:
         """Seal a folder that a download tool filled under .partial (every file hashed), then rename it
@@ -349,3 +363,200 @@ class Store:
                 shutil.rmtree(path)
                 found = True
         return found
+
+
+def _update(sha, pieces: list[memoryview]) -> None:
+    for piece in pieces:
+        sha.update(piece)
+
+
+class _Receiving:
+    """One `Store.receive`: its hash thread, its ring of receive buffers, its byte counts.
+
+    sha256 runs on a thread of its own, in the order the bytes were written, so that hashing overlaps
+    receiving and writing what comes next (hashlib releases the GIL; one core hashes 1.2-1.7 GB/s,
+    about what a stream moves). A stream is received into a ring of RECEIVE_DEPTH buffers, piece by
+    piece as the socket gives them; each piece is written at once, and hashed in jobs of HASH_BYTES
+    while it is still in the cache. A buffer is handed out again only once the last job that read it
+    is done; chunks that come as bytes (the Ray path) are hashed one job each, RECEIVE_DEPTH at most
+    waiting."""
+
+    def __init__(self, folder: str, progress: Callable[[int], None]):
+        self.folder = folder
+        self.progress = progress
+        self.done = 0
+        self.received = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-sha256")
+        self._ring: list[bytearray] = []
+        self._busy: list[Future | None] = []  # per buffer of the ring, the last job that reads it
+        self._turn = -1
+        self._batch: list[memoryview] = []  # received pieces of the current buffer not yet given to the hash thread
+        self._batch_sha = None
+        self._batch_bytes = 0
+        self._jobs: deque[Future] = deque()  # jobs hashing chunks that came as bytes
+        self._open: list[IncomingFile] = []
+        self._checks: list[IncomingFile] = []
+
+    def __enter__(self) -> _Receiving:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in self._open:
+            f.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def start(self, resumed: int) -> None:
+        self.done = resumed
+        self.progress(self.done)
+
+    def opened(self, f: IncomingFile) -> None:
+        self._open.append(f)
+
+    def buffer(self) -> memoryview:
+        """The next buffer of the ring, once no hash job reads it any more."""
+        self._flush()
+        if not self._ring:
+            self._ring = [bytearray(RECEIVE_BYTES) for _ in range(RECEIVE_DEPTH)]
+            self._busy = [None] * RECEIVE_DEPTH
+        self._turn = (self._turn + 1) % RECEIVE_DEPTH
+        if (reading := self._busy[self._turn]) is not None:
+            reading.result()
+        return memoryview(self._ring[self._turn])
+
+    def hash_piece(self, sha, piece: memoryview) -> None:
+        """A piece of the current buffer, hashed with the pieces after it (HASH_BYTES a job)."""
+        if self._batch_sha is not sha:
+            self._flush()
+        self._batch_sha = sha
+        self._batch.append(piece)
+        self._batch_bytes += len(piece)
+        if self._batch_bytes >= HASH_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._batch:
+            self._busy[self._turn] = self._pool.submit(_update, self._batch_sha, self._batch)
+            self._batch, self._batch_sha, self._batch_bytes = [], None, 0
+
+    def hash_chunk(self, sha, chunk: bytes) -> None:
+        self._flush()
+        while len(self._jobs) >= RECEIVE_DEPTH:
+            self._jobs.popleft().result()
+        self._jobs.append(self._pool.submit(sha.update, chunk))
+
+    def digest(self, f: IncomingFile, sha) -> Future:
+        """The file's hex digest once every byte written before is hashed; checked by `check`."""
+        self._flush()
+        self._checks.append(f)
+        return self._pool.submit(sha.hexdigest)
+
+    def wrote(self, n: int) -> None:
+        self.done += n
+        self.received += n
+        self.progress(self.done)
+        self.check(wait=False)
+
+    def check(self, wait: bool) -> None:
+        """Verify the files whose digest is known (all of them with `wait`); StoreError(checksum) for
+        the first that differs from the manifest, which is removed."""
+        while self._checks and (wait or self._checks[0].verdict_ready()):
+            self._checks.pop(0).verify()
+
+    def verify_all(self) -> None:
+        self.check(wait=True)
+
+
+class IncomingFile:
+    """One file of a copy: written under .partial from `offset` on, hashed as its bytes arrive and
+    verified against the manifest's sha256 once its last byte is in. A transport fills it with
+    `write(chunk)`, or without a copy with `buffer()` (receive into it) and `commit(piece)` for each
+    piece of that buffer the socket gives, in order."""
+
+    def __init__(self, expected: StoredFile, target: Path, receiving: _Receiving):
+        self.expected = expected
+        self._target = target
+        self._receiving = receiving
+        have = target.stat().st_size if target.exists() else 0
+        if have > expected.size:  # not a prefix of this file: fetched again, whole
+            target.unlink()
+            have = 0
+        self.offset = have
+        self._sha = hashlib.sha256()
+        self._out: BinaryIO | None = None
+        self._digest: Future | None = None
+
+    @property
+    def path(self) -> str:
+        return self.expected.path
+
+    @property
+    def missing(self) -> int:
+        return self.expected.size - self.offset
+
+    def _opened(self) -> BinaryIO:
+        if self._out is None:
+            self._target.parent.mkdir(parents=True, exist_ok=True)
+            if self.offset:  # resumed: the bytes an earlier copy wrote are hashed first, read back once
+                with self._target.open("rb") as existing:
+                    while block := existing.read(CHUNK_BYTES):
+                        self._sha.update(block)
+            self._out = self._target.open("ab", buffering=0)
+            self._receiving.opened(self)
+        return self._out
+
+    def buffer(self) -> memoryview:
+        """A buffer to receive this file's next bytes into: at most `missing` bytes."""
+        self._opened()
+        view = self._receiving.buffer()
+        return view[: min(len(view), self.missing)]
+
+    def commit(self, piece: memoryview) -> None:
+        """The next bytes received into `buffer()`'s view: written now, hashed soon after."""
+        self._write(piece)
+        self._receiving.hash_piece(self._sha, piece)
+        self._advance(len(piece))
+
+    def write(self, chunk: bytes) -> None:
+        self._write(chunk)
+        self._receiving.hash_chunk(self._sha, chunk)
+        self._advance(len(chunk))
+
+    def _write(self, data: bytes | memoryview) -> None:
+        if len(data) > self.missing:
+            raise StoreError("bad_request", f"{self.path}: {len(data)} bytes more than the {self.missing} missing")
+        out = self._opened()
+        view = memoryview(data)
+        try:
+            written = 0
+            while written < len(view):  # an unbuffered write may take part of it
+                written += out.write(view[written:]) or 0
+        except OSError as e:
+            raise StoreError("disk_full" if e.errno == errno.ENOSPC else "io_error", f"writing {self.path}: {e}") from e
+
+    def _advance(self, n: int) -> None:
+        self.offset += n
+        if not self.missing:
+            self.finish()
+        self._receiving.wrote(n)
+
+    def finish(self) -> None:
+        """Every byte is in: closed, and its digest asked of the hash thread (once)."""
+        if self._digest is None:
+            self._opened()
+            self.close()
+            self._digest = self._receiving.digest(self, self._sha)
+
+    def close(self) -> None:
+        if self._out is not None:
+            self._out.close()
+
+    def verdict_ready(self) -> bool:
+        return self._digest is not None and self._digest.done()
+
+    def verify(self) -> None:
+        assert self._digest is not None
+        got = self._digest.result()
+        if got != self.expected.sha256:
+            self._target.unlink(missing_ok=True)  # a bad file is fetched again, whole
+            folder = self._receiving.folder
+            raise StoreError("checksum", f"{folder}/{self.path}: sha256 {got[:12]}… is not the source's {self.expected.sha256[:12]}…")

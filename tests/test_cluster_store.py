@@ -1,6 +1,6 @@
 """Weights follow placement, end to end on a real 2-node Ray cluster: each node has its own model
 store (ORCHARD_STORE); only the head's holds the model. Placing it on mac-1 copies the folder there
-from the head's node agent over Ray, every file's sha256 checked; the copy answers exactly as the
+from the head's node agent over their direct stream (cluster/stream.py), every file's sha256 checked; the copy answers exactly as the
 original; a second placement finds it stored; an operator pull copies without loading and a stored
 copy can be removed (never one in use, nor the last without force); a source whose file went bad
 fails the copy with the reason and leaves no folder behind; a hub model is downloaded into the store
@@ -25,6 +25,7 @@ from support.hub_server import SHA, Hub  # noqa: E402
 from cluster.node_agent import get_agent  # noqa: E402
 from cluster.placement import live_model_server_names  # noqa: E402
 from cluster.store import ENV_STORE, MANIFEST, PARTIAL, Store  # noqa: E402
+from cluster.stream import FileRange, StreamReply, StreamRequest, recv_message, send_message  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
 from router.residency.registry import from_manifest  # noqa: E402
 
@@ -107,6 +108,24 @@ def test_a_pull_copies_to_a_store_without_loading_and_a_copy_can_be_removed(orch
     r = http.delete("/v1/models/llama-10m/files?node=mac-1")
     assert r.status_code == 404 and r.json()["error"]["code"] == "files_not_stored", r.text
     assert http.post("/v1/models/llama-10m/pull", json={"nodes": ["mac-9"]}).status_code == 404
+
+
+def test_a_copy_between_agents_goes_over_their_direct_stream(orchard):
+    """The head's agent streams llama-10m to mac-1's on the head's node address (127.0.0.1 here),
+    behind a one-time ticket that only the Ray call which opened the stream returned."""
+    manifest = ray.get(get_agent("head").manifest.remote("llama-10m"))
+    result = ray.get(get_agent("mac-1").fetch.remote(manifest, ["head"]))
+    total = sum(f["size"] for f in manifest["files"])
+    assert result["ok"] and result["transport"] == "tcp" and result["bytes"] == result["total_bytes"] == total, result
+    assert result["source"] == "head" and result["removed"] == [] and "fallback" not in result
+    assert Store(orchard["stores"]["mac-1"]).manifest("llama-10m") is not None
+    offer = ray.get(get_agent("head").open_stream.remote("llama-10m"))
+    assert offer.host == "127.0.0.1" and len(offer.ticket) >= 43
+    with socket.create_connection((offer.host, offer.port), timeout=10) as conn:  # a stranger with a guessed ticket
+        send_message(conn, StreamRequest(ticket="x" * 43, folder="llama-10m", files=(FileRange(path="model.safetensors", offset=0),)))
+        reply = StreamReply.model_validate_json(recv_message(conn))
+        assert not reply.ok and reply.code == "forbidden" and conn.recv(1 << 16) == b""
+    assert ray.get(get_agent("mac-1").remove.remote("llama-10m"))["removed"]  # the next test copies it again
 
 
 def test_a_model_placed_where_its_weights_are_not_is_copied_from_the_holder(orchard):
