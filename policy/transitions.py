@@ -120,3 +120,9 @@ def learn_bandwidth(state: ClusterState, source: FetchSource, bytes_per_s: float
     old = state.bandwidth_bytes_per_s.get(source)
     blended = bytes_per_s if old is None else (old + bytes_per_s) / 2
     return state.model_copy(update={"bandwidth_bytes_per_s": state.bandwidth_bytes_per_s | {source: blended}})
+
+
+def mark_draining(state: ClusterState, ref: InstanceRef, draining: bool = True) -> ClusterState:
+    """A ready instance drains for a swap (W1): no request is sent to it (P2 uses ready ones only)
+    and it is not evicted by another decision meanwhile; `draining=False` makes it ready again."""
+    return _update_instance(state, ref, status="draining" if draining else "ready")

@@ -12,7 +12,9 @@ from deployments.manifest import ManifestEntry
 from deployments.wire.failure import OrchardError
 from policy import InstanceRef, Place, PolicyConfig
 from policy.config import GIB
-from router.residency.controller import LoadError, LoadResult, ResidencyController
+from router.residency.clock import ManualClock, MonotonicClock
+from router.residency.controller import ResidencyController
+from router.residency.events import LoadError, LoadResult
 from router.residency.service import ResidencyService
 from router.residency.store import OperatorStore
 
@@ -22,7 +24,8 @@ PLAIN = PolicyConfig(
 
 
 class FakeEffects:
-    """A clock that runs (so waits time out) and that tests can move forward, loads that take no
+    """A clock the tests drive (an autopilot moves it on while the loop runs, so waits time out
+    without real sleeping; `run_for` lets a span of it pass), loads that take no
     time (or fail as told), and a log of every effect. Its nodes behave like Macs: a started
     instance holds its bytes until its stop has ended (its process exited), a node report asked
     for measures what those processes leave free (less `foreign` memory), and a start that would
@@ -37,8 +40,8 @@ class FakeEffects:
         self.stop_gate: asyncio.Event | None = None  # stops end (processes exit) once it is set
         self.stops_exit = True  # False: a stop that cannot confirm its exit
         self.auto_report = True  # a wanted report comes at once
-        self.t = 1000.0
-        self._t0 = time.monotonic()
+        self.clock: ManualClock | MonotonicClock = ManualClock()
+        self._pilot: asyncio.Task | None = None
         self.started: list[Place] = []
         self.stopped: list[tuple[InstanceRef, str]] = []
         self.published = []
@@ -53,7 +56,25 @@ class FakeEffects:
         return f"copying from n2: 50% of {model}" if any(m == model for m, _, _ in self.fetched) else None
 
     def now(self) -> float:
-        return self.t + time.monotonic() - self._t0
+        return self.clock.now()
+
+    def autopilot(self) -> None:
+        """Move the clock on by 2 ms every few turns of the loop, while the test runs."""
+
+        async def drive():
+            while True:
+                for _ in range(4):
+                    await asyncio.sleep(0)
+                self.clock.advance(0.002)
+
+        if self._pilot is None:
+            self._pilot = asyncio.get_running_loop().create_task(drive())
+
+    async def run_for(self, seconds: float) -> None:
+        """Let `seconds` of the clock pass with the loop running."""
+        end = self.clock.now() + seconds
+        while self.clock.now() < end:
+            await asyncio.sleep(0)
 
     async def start_instance(self, place, spec):
         self.started.append(place)
@@ -103,15 +124,24 @@ class FakeEffects:
 
     async def fetch_weights(self, model, node_id):
         self.fetched.append((model, node_id, len(self.stopped)))  # how many stops had happened by then
-        await asyncio.sleep(self.fetch_s)
+        await self.run_for(self.fetch_s)
         if model in self.fail_fetch:
             raise LoadError("error", "copying it failed: sha256 mismatch")
 
 
-def make(specs, nodes=(("n1", 8), ("n2", 4)), config=PLAIN):
+def make(specs, nodes=(("n1", 8), ("n2", 4)), config=PLAIN, real_clock=False):
+    """A controller on FakeEffects' driven clock, or with `real_clock` on wall time (for tests that
+    run the ingress's side too, whose reports and lingers run on wall time)."""
     effects = FakeEffects()
-    c = ResidencyController({s.name: s for s in specs}, config, effects)
+    if real_clock:
+        effects.clock = MonotonicClock()
+    c = ResidencyController({s.name: s for s in specs}, config, effects, clock=effects.clock)
     effects.controller = c
+    try:
+        if not real_clock:
+            effects.autopilot()
+    except RuntimeError:  # no running loop: a synchronous test
+        pass
     for node_id, gb in nodes:
         c.report_node(node_id, devices=("metal", "cpu"), total_bytes=gb * GIB, usable_bytes=gb * GIB, free_bytes=gb * GIB)
     return c, effects
@@ -148,12 +178,12 @@ def test_a_lease_names_the_incarnation_of_its_instance():
         second = await c.acquire("a")
         c.release(first.lease_id)
         c.release(second.lease_id)
-        fx.t += 5
+        fx.clock.advance(5)
         c.unload("a")
         for _ in range(100):  # the stop runs as a task
             if c.state.node(first.node_id).instance("a") is None:
                 break
-            await asyncio.sleep(0.01)
+            await fx.run_for(0.01)
         third = await c.acquire("a")
         return first, second, third
 
@@ -167,7 +197,7 @@ def test_concurrent_requests_share_one_load():
         c, fx = make([spec("a", gb=3)])
         fx.gate = asyncio.Event()
         tasks = [asyncio.create_task(c.acquire("a")) for _ in range(5)]
-        await asyncio.sleep(0.01)
+        await fx.run_for(0.01)
         fx.gate.set()
         return fx, await asyncio.gather(*tasks)
 
@@ -180,7 +210,7 @@ def test_eviction_stops_the_victim_and_busy_instances_are_waited_for():
         c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
         lease_a = await c.acquire("a")
         waiting = asyncio.create_task(c.acquire("b"))
-        await asyncio.sleep(0.05)
+        await fx.run_for(0.05)
         assert not waiting.done()  # a is busy: never evicted under a live lease
         c.release(lease_a.lease_id)
         lease_b = await asyncio.wait_for(waiting, 1)
@@ -304,13 +334,13 @@ def test_waiters_are_served_in_arrival_order():
         async def want(model):
             lease = await c.acquire(model)
             order.append(model)
-            await asyncio.sleep(0.02)
+            await fx.run_for(0.02)
             c.release(lease.lease_id)
 
         tasks = [asyncio.create_task(want("b"))]
-        await asyncio.sleep(0.01)
+        await fx.run_for(0.01)
         tasks.append(asyncio.create_task(want("c")))
-        await asyncio.sleep(0.01)
+        await fx.run_for(0.01)
         c.release(lease_a.lease_id)
         await asyncio.wait_for(asyncio.gather(*tasks), 3)
         return order
@@ -329,7 +359,7 @@ def test_a_dead_instance_is_dropped_with_its_cause_and_placed_again():
     c, fx, lease, again = run(scenario())
     died = [e for e in c.events() if e.kind == "died"]
     assert len(died) == 1 and "ray.kill" in died[0].reason and died[0].model == "a"
-    assert lease.lease_id not in {x.lease_id for x in c.leases()} and again.lease_id != lease.lease_id
+    assert lease.lease_id not in {x.lease_id for x in c.leases.all()} and again.lease_id != lease.lease_id
     assert len(fx.started) == 2
 
 
@@ -352,7 +382,7 @@ def test_idle_timeout_and_operator_actions():
     async def scenario():
         c, fx = make([spec("a", gb=3, idle_ttl_s=60), spec("p", gb=1)])
         c.release((await c.acquire("a")).lease_id)
-        fx.t += 61
+        fx.clock.advance(61)
         c.tick()
         idle_unloaded = c.state.node("n2").instance("a") is None
         where = await c.load("p", node_id="n1")
@@ -387,14 +417,14 @@ def test_an_operator_load_past_max_copies_is_a_409_naming_the_limit():
 def test_forgotten_leases_expire():
     async def scenario():
         c, fx = make([spec("a", gb=3)])
-        c.max_lease_s = 10
+        c.leases.max_lease_s = 10
         await c.acquire("a")
-        fx.t += 11
+        fx.clock.advance(11)
         c.tick()
         return c
 
     c = run(scenario())
-    assert c.leases() == [] and c.state.node("n2").instance("a").in_flight == 0
+    assert c.leases.all() == [] and c.state.node("n2").instance("a").in_flight == 0
     assert c.events()[-1].kind == "lease_expired"
 
 
@@ -467,13 +497,13 @@ def test_a_load_nobody_waits_for_any_more_is_cancelled_and_its_reservation_relea
         c, fx = make([spec("a", gb=3)])
         fx.gate = asyncio.Event()  # the load hangs until the test opens it
         first, second = asyncio.ensure_future(c.acquire("a")), asyncio.ensure_future(c.acquire("a"))
-        await asyncio.sleep(0.05)
+        await fx.run_for(0.05)
         assert c.state.node("n2").instance("a").status == "loading"
         first.cancel()
-        await asyncio.sleep(0.05)
+        await fx.run_for(0.05)
         still = [e.kind for e in c.events()]  # one request still waits: nothing cancelled
         second.cancel()
-        await asyncio.sleep(0.05)
+        await fx.run_for(0.05)
         return c, fx, still
 
     c, fx, still = run(scenario())
@@ -489,11 +519,11 @@ def test_an_operator_load_is_never_cancelled_by_requests_going_away():
         c, fx = make([spec("a", gb=3)])
         fx.gate = asyncio.Event()
         request = asyncio.ensure_future(c.acquire("a"))
-        await asyncio.sleep(0.05)
+        await fx.run_for(0.05)
         operator = asyncio.ensure_future(c.load("a"))  # the operator now waits for the same load
-        await asyncio.sleep(0.05)
+        await fx.run_for(0.05)
         request.cancel()
-        await asyncio.sleep(0.05)
+        await fx.run_for(0.05)
         fx.gate.set()
         return c, await operator
 
@@ -512,7 +542,7 @@ def test_a_request_behind_a_long_fetch_gets_a_503_with_the_progress_as_contentio
         for _ in range(2):  # with fail, the first answer comes before the copy reported anything
             with pytest.raises(OrchardError) as e:
                 await c.acquire("b")
-            await asyncio.sleep(0.02)
+            await fx.run_for(0.02)
         return c, e.value
 
     c, error = run(scenario())
@@ -559,8 +589,8 @@ def test_an_idle_standing_lease_in_a_placements_way_is_revoked_and_the_eviction_
         c.report_usage("ing-1", {lease.lease_id: 0})
         view = await c.routes("ing-1")
         asking = asyncio.create_task(c.acquire("b"))
-        revoked = await asyncio.wait_for(c.routes("ing-1", view["version"]), 1.0)
-        await asyncio.sleep(0.05)
+        revoked = await asyncio.wait_for(c.routes("ing-1", view.version), 1.0)
+        await fx.run_for(0.05)
         stopped_before = list(fx.stopped)
         still_there = c.state.node("n1").instance("a") is not None
         c.release(lease.lease_id)  # the holder gives it back
@@ -568,8 +598,8 @@ def test_an_idle_standing_lease_in_a_placements_way_is_revoked_and_the_eviction_
         return lease, view, revoked, stopped_before, still_there, b, fx
 
     lease, view, revoked, stopped_before, still_there, b, fx = run(scenario())
-    assert view["valid"] == [lease.lease_id] and view["revoked"] == [] and view["copies"] == {"a": 1}
-    assert revoked["revoked"] == [lease.lease_id] and revoked["valid"] == []
+    assert view.valid == [lease.lease_id] and view.revoked == [] and view.copies == {"a": 1}
+    assert revoked.revoked == [lease.lease_id] and revoked.valid == []
     assert stopped_before == [] and still_there
     assert b.model == "b" and [ref.model for ref, _ in fx.stopped] == ["a"]
 
@@ -585,7 +615,7 @@ def test_a_standing_lease_in_use_is_never_revoked_and_its_instance_never_evicted
 
     c, fx, lease, refused, view = run(scenario())
     assert refused.code == "model_busy"
-    assert fx.stopped == [] and view["valid"] == [lease.lease_id] and view["revoked"] == []
+    assert fx.stopped == [] and view.valid == [lease.lease_id] and view.revoked == []
 
 
 def test_standing_leases_of_a_holder_that_stopped_reporting_expire():
@@ -593,20 +623,20 @@ def test_standing_leases_of_a_holder_that_stopped_reporting_expire():
         c, fx = make([spec("a", gb=3)], nodes=ONE_NODE)
         lease = await c.acquire("a", holder="ing-1")
         kept = await c.acquire("a", holder="ing-2")
-        fx.t += 10
+        fx.clock.advance(10)
         c.report_usage("ing-2", {kept.lease_id: 1})
         c.tick()
-        alive = {x.lease_id for x in c.leases()}
-        fx.t += 10
+        alive = {x.lease_id for x in c.leases.all()}
+        fx.clock.advance(10)
         c.tick()
-        left = {x.lease_id for x in c.leases()}
-        fx.t += 10
+        left = {x.lease_id for x in c.leases.all()}
+        fx.clock.advance(10)
         c.tick()
         return c, lease, kept, alive, left
 
     c, lease, kept, alive, left = run(scenario())
     assert alive == {lease.lease_id, kept.lease_id} and left == {kept.lease_id}
-    assert c.leases() == [] and c.state.node("n1").instance("a").in_flight == 0
+    assert c.leases.all() == [] and c.state.node("n1").instance("a").in_flight == 0
     expired = [e for e in c.events() if e.kind == "lease_expired"]
     assert [e.reason for e in expired] == ["ingress ing-1 stopped reporting", "ingress ing-2 stopped reporting"]
 
@@ -618,16 +648,16 @@ def test_the_routes_long_poll_answers_on_change_and_drops_leases_of_an_unloaded_
         c.release(lease.lease_id)
         held = await c.acquire("a", holder="ing-1")
         view = await c.routes("ing-1")
-        quiet = await c.routes("ing-1", view["version"], timeout_s=0.05)  # nothing changed: the timeout
-        waiting = asyncio.create_task(c.routes("ing-1", view["version"]))
-        await asyncio.sleep(0.01)
+        quiet = await c.routes("ing-1", view.version, timeout_s=0.05)  # nothing changed: the timeout
+        waiting = asyncio.create_task(c.routes("ing-1", view.version))
+        await fx.run_for(0.01)
         c.unload("a")
         return held, view, quiet, await asyncio.wait_for(waiting, 1.0)
 
     held, view, quiet, after = run(scenario())
-    assert view["valid"] == [held.lease_id] and view["leases_upto"] == 2
-    assert quiet["version"] == view["version"]
-    assert after["version"] > view["version"] and after["valid"] == [] and after["copies"] == {}
+    assert view.valid == [held.lease_id] and view.leases_upto == 2
+    assert quiet.version == view.version
+    assert after.version > view.version and after.valid == [] and after.copies == {}
 
 
 def test_an_operator_load_revokes_an_idle_standing_lease_in_its_way():
@@ -637,9 +667,9 @@ def test_an_operator_load_revokes_an_idle_standing_lease_in_its_way():
         c.report_usage("ing-1", {lease.lease_id: 0})
         loading = asyncio.create_task(c.load("b", "n1"))
         for _ in range(100):
-            if (await c.routes("ing-1", timeout_s=0))["revoked"]:
+            if (await c.routes("ing-1", timeout_s=0)).revoked:
                 break
-            await asyncio.sleep(0.01)
+            await fx.run_for(0.01)
         c.release(lease.lease_id)
         return await asyncio.wait_for(loading, 2.0), fx
 
@@ -655,8 +685,8 @@ def test_a_standing_lease_not_yet_reported_on_is_revoked_when_in_the_way():
         c, fx = make([spec("a", gb=3), spec("b", gb=3)], nodes=ONE_NODE, config=PLAIN.model_copy(update={"contention": "fail"}))
         lease = await c.acquire("a", holder="ing-1")
         asking = asyncio.create_task(c.acquire("b"))
-        await asyncio.sleep(0.05)
-        revoked = (await c.routes("ing-1", timeout_s=0))["revoked"]
+        await fx.run_for(0.05)
+        revoked = (await c.routes("ing-1", timeout_s=0)).revoked
         c.release(lease.lease_id)
         return revoked, await asyncio.wait_for(asking, 2.0), lease
 
@@ -674,11 +704,11 @@ def test_a_placement_blocked_by_a_standing_lease_in_use_waits_for_the_next_repor
         lease = await c.acquire("a", holder="ing-1")
         c.report_usage("ing-1", {lease.lease_id: 1})
         asking = asyncio.create_task(c.acquire("b"))
-        await asyncio.sleep(0.1)
-        before = (await c.routes("ing-1", timeout_s=0))["revoked"]
+        await fx.run_for(0.1)
+        before = (await c.routes("ing-1", timeout_s=0)).revoked
         c.report_usage("ing-1", {lease.lease_id: 0})
-        await asyncio.sleep(0.05)
-        after = (await c.routes("ing-1", timeout_s=0))["revoked"]
+        await fx.run_for(0.05)
+        after = (await c.routes("ing-1", timeout_s=0)).revoked
         c.release(lease.lease_id)
         return before, after, await asyncio.wait_for(asking, 2.0), lease
 
@@ -713,7 +743,7 @@ def test_an_evicting_placement_loads_only_once_its_victim_has_exited_and_the_nod
         c.release((await c.acquire("a")).lease_id)
         fx.stop_gate = asyncio.Event()  # a's process exits only when the test says so
         waiting = asyncio.create_task(c.acquire("b"))
-        await asyncio.sleep(0.1)
+        await fx.run_for(0.1)
         held_back = (not waiting.done(), [p.model for p in fx.started], c.state.node("n1").instance("b").status)
         fx.stop_gate.set()
         lease = await asyncio.wait_for(waiting, 2)
@@ -743,7 +773,7 @@ def test_a_load_after_an_unload_on_the_same_node_waits_for_that_process_to_exit(
         fx.stop_gate = asyncio.Event()
         c.unload("a")  # gone from the state at once; its process is still exiting
         waiting = asyncio.create_task(c.acquire("b"))
-        await asyncio.sleep(0.1)
+        await fx.run_for(0.1)
         started = [p.model for p in fx.started]
         fx.stop_gate.set()
         await asyncio.wait_for(waiting, 2)
@@ -763,12 +793,12 @@ def test_a_victim_that_never_exits_fails_the_placement_in_bounded_time_and_nothi
         c.release((await c.acquire("a")).lease_id)
         fx.stop_gate = asyncio.Event()
         waiting = asyncio.create_task(c.acquire("b"))
-        await asyncio.sleep(0.05)
-        fx.t += c.config.exit_wait_s + 1  # the victim's exit is overdue
+        await fx.run_for(0.05)
+        fx.clock.advance(c.config.exit_wait_s + 1)  # the victim's exit is overdue
         for _ in range(200):
             if any(e.kind == "load_failed" for e in c.events()):
                 break
-            await asyncio.sleep(0.01)
+            await fx.run_for(0.01)
         failed = [e for e in c.events() if e.kind == "load_failed"]
         started = [p.model for p in fx.started]
         fx.stop_gate.set()
@@ -791,8 +821,8 @@ def test_a_stop_that_cannot_confirm_the_exit_fails_the_placement_at_once():
         for _ in range(100):
             if any(e.kind == "load_failed" for e in c.events()):
                 break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)  # b is placed again: it waits for a report showing the room, which a's process denies
+            await fx.run_for(0.01)
+        await fx.run_for(0.1)  # b is placed again: it waits for a report showing the room, which a's process denies
         waiting.cancel()
         return c, fx
 
@@ -813,9 +843,9 @@ def test_a_node_report_short_of_the_room_holds_the_load_back_until_the_wait_fail
         c.release((await c.acquire("a")).lease_id)
         fx.foreign["n1"] = 4 * GIB
         waiting = asyncio.create_task(c.acquire("b"))
-        await asyncio.sleep(0.1)
+        await fx.run_for(0.1)
         held_back = [p.model for p in fx.started]
-        fx.t += c.config.exit_wait_s + 1
+        fx.clock.advance(c.config.exit_wait_s + 1)
         with pytest.raises(OrchardError) as info:
             await asyncio.wait_for(waiting, 2)
         return c, fx, held_back, info.value
@@ -893,12 +923,12 @@ def test_a_pin_and_an_unpin_close_together_are_stored_in_the_order_they_were_mad
 
 def test_an_unload_right_after_a_load_is_stored_after_it():
     async def scenario():
-        c, _ = make([spec("a", gb=3)])
+        c, fx = make([spec("a", gb=3)])
         kv = SlowKV({"null": 0.2})  # the load's record (no node asked for) is slow to write
         svc = _service(c, kv)
         loading = asyncio.create_task(svc.load("a"))
         while not kv.writing.is_set():
-            await asyncio.sleep(0.01)
+            await fx.run_for(0.01)
         unloaded = await svc.unload("a")
         loaded = await loading
         return c, svc.store, loaded, unloaded
@@ -916,7 +946,7 @@ def test_files_a_placement_on_the_node_loads_from_cannot_be_removed():
         c, fx = make([spec("a", gb=3), spec("a2", gb=3)])
         fx.gate = asyncio.Event()  # a's load is in progress
         waiting = asyncio.create_task(c.acquire("a"))
-        await asyncio.sleep(0.05)
+        await fx.run_for(0.05)
         with pytest.raises(OrchardError) as info:
             c.begin_removing("n2", frozenset({"a", "a2"}))  # a2 shares a's folder
         c.begin_removing("n1", frozenset({"a", "a2"}))  # nothing of theirs on n1
@@ -952,7 +982,7 @@ def test_a_request_waits_while_its_only_node_is_losing_its_files_then_is_placed(
         c.report_node("n1", devices=("metal", "cpu"), total_bytes=8 * GIB, usable_bytes=8 * GIB, free_bytes=8 * GIB, stored=frozenset({"a"}))
         c.begin_removing("n1", frozenset({"a"}))
         waiting = asyncio.create_task(c.acquire("a"))
-        await asyncio.sleep(0.05)
+        await fx.run_for(0.05)
         started = list(fx.started)
         c.end_removing("n1", frozenset({"a"}), removed=True)
         lease = await asyncio.wait_for(waiting, 1)
@@ -993,15 +1023,16 @@ def test_delete_files_and_a_request_for_a_model_loading_from_them_cannot_race():
 
     async def scenario():
         fx = StoreEffects()
-        c = ResidencyController({s.name: s for s in (spec("a", gb=3), spec("a2", gb=3))}, PLAIN, fx)
+        c = ResidencyController({s.name: s for s in (spec("a", gb=3), spec("a2", gb=3))}, PLAIN, fx, clock=fx.clock)
         fx.controller = c
+        fx.autopilot()
         for node_id, gb in (("n1", 4), ("n2", 8)):  # pack prefers n1
             c.report_node(
                 node_id, devices=("metal", "cpu"), total_bytes=gb * GIB, usable_bytes=gb * GIB, free_bytes=gb * GIB, stored=frozenset({"a", "a2"})
             )
         svc = _service(c, SlowKV({}), fx)
         deleting = asyncio.create_task(svc.delete_files("a", "n1"))
-        await asyncio.sleep(0.01)
+        await fx.run_for(0.01)
         lease = await asyncio.wait_for(c.acquire("a2"), 1)  # a2 loads from the same folder
         fx.removing.set()
         deleted = await deleting

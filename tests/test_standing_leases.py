@@ -8,6 +8,7 @@ import asyncio
 from support.builders import spec
 from test_controller import PLAIN, make
 
+from deployments.wire.leases import Grant, UsageReport
 from router.serving.lease import Leases
 
 
@@ -25,21 +26,15 @@ class Direct:
     def __init__(self, controller):
         self.c = controller
 
-        async def acquire(model, tenant=None, reserve_tokens=0, holder=None):
-            lease = await self.c.acquire(model, holder)
-            return lease.model_dump() | {
-                "kind": "llm",
-                "tool_parser": None,
-                "reasoning": None,
-                "actor_name": f"orchard:{model}@{lease.node_id}#1",
-                "epoch": self.c.epoch,
-            }
+        async def acquire(model, tenant=None, reserve_tokens=0, holder=None, avoid=None):
+            lease = await self.c.acquire(model, holder, avoid)
+            return Grant(lease=lease, kind="llm", actor_name=f"orchard:{model}@{lease.node_id}#1", epoch=self.c.epoch)
 
         async def release(lease_id, used_tokens=None):
             self.c.release(lease_id)
 
-        async def report_usage(holder, counts, started=None):
-            self.c.report_usage(holder, counts, started)
+        async def report_usage(report: UsageReport):
+            self.c.report_usage(report.holder, report.in_flight, report.started)
 
         async def routes(holder, version=-1):
             return await self.c.routes(holder, version, timeout_s=0.2)
@@ -54,7 +49,7 @@ async def settle(s: float = 0.05):
 
 def test_requests_share_one_lease_and_it_goes_back_after_the_linger():
     async def scenario():
-        c, fx = make([spec("a", gb=3)], nodes=(("n1", 4),))
+        c, fx = make([spec("a", gb=3)], nodes=(("n1", 4),), real_clock=True)
         leases = Leases(Direct(c), holder="ing-1", linger_s=0.3)
         first = await leases.acquire("a")
         second = await leases.acquire("a")  # while the first runs
@@ -64,7 +59,7 @@ def test_requests_share_one_lease_and_it_goes_back_after_the_linger():
         first.release()
         second.release()
         await settle(0.9)  # the linger passes
-        return shared, counted, c.leases(), leases.standing
+        return shared, counted, c.leases.all(), leases.standing
 
     shared, counted, left, standing = asyncio.run(scenario())
     assert shared and counted == 2
@@ -76,7 +71,7 @@ def test_the_requests_a_holder_starts_are_the_models_demand_and_keyed_ones_count
     its batches; a request with a lease of its own (a key's limits) is counted when it asks."""
 
     async def scenario():
-        c, fx = make([spec("a", gb=1), spec("b", gb=1)], nodes=(("n1", 4),))
+        c, fx = make([spec("a", gb=1), spec("b", gb=1)], nodes=(("n1", 4),), real_clock=True)
         leases = Leases(Direct(c), holder="ing-1", linger_s=5.0)
         for _ in range(3):
             (await leases.acquire("a")).release()
@@ -94,13 +89,13 @@ def test_the_requests_a_holder_starts_are_the_models_demand_and_keyed_ones_count
 
 def test_a_lease_in_use_is_kept_and_once_idle_it_is_revoked_and_given_back_for_the_placement():
     async def scenario():
-        c, fx = make([spec("a", gb=3), spec("b", gb=3)], nodes=(("n1", 4),), config=PLAIN.model_copy(update={"wait_timeout_s": 5.0}))
+        c, fx = make([spec("a", gb=3), spec("b", gb=3)], nodes=(("n1", 4),), config=PLAIN.model_copy(update={"wait_timeout_s": 5.0}), real_clock=True)
         leases = Leases(Direct(c), holder="ing-1", linger_s=30.0)
         running = await leases.acquire("a")
         await settle(0.4)
         other = asyncio.create_task(c.acquire("b"))  # needs a's memory: a is busy, so it waits
         await settle(0.4)
-        held_while_running = [x.lease_id for x in c.leases()]
+        held_while_running = [x.lease_id for x in c.leases.all()]
         running.release()  # idle now: the next report says 0, the controller revokes, the lease goes back
         b = await asyncio.wait_for(other, 2.0)
         return held_while_running, running.lease_id, b, fx
@@ -112,7 +107,7 @@ def test_a_lease_in_use_is_kept_and_once_idle_it_is_revoked_and_given_back_for_t
 
 def test_a_lease_whose_instance_went_away_is_forgotten_and_the_next_request_asks_again():
     async def scenario():
-        c, fx = make([spec("a", gb=3)], nodes=(("n1", 4),))
+        c, fx = make([spec("a", gb=3)], nodes=(("n1", 4),), real_clock=True)
         leases = Leases(Direct(c), holder="ing-1", linger_s=30.0)
         one = await leases.acquire("a")
         one.release()
@@ -129,7 +124,7 @@ def test_a_lease_whose_instance_went_away_is_forgotten_and_the_next_request_asks
 
 def test_a_busy_model_with_a_second_copy_gets_a_lease_on_it_too():
     async def scenario():
-        c, fx = make([spec("a", gb=3, max_copies=2)], nodes=(("n1", 4), ("n2", 4)))
+        c, fx = make([spec("a", gb=3, max_copies=2)], nodes=(("n1", 4), ("n2", 4)), real_clock=True)
         leases = Leases(Direct(c), holder="ing-1", linger_s=30.0)
         first = await leases.acquire("a")
         await c.load("a", "n2" if first.node_id == "n1" else "n1")  # an operator adds a copy
@@ -146,15 +141,15 @@ def test_leases_of_an_earlier_controller_are_forgotten_when_a_new_one_answers():
     leases (another epoch), so the replica forgets them and asks the new one."""
 
     async def scenario():
-        old, _ = make([spec("a", gb=3)], nodes=(("n1", 4),))
+        old, _ = make([spec("a", gb=3)], nodes=(("n1", 4),), real_clock=True)
         leases = Leases(Direct(old), holder="ing-1", linger_s=30.0)
         (await leases.acquire("a")).release()
-        new, _ = make([spec("a", gb=3)], nodes=(("n1", 4),))
+        new, _ = make([spec("a", gb=3)], nodes=(("n1", 4),), real_clock=True)
         leases.residency = leases.standing.residency = Direct(new)
         await settle(0.5)  # the long poll now reaches the new controller
         forgotten = leases.standing.held == {}
         again = await leases.acquire("a")
-        return forgotten, again.grant["epoch"] == new.epoch, new.acquires
+        return forgotten, again.grant.epoch == new.epoch, new.acquires
 
     forgotten, fresh, acquires = asyncio.run(scenario())
     assert forgotten and fresh and acquires == 1

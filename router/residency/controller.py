@@ -1,32 +1,26 @@
-"""The residency controller: the one owner of the cluster view and of every placement decision.
+"""The residency loop: the one owner of the cluster view and of every placement decision.
 
-Shaped like llama-swap's scheduler: one asyncio loop, events in (a request wants a model, a lease
-ends, a load finishes or fails, a node reports or dies, a sweep tick, an operator's load / unload /
-pin), decisions from policy/ (pure), side effects out through a small `Effects` interface (start an
-instance on a node, drain and stop one, publish an event). State is touched only on that loop, so
-it needs no lock. Unit tests drive it with an in-memory Effects; the Ray one lives beside it.
+Shaped like llama-swap's scheduler. One asyncio loop; happenings in (a request or an operator
+wants a model, a lease ends, a node reports or is lost, an instance dies, an effect finished:
+`apply` takes them as typed events); decisions from policy/ (pure); effects out through a small
+interface (start, stop, fetch, ask for a report, publish), each run as a task that reports its
+outcome back as an event. State changes only in synchronous steps on the loop, so it needs no lock,
+and time comes from the clock the loop is given, so tests drive it.
 
-The controller is never on the token path: `acquire` returns a lease naming the instance, the
-ingress streams straight from it, and `release` ends the lease.
-
-Nor need it be on every request's path: a lease acquired with a `holder` (an ingress replica) is a
-standing lease, which that replica routes many requests through without asking again. It counts as
-busy while held, with the in-flight count its holder reports in batches (`report_usage`), so the
-policy's rule that a busy instance is never evicted holds exactly: an instance is idle only once
-every lease on it has ended. The holder gives a standing lease back after a linger with nothing in
-flight, when `routes` (its long poll of this controller) says the lease is revoked, or never, if it
-stops reporting (the lease then expires). A standing lease is revoked when an idle one is all that
-stands between a waiting request and a placement (`_revoke_idle`)."""
+Every ask waits in its model's queue: requests (for a lease), operator loads (for a ready
+instance, anywhere or on a named node). Every change decides each queued ask once, oldest first,
+with the same policy call; an ask that busy instances keep out is a candidate for a swap (W1-W3:
+`pick_swap` drains one for it). The lease book (leases.py) holds both kinds of lease; the
+controller is never on the token path."""
 
 import asyncio
 import itertools
-import uuid
 from collections import deque
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from pydantic import Field
-
+from deployments.wire.failure import OrchardError
+from deployments.wire.leases import Lease, RoutesView
 from policy import (
     ClusterState,
     InstanceRef,
@@ -45,18 +39,17 @@ from policy import (
     retry_after_failure,
     sweep,
 )
-from policy._frozen import Frozen
-from policy.cluster_state import LoadFailureReason
-from policy.decisions import Blocker, Decision
+from policy.decisions import Decision
 from policy.eviction import ready_copies
 from policy.failures import reject_marked
 from policy.memory import gib
 from policy.placement import blockers_of, place_from_plan, plan_placement
-from policy.specs import DeviceKind
+from policy.swap import Drain, SwapAsk, pick_swap
 from policy.transitions import (
     apply_place,
     clear_failed,
     learn_bandwidth,
+    mark_draining,
     mark_failed,
     mark_loaded,
     mark_stored,
@@ -64,118 +57,66 @@ from policy.transitions import (
     remove_instance,
     set_in_flight,
 )
-from router.errors import OrchardError
+from router.residency.clock import Clock, MonotonicClock, Timer
 from router.residency.demand import Demand
+from router.residency.events import (
+    ClusterEvent,
+    EventKind,
+    FetchDone,
+    InstanceDied,
+    LoadDone,
+    LoadError,
+    LoadFailed,
+    LoadResult,
+    NodeLost,
+    NodeReported,
+    NodeUnreachable,
+    StopDone,
+)
+from router.residency.leases import LeaseBook
+from router.residency.room import Room
 
-EventKind = Literal[
-    "placed",
-    "loaded",
-    "load_failed",
-    "retrying",
-    "evicted",
-    "stopped",
-    "loading",
-    "unloaded",
-    "died",
-    "rejected",
-    "waiting",
-    "gave_up",
-    "node_up",
-    "node_dead",
-    "pinned",
-    "unpinned",
-    "lease_expired",
-    "fetching",
-    "fetched",
-    "fetch_failed",
-    "files_removed",
-    "cancelled",
-]
-
-
-class ClusterEvent(Frozen):
-    """One line of the placement / eviction / rejection log (GET /v1/cluster/events)."""
-
-    seq: int
-    at: float
-    kind: EventKind
-    model: str | None = None
-    node_id: str | None = None
-    reason: str = ""
-    bytes: int | None = None
-    seconds: float | None = None
-
-
-@dataclass(eq=False)
-class _Waiter:
-    """A request waiting in its model's queue."""
-
-    model: str
-    started: float
-    future: "asyncio.Future[Lease]"
-    announced: bool = False  # its `waiting` event is recorded
-    holder: str | None = None  # an ingress replica asking for a standing lease
-
-
-class Lease(Frozen):
-    lease_id: str
-    model: str
-    node_id: str
-    acquired_at: float
-    # When this instance was placed (or adopted): a model placed again on the same node is a new
-    # actor under the same name, so callers key cached actor handles by (model, node, loaded_at).
-    loaded_at: float
-    # The ingress replica that routes requests through this lease until it gives it back (a
-    # standing lease); None: one request's lease.
-    holder: str | None = None
-
-
-class LoadResult(Frozen):
-    bytes: int = Field(ge=0)  # measured: weights + KV reservation + overhead
-    load_seconds: float = Field(ge=0)
-
-
-class LoadError(Exception):
-    """A start_instance that did not end in a loaded instance."""
-
-    def __init__(self, reason: LoadFailureReason, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-
-
-class NoRoom(Exception):
-    """A placement whose node never showed the room for it: the instances stopping there did not
-    all exit, or no node report taken after they had exited showed the memory free, in time."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
+__all__ = ["ClusterEvent", "Effects", "LoadError", "LoadResult", "ResidencyController"]
 
 
 class Effects(Protocol):
-    def now(self) -> float: ...
-
     async def start_instance(self, place: Place, spec: ModelSpec) -> LoadResult: ...
 
     async def stop_instance(self, instance: InstanceRef, reason: str) -> bool:
-        """Stop the instance's current incarnation; True once no process of it runs any more (it
-        exited, or none was started), False when its exit could not be confirmed."""
+        """Stop the instance's current incarnation; True once no process of it runs any more."""
         ...
 
     def want_report(self, node_id: str) -> None:
-        """Ask the node for a fresh memory report soon: it arrives as `report_node`."""
+        """Ask the node for a fresh memory report soon: it arrives as `NodeReported`."""
         ...
 
     async def fetch_weights(self, model: str, node_id: str) -> None:
         """Put the model's weights in the node's store (L1), raising LoadError when that fails."""
         ...
 
+    def fetch_progress(self, model: str, node_id: str) -> str | None: ...
+
     def publish(self, event: ClusterEvent) -> None: ...
 
     def files_version(self, model: str) -> str | None:
         """Something that changes when the model's files do (sizes and times), None if unknown."""
         ...
+
+
+@dataclass(eq=False)
+class _Ask:
+    """A request (for a lease) or an operator's load (for a ready instance) in its model's queue."""
+
+    model: str
+    started: float
+    future: asyncio.Future
+    holder: str | None = None  # an ingress replica asking for a standing lease
+    operator: bool = False
+    node_id: str | None = None  # an operator's load on this node
+    avoid: tuple[str, float] | None = None  # (node, loaded_at): an incarnation the request just left
+    announced: bool = False  # its `waiting` event is recorded
+    placed: bool = False  # an operator's load on a node: its placement was started
+    busy_blocked: bool = field(default=False)  # its last decision: busy instances keep it out
 
 
 class ResidencyController:
@@ -185,6 +126,7 @@ class ResidencyController:
         config: PolicyConfig,
         effects: Effects,
         *,
+        clock: Clock | None = None,
         max_events: int = 2000,
         max_lease_s: float = 3600.0,
         holder_timeout_s: float = 15.0,
@@ -192,502 +134,412 @@ class ResidencyController:
     ):
         self.config = config
         self.effects = effects
+        self.clock: Clock = clock or MonotonicClock()
         self.state = ClusterState(catalog=dict(catalog))
         self.demand = Demand(config.demand_half_life_s)  # requests per model, decayed (L4)
-        self.max_lease_s = max_lease_s
-        # A holder that neither reports nor polls for this long is gone: its standing leases end.
-        self.holder_timeout_s = holder_timeout_s
+        self.leases = LeaseBook(max_lease_s=max_lease_s, holder_timeout_s=holder_timeout_s)
+        self.room = Room(self)  # placements that wait for stops to exit and the room to show (X1)
         # How long a request under contention "fail", or an operator's load on a node, may wait for
-        # standing leases in its way to be given back before it is refused (an idle one comes back
-        # within milliseconds of being revoked; one in use once its holder reports it idle).
+        # standing leases in its way to be given back before it is refused.
         self.revoke_grace_s = revoke_grace_s
-        self._holders: dict[str, float] = {}  # holder -> when it last reported or polled
-        self._reported: dict[str, int] = {}  # standing lease -> the in-flight count its holder reported
-        self._revoked: set[str] = set()  # standing leases asked back, not yet given back
-        self._heard: set[str] = set()  # standing leases their holder has reported on since the grant
-        self._routes_version = 0  # bumped whenever what `routes` answers may have changed
-        self._routes_changed = asyncio.Event()
-        self.acquires = 0  # leases granted (standing and per request): what routing saved is visible
-        # This controller's incarnation: a holder's standing leases from an earlier one (the service
-        # restarted) are unknown here, and `routes` says so by another epoch.
-        self.epoch = uuid.uuid4().hex[:12]
         self._events: deque[ClusterEvent] = deque(maxlen=max_events)
         self._seq = itertools.count(1)
-        self._lease_ids = itertools.count(1)
-        self._lease_number = 0  # the last lease granted
-        self._leases: dict[str, Lease] = {}
+        self._asks: dict[str, deque[_Ask]] = {}
         self._failed_files: dict[str, str | None] = {}  # model marked failed -> its files' version then
-        self._prefetches: set[tuple[str, str]] = set()  # (model, node): weights being fetched before an eviction
-        # Loads and fetches started for requests alone, by (model, node): cancelled when all those requests
-        # have gone away (and no operator load waits for them): {(model, node): task}
-        self._for_requests: dict[tuple[str, str], asyncio.Task] = {}
+        self._prefetches: set[tuple[str, str]] = set()  # (model, node): weights fetched before an eviction
+        self._for_requests: dict[tuple[str, str], asyncio.Task | None] = {}  # loads/fetches only requests wait for
+        self._removing: set[tuple[str, str]] = set()  # (model, node) whose files an operator removes (X3)
+        self._drains: dict[InstanceRef, str] = {}  # instance draining for a swap -> the model it makes room for
+        self._swaps: deque[float] = deque()  # when each swap of the last minute started (W2)
         self._tasks: set[asyncio.Task] = set()
-        self._changed = asyncio.Event()
-        self._waiters: dict[str, deque[_Waiter]] = {}
-        self._drain_scheduled = False
-        self._timer: asyncio.TimerHandle | None = None
-        # Unload, then load (rule X1): stops still running, by node (their processes may hold memory
-        # until they exit); placed instances whose load waits for them and for a node report that
-        # shows the room, with their bytes; per node, when its latest report was asked for and the
-        # free memory it measured.
-        self._stopping: dict[str, set[asyncio.Task]] = {}
-        self._awaiting_room: dict[InstanceRef, int] = {}
-        self._reports: dict[str, tuple[float, int]] = {}
-        # node -> when a stop there ended without confirming its process gone: until a report asked
-        # for after that shows the room, every load there waits for one.
-        self._unsure: dict[str, float] = {}
-        # (model, node) whose files an operator is removing from that node's store (rule X3).
-        self._removing: set[tuple[str, str]] = set()
+        self._redecide_soon = False
+        self._timer: tuple[float, Timer] | None = None
 
-    # ---- events in --------------------------------------------------------------------------
-    def report_node(
-        self,
-        node_id: str,
-        *,
-        devices: tuple[DeviceKind, ...],
-        total_bytes: int,
-        usable_bytes: int,
-        free_bytes: int,
-        labels: dict[str, str] | None = None,
-        stored: frozenset[str] | None = None,
-        asked_at: float | None = None,
-    ) -> None:
-        """A node agent's measurement. Memory that is neither free nor held by our instances is
-        someone else's (foreign); the measured free memory, less what placements waiting to load
-        there have reserved (they hold nothing yet), becomes the node's reported headroom.
-        `stored`: the catalog models whose weights its store holds (None: as before). `asked_at`:
-        when the report was asked for (this controller's clock; default now): a load waiting for
-        room trusts only a report asked for after the stops it waits for had ended (X1)."""
-        old = self.state.node(node_id)
+    # ---- happenings in --------------------------------------------------------------------------
+    def apply(self, event: NodeReported | NodeLost | InstanceDied | LoadDone | LoadFailed | StopDone | FetchDone) -> None:
+        if isinstance(event, NodeReported):
+            self._node_reported(event)
+        elif isinstance(event, NodeLost):
+            self._node_lost(event)
+        elif isinstance(event, InstanceDied):
+            self._drop(event.instance, "died", event.cause, f"died: {event.cause}")
+        elif isinstance(event, LoadDone):
+            self._load_done(event)
+        elif isinstance(event, LoadFailed):
+            self._load_failed(event)
+        elif isinstance(event, StopDone):
+            self.room.stop_done(event)
+        else:
+            self._fetch_done(event)
+        self._wake()
+
+    def report_node(self, node_id: str, **fields: Any) -> None:
+        self.apply(NodeReported(node_id=node_id, **fields))
+
+    def node_dead(self, node_id: str, reason: str = "node stopped reporting") -> None:
+        self.apply(NodeLost(node_id=node_id, reason=reason))
+
+    def instance_died(self, ref: InstanceRef, cause: str) -> None:
+        self.apply(InstanceDied(instance=ref, cause=cause))
+
+    def _node_reported(self, r: NodeReported) -> None:
+        """Memory that is neither free nor held by our instances is someone else's (foreign); the
+        measured free memory, less what placements waiting to load there reserved, is the headroom."""
+        old = self.state.node(r.node_id)
         instances = old.instances if old is not None and old.alive else ()
-        waiting = self._awaiting_bytes(node_id)
+        waiting = self.room.awaiting_bytes(r.node_id)
         ours = sum(i.bytes for i in instances) - waiting
-        self._reports[node_id] = (self.effects.now() if asked_at is None else asked_at, free_bytes)
+        self.room.reported(r.node_id, self.clock.now() if r.asked_at is None else r.asked_at, r.free_bytes)
         node = NodeState(
-            node_id=node_id,
-            labels=labels or {},
-            devices=devices,
-            total_bytes=total_bytes,
-            usable_bytes=min(usable_bytes, total_bytes),
-            foreign_bytes=max(0, usable_bytes - free_bytes - ours),
-            reported_headroom_bytes=free_bytes - waiting,
+            node_id=r.node_id,
+            labels=r.labels,
+            devices=r.devices,
+            total_bytes=r.total_bytes,
+            usable_bytes=min(r.usable_bytes, r.total_bytes),
+            foreign_bytes=max(0, r.usable_bytes - r.free_bytes - ours),
+            reported_headroom_bytes=r.free_bytes - waiting,
             instances=instances,
             alive=True,
             draining=old.draining if old is not None else False,
-            stored=stored if stored is not None else old.stored if old is not None else frozenset(),
+            stored=r.stored if r.stored is not None else old.stored if old is not None else frozenset(),
         )
-        nodes = tuple(n for n in self.state.nodes if n.node_id != node_id) + (node,)
+        nodes = tuple(n for n in self.state.nodes if n.node_id != r.node_id) + (node,)
         self.state = self.state.model_copy(update={"nodes": tuple(sorted(nodes, key=lambda n: n.node_id))})
         if old is None or not old.alive:
-            self._record("node_up", node_id=node_id, bytes=usable_bytes, reason=f"{gib(usable_bytes)} usable")
-        self._wake()
+            self._record("node_up", node_id=r.node_id, bytes=r.usable_bytes, reason=f"{gib(r.usable_bytes)} usable")
+        self.room.check(r.node_id)
 
-    def node_dead(self, node_id: str, reason: str = "node stopped reporting") -> None:
-        """Drop a dead node's instances and leases; requests for its models re-place elsewhere."""
-        node = self.state.node(node_id)
+    def _node_lost(self, lost: NodeLost) -> None:
+        """Drop the node's instances and leases; requests for its models are placed elsewhere."""
+        node = self.state.node(lost.node_id)
         if node is None or not node.alive:
             return
         for inst in node.instances:
-            self._record("unloaded", model=inst.model, node_id=node_id, reason="node dead", bytes=inst.bytes)
-        for lease_id, lease in list(self._leases.items()):
-            if lease.node_id == node_id:
-                self._forget_lease(lease_id)
-        dead = node.model_copy(update={"alive": False, "instances": ()})
-        self.state = self.state.model_copy(update={"nodes": tuple(dead if n.node_id == node_id else n for n in self.state.nodes)})
-        self._record("node_dead", node_id=node_id, reason=reason)
-        self._wake()
+            self._record("unloaded", model=inst.model, node_id=lost.node_id, reason="node suspect" if lost.suspect else "node dead", bytes=inst.bytes)
+            self.leases.end_on(InstanceRef(node_id=lost.node_id, model=inst.model))
+            self._drains.pop(InstanceRef(node_id=lost.node_id, model=inst.model), None)
+        gone = node.model_copy(update={"alive": False, "instances": ()})
+        self.state = self.state.model_copy(update={"nodes": tuple(gone if n.node_id == lost.node_id else n for n in self.state.nodes)})
+        self._record("node_suspect" if lost.suspect else "node_dead", node_id=lost.node_id, reason=lost.reason)
 
-    def instance_died(self, ref: InstanceRef, cause: str) -> None:
-        """An instance's actor is gone (killed, out of memory, crashed): drop it and its leases with
-        a `died` event naming the cause; the next request for the model places it again."""
-        self._drop(ref, "died", cause, f"died: {cause}")
-
-    def adopt_instance(self, node_id: str, model: str, device: DeviceKind, nbytes: int, load_seconds: float | None = None) -> None:
+    def adopt_instance(self, node_id: str, model: str, device: Any, nbytes: int, load_seconds: float | None = None) -> None:
         """A running instance found after a restart (its actor outlived the old controller)."""
         node = self.state.node(node_id)
         if node is None or model not in self.state.catalog or node.instance(model) is not None:
             return
         place = Place(model=model, node_id=node_id, device=device, bytes=nbytes, reason="adopted")
-        now = self.effects.now()
+        now = self.clock.now()
         self.state = mark_loaded(apply_place(self.state, place, now), InstanceRef(node_id=node_id, model=model), now, load_seconds or 0.0)
         self._record("loaded", model=model, node_id=node_id, bytes=nbytes, reason="adopted a running instance")
 
-    # ---- requests -----------------------------------------------------------------------------
-    async def acquire(self, model: str, holder: str | None = None) -> Lease:
-        """A lease on a ready instance of `model`, placing (and evicting) as the policy decides and
-        waiting while it says so. Raises OrchardError with the policy's reason otherwise. With a
-        `holder`, a standing lease that ingress replica keeps for many requests (see the top).
-
-        The request joins its model's queue of waiters; every state change (a load finished or
-        failed, a lease ended, a node reported, an instance died) drains the queues, each waiter
-        decided once per change in arrival order, so the oldest request is served first and no
-        waiter polls the policy in a loop of its own."""
-        waiter = _Waiter(model=model, started=self.effects.now(), future=asyncio.get_running_loop().create_future(), holder=holder)
+    # ---- asks -----------------------------------------------------------------------------------
+    async def acquire(self, model: str, holder: str | None = None, avoid: tuple[str, float] | None = None) -> Lease:
+        """A lease on a ready instance of `model`, placing (and evicting, or draining) as the policy
+        decides and waiting while it says so; OrchardError with the policy's reason otherwise. With
+        a `holder`, a standing lease for that ingress replica. `avoid` (node, loaded_at): the
+        incarnation this request just left as gone; it is not granted again while it lasts."""
+        now = self.clock.now()
         if holder is not None:
-            self._holders[holder] = waiter.started
+            self.leases.seen(holder, now)
         elif model in self.state.catalog:  # a holder counts its requests itself (report_usage)
-            self.demand.add(model, 1, waiter.started)
-        self._waiters.setdefault(model, deque()).append(waiter)
-        self._drain()
-        try:
-            return await waiter.future
-        finally:
-            queue = self._waiters.get(model)
-            if queue is not None and waiter in queue:  # cancelled (client gone) while waiting
-                queue.remove(waiter)
-                if not queue:
-                    del self._waiters[model]
-                    self._cancel_unwaited(model)
-
-    def _cancel_unwaited(self, model: str) -> None:
-        """The last request waiting for `model` went away: cancel what was started only for requests
-        (a load, or a fetch before an eviction); operator loads and pulls and copies the policy
-        started itself (C1, C2) are never cancelled this way."""
-        for (m, node_id), task in list(self._for_requests.items()):
-            if m == model and not task.done():
-                self._record("cancelled", model=model, node_id=node_id, reason="every request that asked for it went away")
-                task.cancel()
-
-    def _drain(self) -> None:
-        """Decide every waiting request once against the current state (see `acquire`)."""
-        self._drain_scheduled = False
-        now = self.effects.now()
-        for model in list(self._waiters):
-            queue = self._waiters[model]
-            for waiter in list(queue):
-                if waiter.future.done():
-                    queue.remove(waiter)
-                    continue
-                if self._decide(waiter, now):
-                    queue.remove(waiter)
-            if not queue:
-                del self._waiters[model]
-
-    def _decide(self, waiter: "_Waiter", now: float) -> bool:
-        """One policy decision for one waiter; True when it is answered (a lease or an error)."""
-        model = waiter.model
-        self._retry_if_files_changed(model)
-        for _ in range(3):  # a Place is applied to the state at once: decide again on the new state
-            decision = ensure(model, self.state, now, self.config, waited_s=now - waiter.started, exclude_nodes=self._removing_on(model))
-            if not isinstance(decision, Place):
-                break
-            if not self._begin_place(decision, for_requests=True):
-                return self._waiting_for_fetch(waiter, decision, now)
-        if isinstance(decision, Use):
-            inst = self._instance(decision.instance.node_id, model)
-            assert inst is not None  # a Use names an instance the state holds
-            self._lease_number = next(self._lease_ids)
-            lease = Lease(
-                lease_id=f"L{self._lease_number}",
-                model=model,
-                node_id=decision.instance.node_id,
-                acquired_at=now,
-                loaded_at=inst.loaded_at,
-                holder=waiter.holder,
-            )
-            self._leases[lease.lease_id] = lease
-            if lease.holder is not None:
-                self._reported[lease.lease_id] = 1  # the request that asked for it
-            self._count_in_flight(decision.instance, now)
-            self.acquires += 1
-            waiter.future.set_result(lease)
-            return True
-        if self._waits_for_revoked(decision, waiter.started, now):
-            self._schedule_drain(self.config.retry_poll_s)
-            return False
-        if isinstance(decision, Wait):
-            if decision.code == "busy" and not waiter.announced:
-                waiter.announced = True
-                blocker = decision.blockers[0].instance.node_id if decision.blockers else None
-                self._record("waiting", model=model, node_id=blocker, reason=decision.message)
-            self._schedule_drain(decision.retry_after_s)
-            return False
-        if isinstance(decision, Place):  # still placing after three rounds: wait for the loads
-            return False
-        assert isinstance(decision, Reject)
-        if self._removing_on(model):  # X3: refused only while its files leave a node: decide again after
-            self._schedule_drain(self.config.retry_poll_s)
-            return False
-        if decision.code == "unknown_model":
-            pass  # a 404, not a placement decision: names a client made up stay out of the log and the metrics
-        elif waiter.announced:
-            self._record(
-                "gave_up", model=model, reason=f"after waiting {now - waiter.started:.1f} s: {decision.message}", seconds=now - waiter.started
-            )
-        else:
-            self._record("rejected", model=model, reason=decision.message)
-        waiter.future.set_exception(_error_for(decision))
-        return True
-
-    def _waiting_for_fetch(self, waiter: "_Waiter", place: Place, now: float) -> bool:
-        """A request whose placement waits for the weights to arrive first: as `contention` says, a
-        503 at once (`fail`) or a wait up to wait_timeout_s (`wait`), the copy's progress in the
-        message either way. True when answered."""
-        progress = self.effects.fetch_progress(place.model, place.node_id) if hasattr(self.effects, "fetch_progress") else None
-        what = f"model {place.model} waits for its weights on {place.node_id} before placing it ({place.reason})"
-        message = f"{what}: {progress}" if progress else what
-        waited = now - waiter.started
-        if self.config.contention == "wait" and waited < self.config.wait_timeout_s:
-            self._schedule_drain(self.config.retry_poll_s)  # to see the timeout pass
-            return False
-        if self.config.contention == "wait":
-            self._record("gave_up", model=place.model, node_id=place.node_id, reason=f"after waiting {waited:.1f} s: {message}", seconds=waited)
-            waiter.future.set_exception(
-                OrchardError("model_gave_up", f"gave up after waiting {waited:.0f} s: {message}", retry_after_s=self.config.retry_poll_s)
-            )
-        else:
-            waiter.future.set_exception(OrchardError("model_fetching", message, retry_after_s=self.config.retry_poll_s))
-        return True
-
-    def _schedule_drain(self, delay_s: float) -> None:
-        """Drain again after `delay_s` (a timer for what passes with time: a young blocker coming of
-        age, a wait timing out); one timer, at the earliest time asked for."""
-        loop = asyncio.get_running_loop()
-        when = loop.time() + max(0.0, delay_s)
-        if self._timer is not None and self._timer.when() <= when:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = loop.call_at(when, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._drain()
-
-    def release(self, lease_id: str) -> None:
-        """End a lease (stream finished, failed, or the client went away; a holder gave its standing
-        lease back). Idempotent."""
-        lease = self._leases.pop(lease_id, None)
-        self._reported.pop(lease_id, None)
-        self._heard.discard(lease_id)
-        if lease is None:
-            return
-        if lease_id in self._revoked:
-            self._revoked.discard(lease_id)
-            self._routes_update()
-        self._count_in_flight(InstanceRef(node_id=lease.node_id, model=lease.model), self.effects.now())
-        self._wake()
-
-    # ---- standing leases ----------------------------------------------------------------------
-    def report_usage(self, holder: str, in_flight: dict[str, int], started: dict[str, int] | None = None) -> None:
-        """A holder's requests in flight per standing lease (sent in batches, a few times a second,
-        and at least every few seconds as a sign of life), and the requests it started per model
-        since its last report (the demand L4 counts). Unknown leases are ignored: `routes` tells
-        the holder they are gone."""
-        now = self.effects.now()
-        self._holders[holder] = now
-        for model, n in (started or {}).items():
-            if model in self.state.catalog and n > 0:
-                self.demand.add(model, n, now)
-        touched = set()
-        idle_now = False
-        for lease_id, n in in_flight.items():
-            lease = self._leases.get(lease_id)
-            if lease is None or lease.holder != holder:
-                continue
-            self._heard.add(lease_id)
-            if self._reported.get(lease_id) == n:
-                continue
-            self._reported[lease_id] = max(0, int(n))
-            idle_now = idle_now or n == 0
-            touched.add(InstanceRef(node_id=lease.node_id, model=lease.model))
-        for ref in touched:
-            self._count_in_flight(ref, now)
-        if idle_now:  # a placement waiting on it may revoke it now
-            self._wake()
-
-    async def routes(self, holder: str, version: int = -1, timeout_s: float = 10.0) -> dict:
-        """A holder's long poll: answers at once when `version` is not the current one, else when it
-        changes or after `timeout_s`. {version, valid: its standing leases still good, revoked: those
-        asked back (finish what runs on them, then release), copies: ready instances per model,
-        leases_upto: the last lease number granted when this answer was made, epoch: this
-        controller's incarnation}."""
-        self._holders[holder] = self.effects.now()
-        if version == self._routes_version:
-            changed = self._routes_changed
-            try:
-                await asyncio.wait_for(changed.wait(), timeout=timeout_s)
-            except TimeoutError:
-                pass
-        self._holders[holder] = self.effects.now()
-        mine = [lease_id for lease_id, lease in self._leases.items() if lease.holder == holder]
-        return {
-            "version": self._routes_version,
-            "valid": [lease_id for lease_id in mine if lease_id not in self._revoked],
-            "revoked": [lease_id for lease_id in mine if lease_id in self._revoked],
-            "copies": ready_copies(self.state),
-            "epoch": self.epoch,
-            "leases_upto": self._lease_number,  # a lease of the holder's after this is not in `valid` yet
-        }
-
-    def _waits_for_revoked(self, decision: Decision, started: float, now: float) -> bool:
-        """Revoke the idle standing leases that keep the decision's blockers busy; True when a refusal
-        should wait for them instead (contention "fail", within revoke_grace_s of the request)."""
-        revoking = isinstance(decision, Wait | Reject) and decision.code == "busy" and self._revoke_idle(decision.blockers)
-        return revoking and isinstance(decision, Reject) and now - started < self.revoke_grace_s
-
-    def _revoke_idle(self, blockers: tuple[Blocker, ...]) -> bool:
-        """Ask back the standing leases that keep a blocking instance busy while idle (their holders
-        report nothing in flight, or have not reported since the grant: its request may have ended
-        already; a lease asked back while in use comes back once that use ends). True when a blocker
-        is held by standing leases alone: one in use may be idle by the next report (a fraction of a
-        second behind), which decides again."""
-        pending = False
-        for blocker in blockers:
-            if blocker.protection != "busy":
-                continue
-            ref = blocker.instance
-            on_it = [lease for lease in self._leases.values() if lease.node_id == ref.node_id and lease.model == ref.model]
-            if not on_it or any(lease.holder is None for lease in on_it):
-                continue  # a request's own lease: busy indeed
-            idle = [
-                lease.lease_id
-                for lease in on_it
-                if lease.lease_id not in self._revoked and (self._reported.get(lease.lease_id, 1) == 0 or lease.lease_id not in self._heard)
-            ]
-            if idle:
-                self._revoked.update(idle)
-                self._routes_update()
-            pending = True
-        return pending
-
-    def _count_in_flight(self, ref: InstanceRef, now: float) -> None:
-        """The instance's in-flight count from its leases: one per request's lease, and what each
-        standing lease's holder reported (at least one while it is held)."""
-        inst = self._instance(ref.node_id, ref.model)
-        if inst is None:
-            return
-        n = 0
-        for lease in self._leases.values():
-            if lease.node_id == ref.node_id and lease.model == ref.model:
-                n += 1 if lease.holder is None else max(1, self._reported.get(lease.lease_id, 1))
-        self.state = set_in_flight(self.state, ref, n, now)
-
-    def _routes_update(self) -> None:
-        """What `routes` answers may have changed: wake the holders' long polls."""
-        self._routes_version += 1
-        self._routes_changed.set()
-        self._routes_changed = asyncio.Event()
-
-    def _expire_holders(self, now: float) -> None:
-        """Standing leases of a holder that stopped reporting and polling (its replica died) end."""
-        for holder, seen in list(self._holders.items()):
-            if now - seen <= self.holder_timeout_s:
-                continue
-            del self._holders[holder]
-            for lease_id, lease in list(self._leases.items()):
-                if lease.holder == holder:
-                    self.release(lease_id)
-                    self._record("lease_expired", model=lease.model, node_id=lease.node_id, reason=f"ingress {holder} stopped reporting")
-
-    # ---- ticks and operator actions -----------------------------------------------------------
-    def tick(self) -> None:
-        """Periodic: expire forgotten leases, unload idle / drained / dead instances, start copies."""
-        now = self.effects.now()
-        self._expire_holders(now)
-        for lease_id, lease in list(self._leases.items()):
-            if lease.holder is None and now - lease.acquired_at > self.max_lease_s:
-                self.release(lease_id)
-                self._record("lease_expired", model=lease.model, node_id=lease.node_id, reason=f"held over {self.max_lease_s:.0f} s")
-        for unload in sweep(self.state, now, self.config):
-            if unload.reason == "node_dead":
-                self.node_dead(unload.instance.node_id)
-            else:
-                self._unload(unload.instance, unload.reason)
-        for place in plan_copies(self.state, now, self.config):
-            self._begin_place(place)
+            self.demand.add(model, 1, now)
+        return await self._enqueue(_Ask(model=model, started=now, future=self._future(), holder=holder, avoid=avoid))
 
     async def load(self, model: str, node_id: str | None = None) -> InstanceRef:
-        """Operator load: where the policy says, or on `node_id` (an extra copy there when the model
-        is elsewhere, within max_copies). Returns once the instance is ready. A model marked failed
-        is tried again at once (the operator asked)."""
-        spec = self._spec(model)
-        started = self.effects.now()
+        """Operator load: where the policy says, or on `node_id` (an extra copy there, within
+        max_copies). Returns once the instance is ready. A model marked failed is tried again."""
+        self._spec(model)
         for key in [k for k in self._for_requests if k[0] == model]:  # the operator waits for these now
             del self._for_requests[key]
         if model in self.state.failed:
             self.state = clear_failed(self.state, model)
             self._failed_files.pop(model, None)
             self._record("retrying", model=model, reason="an operator loads it")
-        if node_id is not None:
-            await self._place_on(spec, node_id)
-        while True:
-            for n in self.state.nodes:
-                inst = n.instance(model) if n.alive and node_id in (None, n.node_id) else None
-                if inst is not None and inst.status == "ready":
-                    return InstanceRef(node_id=n.node_id, model=model)
-            mark = self.state.failed.get(model)
-            if mark is not None and mark.at >= started:
-                raise _error_for(reject_marked(mark, self.effects.now(), self.config))
-            if node_id is not None:
-                if self._instance(node_id, model) is None and (model, node_id) not in self._prefetches:
-                    if not self._fetched_for(model, node_id):
-                        raise OrchardError("model_unloaded", f"model {model} left {node_id} before it was ready")
-                    await self._place_on(spec, node_id)  # its weights arrived: place it now
-                await self._wait_for_change(self.config.retry_poll_s)
-                continue
-            now = self.effects.now()
-            decision = ensure(model, self.state, now, self.config, waited_s=now - started, exclude_nodes=self._removing_on(model))
-            if self._waits_for_revoked(decision, started, now):
-                await self._wait_for_change(self.config.retry_poll_s)
-            elif isinstance(decision, Place):
-                if not self._begin_place(decision):
-                    await self._wait_for_change(self.config.retry_poll_s)
-            elif isinstance(decision, Reject) and self._removing_on(model):  # X3: its files leave a node now
-                await self._wait_for_change(self.config.retry_poll_s)
-            elif isinstance(decision, Reject):
-                self._record("rejected", model=model, reason=decision.message)
-                raise _error_for(decision)
-            elif isinstance(decision, Wait):
-                await self._wait_for_change(decision.retry_after_s)
+        return await self._enqueue(_Ask(model=model, started=self.clock.now(), future=self._future(), operator=True, node_id=node_id))
 
-    async def _place_on(self, spec: ModelSpec, node_id: str) -> None:
-        started = self.effects.now()
-        while True:
-            node = self.state.node(node_id)
-            if node is None or not node.alive:
-                raise OrchardError("node_not_found", f"no alive node {node_id!r}")
-            if node.instance(spec.name) is not None:
-                return
-            if (spec.name, node_id) in self._removing:
-                raise OrchardError("files_in_use", f"the files of {spec.name} are being removed from {node_id}'s store: load it there after", "node")
-            if self._copies(spec.name) >= spec.max_copies:
-                raise OrchardError(
-                    "model_already_loaded",
-                    f"model {spec.name} already has {self._copies(spec.name)} copies (max_copies={spec.max_copies}): unload it first",
-                )
-            others = frozenset(n.node_id for n in self.state.nodes if n.node_id != node_id)
-            plan, shortfalls, eligible = plan_placement(spec, self.state, self.effects.now(), self.config, exclude_nodes=others)
-            if plan is not None or not self._revoke_idle(blockers_of(shortfalls)) or self.effects.now() - started >= self.revoke_grace_s:
+    async def _enqueue(self, ask: _Ask) -> Any:
+        self._asks.setdefault(ask.model, deque()).append(ask)
+        self._redecide()
+        try:
+            return await ask.future
+        finally:
+            queue = self._asks.get(ask.model)
+            if queue is not None and ask in queue:  # cancelled (client gone) while waiting
+                queue.remove(ask)
+                if not queue:
+                    del self._asks[ask.model]
+                    self._cancel_unwaited(ask.model)
+
+    def _cancel_unwaited(self, model: str) -> None:
+        """The last ask for `model` went away: cancel what was started for requests alone (a load,
+        a fetch before an eviction), and a drain for it goes back to serving."""
+        for (m, node_id), task in list(self._for_requests.items()):
+            if m != model:
+                continue
+            del self._for_requests[(m, node_id)]
+            self._record("cancelled", model=model, node_id=node_id, reason="every request that asked for it went away")
+            if task is not None:
+                task.cancel()
+            else:  # still waiting for room: nothing runs yet
+                self.room.cancel(InstanceRef(node_id=node_id, model=model))
+        for ref, asker in list(self._drains.items()):
+            if asker == model and self._instance(ref) is not None:
+                del self._drains[ref]
+                self.state = mark_draining(self.state, ref, False)
+                self._record("cancelled", model=ref.model, node_id=ref.node_id, reason=f"draining stopped: no request for {model} waits any more")
+
+    def _redecide(self) -> None:
+        """Decide every queued ask once against the current state, oldest first in each queue; then
+        finish the drains that ended and start the swap the blocked asks earn (W1-W3)."""
+        self._redecide_soon = False
+        now = self.clock.now()
+        self._finish_drains()
+        for model in list(self._asks):
+            queue = self._asks[model]
+            for ask in list(queue):
+                if ask.future.done() or self._decide(ask, now):
+                    queue.remove(ask)
+            if not queue:
+                del self._asks[model]
+        self._maybe_swap(now)
+
+    def _decide(self, ask: _Ask, now: float) -> bool:
+        """One decision for one ask; True when it is answered (a lease, an instance or an error)."""
+        try:
+            return self._decide_on_node(ask, now) if ask.node_id is not None else self._decide_anywhere(ask, now)
+        except OrchardError as e:
+            ask.future.set_exception(e)
+            return True
+
+    def _decide_anywhere(self, ask: _Ask, now: float) -> bool:
+        model = ask.model
+        ask.busy_blocked = False
+        self._retry_if_files_changed(model)
+        for _ in range(3):  # a Place is applied to the state at once: decide again on the new state
+            decision = ensure(model, self.state, now, self.config, waited_s=now - ask.started, exclude_nodes=self._removing_on(model))
+            if not isinstance(decision, Place):
                 break
-            await self._wait_for_change(self.config.retry_poll_s)  # idle standing leases in the way come back
+            if not self._begin_place(decision, for_requests=not ask.operator):
+                return self._waiting_for_fetch(ask, decision, now)
+        if isinstance(decision, Use):
+            return self._use(ask, decision.instance, now)
+        if self._waits_for_revoked(decision, ask.started, now):
+            self._schedule(self.config.retry_poll_s)
+            return False
+        if isinstance(decision, Wait):
+            ask.busy_blocked = decision.code == "busy"
+            if ask.busy_blocked and not ask.announced:
+                ask.announced = True
+                blocker = decision.blockers[0].instance.node_id if decision.blockers else None
+                self._record("waiting", model=model, node_id=blocker, reason=decision.message)
+            self._schedule(min(decision.retry_after_s, self.config.swap_after_s) if ask.busy_blocked else decision.retry_after_s)
+            return False
+        if isinstance(decision, Place):  # still placing after three rounds: wait for the loads
+            return False
+        assert isinstance(decision, Reject)
+        if self._removing_on(model):  # X3: refused only while its files leave a node: decide again after
+            self._schedule(self.config.retry_poll_s)
+            return False
+        if decision.code == "unknown_model":
+            pass  # a 404, not a placement decision: names a client made up stay out of the log
+        elif ask.announced:
+            waited = now - ask.started
+            self._record("gave_up", model=model, reason=f"after waiting {waited:.1f} s: {decision.message}", seconds=waited)
+        else:
+            self._record("rejected", model=model, reason=decision.message)
+        raise _error_for(decision)
+
+    def _use(self, ask: _Ask, ref: InstanceRef, now: float) -> bool:
+        inst = self._instance(ref)
+        assert inst is not None  # a Use names an instance the state holds
+        if ask.operator:
+            ask.future.set_result(ref)
+            return True
+        if ask.avoid == (ref.node_id, inst.loaded_at) and now - ask.started < self.revoke_grace_s:
+            self._schedule(self.config.retry_poll_s)  # its death is being confirmed: another decision then
+            return False
+        lease = self.leases.grant(ref, inst.loaded_at, ask.holder, now)
+        self._count(ref, now)
+        ask.future.set_result(lease)
+        return True
+
+    def _decide_on_node(self, ask: _Ask, now: float) -> bool:
+        """An operator's load on one node: an extra copy there, within max_copies."""
+        model, node_id = ask.model, ask.node_id
+        assert node_id is not None
+        spec = self._spec(model)
+        node = self.state.node(node_id)
+        if node is None or not node.alive:
+            raise OrchardError("node_not_found", f"no alive node {node_id!r}")
+        inst = node.instance(model)
+        if inst is not None:
+            if inst.status == "ready":
+                ask.future.set_result(InstanceRef(node_id=node_id, model=model))
+                return True
+            return False  # loading: its LoadDone decides again
+        if (model, node_id) in self._prefetches:
+            return False
+        mark = self.state.failed.get(model)
+        if mark is not None and mark.at >= ask.started:
+            raise _error_for(reject_marked(mark, now, self.config))
+        if ask.placed and model not in node.stored:
+            raise OrchardError("model_unloaded", f"model {model} left {node_id} before it was ready")
+        if (model, node_id) in self._removing:
+            raise OrchardError("files_in_use", f"the files of {model} are being removed from {node_id}'s store: load it there after", "node")
+        copies = sum(1 for n in self.state.nodes if n.alive and n.instance(model) is not None)
+        if copies >= spec.max_copies:
+            raise OrchardError("model_already_loaded", f"model {model} already has {copies} copies (max_copies={spec.max_copies}): unload it first")
+        others = frozenset(n.node_id for n in self.state.nodes if n.node_id != node_id)
+        plan, shortfalls, eligible = plan_placement(spec, self.state, now, self.config, exclude_nodes=others)
         if plan is None:
+            if (
+                any(self.leases.revoke_idle(b.instance) for b in blockers_of(shortfalls) if b.protection == "busy")
+                and now - ask.started < self.revoke_grace_s
+            ):
+                self._schedule(self.config.retry_poll_s)  # idle standing leases in the way come back
+                return False
             why = "its constraints exclude it" if not eligible else "it does not fit even after every allowed eviction, or a cap forbids it"
-            self._record("rejected", model=spec.name, node_id=node_id, reason=why)
-            raise OrchardError("model_blocked", f"cannot place model {spec.name} on {node_id}: {why}")
-        self._begin_place(place_from_plan(spec, plan, self.config))
+            self._record("rejected", model=model, node_id=node_id, reason=why)
+            raise OrchardError("model_blocked", f"cannot place model {model} on {node_id}: {why}")
+        ask.placed = self._begin_place(place_from_plan(spec, plan, self.config))
+        return False
+
+    def _waiting_for_fetch(self, ask: _Ask, place: Place, now: float) -> bool:
+        """A request whose placement waits for the weights to arrive first: as `contention` says, a
+        503 at once (`fail`) or a wait up to wait_timeout_s (`wait`), the copy's progress in the
+        message either way. True when answered."""
+        if ask.operator:
+            return False
+        progress = self.effects.fetch_progress(place.model, place.node_id)
+        what = f"model {place.model} waits for its weights on {place.node_id} before placing it ({place.reason})"
+        message = f"{what}: {progress}" if progress else what
+        waited = now - ask.started
+        if self.config.contention == "wait" and waited < self.config.wait_timeout_s:
+            self._schedule(self.config.retry_poll_s)  # to see the timeout pass
+            return False
+        if self.config.contention == "wait":
+            self._record("gave_up", model=place.model, node_id=place.node_id, reason=f"after waiting {waited:.1f} s: {message}", seconds=waited)
+            raise OrchardError("model_gave_up", f"gave up after waiting {waited:.0f} s: {message}", retry_after_s=self.config.retry_poll_s)
+        raise OrchardError("model_fetching", message, retry_after_s=self.config.retry_poll_s)
+
+    def _waits_for_revoked(self, decision: Decision, started: float, now: float) -> bool:
+        """Revoke the idle standing leases that keep the decision's busy blockers busy; True when a
+        refusal should wait for them instead (contention "fail", within revoke_grace_s)."""
+        if not isinstance(decision, Wait | Reject) or decision.code != "busy":
+            return False
+        pending = [self.leases.revoke_idle(b.instance) for b in decision.blockers if b.protection == "busy"]
+        return any(pending) and isinstance(decision, Reject) and now - started < self.revoke_grace_s
+
+    # ---- swaps (W1-W3) --------------------------------------------------------------------------
+    def _maybe_swap(self, now: float) -> None:
+        asks = [
+            SwapAsk(model=model, waiting=len(blocked), waited_s=now - min(a.started for a in blocked))
+            for model, queue in self._asks.items()
+            if (blocked := [a for a in queue if a.busy_blocked and not a.future.done()])
+        ]
+        while self._swaps and now - self._swaps[0] > 60.0:
+            self._swaps.popleft()
+        drain = pick_swap(asks, self.state, now, self.config, swaps_last_minute=len(self._swaps)) if asks else None
+        if drain is not None:
+            self._start_drain(drain, now)
+
+    def _start_drain(self, drain: Drain, now: float) -> None:
+        self._swaps.append(now)
+        for ref in drain.instances:
+            self.state = mark_draining(self.state, ref)
+            self._drains[ref] = drain.model
+            self.leases.revoke_all(ref)
+            inst = self._instance(ref)
+            self._record("draining", model=ref.model, node_id=ref.node_id, bytes=inst.bytes if inst else None, reason=drain.reason)
+        self._finish_drains()
+
+    def _finish_drains(self) -> None:
+        """A draining instance with nothing left in flight is evicted for the model it drained for."""
+        for ref, asker in list(self._drains.items()):
+            inst = self._instance(ref)
+            if inst is None or inst.status != "draining":
+                del self._drains[ref]
+            elif inst.in_flight == 0:
+                del self._drains[ref]
+                self._drop(ref, "evicted", f"drained for {asker}", f"evicted for {asker}")
+
+    # ---- leases ---------------------------------------------------------------------------------
+    def release(self, lease_id: str) -> None:
+        """End a lease (stream finished, failed, or the client went away; a holder gave its standing
+        lease back). Idempotent."""
+        lease = self.leases.end(lease_id)
+        if lease is not None:
+            self._count(InstanceRef(node_id=lease.node_id, model=lease.model), self.clock.now())
+            self._wake()
+
+    def report_usage(self, holder: str, in_flight: dict[str, int], started: dict[str, int] | None = None) -> None:
+        """A holder's requests in flight per standing lease, and those it started per model since its
+        last report (the demand L4 counts)."""
+        now = self.clock.now()
+        for model, n in (started or {}).items():
+            if model in self.state.catalog and n > 0:
+                self.demand.add(model, n, now)
+        touched, idle = self.leases.report(holder, in_flight, now)
+        for ref in touched:
+            self._count(ref, now)
+        if idle:  # a placement waiting on it may revoke it, a drain may end
+            self._wake()
+
+    async def routes(self, holder: str, version: int = -1, timeout_s: float = 10.0) -> RoutesView:
+        """A holder's long poll: answers at once when `version` is not the current one, else when it
+        changes or after `timeout_s` (on the loop's clock)."""
+        self.leases.seen(holder, self.clock.now())
+        if version == self.leases.version:
+            await self._until(self.leases.change(), timeout_s)
+        self.leases.seen(holder, self.clock.now())
+        return self.leases.view(holder, ready_copies(self.state))
+
+    def _count(self, ref: InstanceRef, now: float) -> None:
+        if self._instance(ref) is not None:
+            self.state = set_in_flight(self.state, ref, self.leases.in_flight(ref), now)
+
+    # ---- ticks and operator actions -------------------------------------------------------------
+    def tick(self) -> None:
+        """Periodic: expire forgotten leases, unload idle / drained / dead instances, start copies."""
+        now = self.clock.now()
+        for lease, why in self.leases.expired(now):
+            self._count(InstanceRef(node_id=lease.node_id, model=lease.model), now)
+            self._record("lease_expired", model=lease.model, node_id=lease.node_id, reason=why)
+        for unload in sweep(self.state, now, self.config):
+            if unload.reason == "node_dead":
+                self.node_dead(unload.instance.node_id)
+            else:
+                self._drop(unload.instance, "unloaded", unload.reason, unload.reason)
+        for place in plan_copies(self.state, now, self.config):
+            self._begin_place(place)
+        self._wake()
 
     def unload(self, model: str) -> list[InstanceRef]:
-        """Operator unload of every copy. A copy with requests in flight drains first (the Effects
-        drain before they stop); pinned models must be unpinned first."""
-        spec = self._spec(model)
-        if spec.pinned:
+        """Operator unload of every copy (the effects drain requests in flight before they stop);
+        pinned models must be unpinned first."""
+        if self._spec(model).pinned:
             raise OrchardError("model_pinned", f"model {model} is pinned: unpin it first")
         refs = [InstanceRef(node_id=n.node_id, model=model) for n in self.state.nodes if n.alive and n.instance(model) is not None]
         for ref in refs:
-            self._unload(ref, "unloaded by the operator")
+            self._drop(ref, "unloaded", "unloaded by the operator", "unloaded by the operator")
         return refs
+
+    def pin(self, model: str, pinned: bool = True) -> ModelSpec:
+        spec = self._spec(model).model_copy(update={"pinned": pinned})
+        self.state = self.state.model_copy(update={"catalog": {**self.state.catalog, model: spec}})
+        self._record("pinned" if pinned else "unpinned", model=model)
+        self._wake()
+        return spec
 
     def begin_removing(self, node_id: str, models: frozenset[str]) -> None:
         """An operator removes a folder from `node_id`'s store that `models` load from (X3): refused
-        (409 files_in_use) while one of them is on the node (loading, waiting to load, or loaded),
-        its weights are being copied there, or the folder is already being removed; else no
-        placement chooses that node for them until `end_removing`. Checked and marked in one step
-        of the loop, so no placement can start between the check and the removal."""
+        (409 files_in_use) while one of them is on the node, its weights are being copied there, or
+        the folder is already being removed; else no placement chooses that node for them until
+        `end_removing`. Checked and marked in one step of the loop."""
         node = self.state.node(node_id)
         on_node = sorted(i.model for i in node.instances if i.model in models) if node is not None else []
         if on_node:
-            loading = [m for m in on_node if self._instance(node_id, m).status == "loading"]  # type: ignore[union-attr]  # on_node lists instances there
+            loading = [m for m in on_node if node is not None and (i := node.instance(m)) is not None and i.status == "loading"]
             what = "is loading" if loading else "is"
             raise OrchardError(
                 "files_in_use",
@@ -704,38 +556,22 @@ class ResidencyController:
         self._removing.update((m, node_id) for m in models)
 
     def end_removing(self, node_id: str, models: frozenset[str], removed: bool) -> None:
-        """The removal `begin_removing` allowed has ended: the node's store no longer holds the
-        models' weights when it `removed` them, and placements may choose the node again."""
         self._removing.difference_update((m, node_id) for m in models)
-        node = self.state.node(node_id)
-        if removed and node is not None:
+        if removed and self.state.node(node_id) is not None:
             self.state = mark_unstored(self.state, node_id, models)
         self._wake()
 
     def _removing_on(self, model: str) -> frozenset[str]:
-        """The nodes from whose store `model`'s files are being removed (X3)."""
         return frozenset(n for m, n in self._removing if m == model)
 
     def held_bytes(self, node_id: str) -> int:
-        """What our instances on the node hold or are loading: those waiting for room to start
-        hold nothing yet (what the node's agent is told Orchard uses there)."""
+        """What our instances on the node hold or are loading (those waiting for room hold nothing yet)."""
         node = self.state.node(node_id)
-        return (sum(i.bytes for i in node.instances) if node is not None else 0) - self._awaiting_bytes(node_id)
-
-    def _awaiting_bytes(self, node_id: str) -> int:
-        return sum(n for ref, n in self._awaiting_room.items() if ref.node_id == node_id)
-
-    def pin(self, model: str, pinned: bool = True) -> ModelSpec:
-        spec = self._spec(model).model_copy(update={"pinned": pinned})
-        self.state = self.state.model_copy(update={"catalog": {**self.state.catalog, model: spec}})
-        self._record("pinned" if pinned else "unpinned", model=model)
-        self._wake()
-        return spec
+        return (sum(i.bytes for i in node.instances) if node is not None else 0) - self.room.awaiting_bytes(node_id)
 
     def restore(self, events: list[ClusterEvent], pins: dict[str, bool]) -> None:
         """What a previous controller left in the operator's store: its event log (numbering goes on
-        after it) and the operator's pins and unpins (applied over the registry, quietly: their
-        events are in that log already)."""
+        after it) and the operator's pins and unpins (applied over the registry, quietly)."""
         self._events.extend(events)
         if events:
             self._seq = itertools.count(max(e.seq for e in events) + 1)
@@ -745,184 +581,138 @@ class ResidencyController:
                 catalog[model] = catalog[model].model_copy(update={"pinned": pinned})
         self.state = self.state.model_copy(update={"catalog": catalog})
 
-    # ---- views --------------------------------------------------------------------------------
+    # ---- views ----------------------------------------------------------------------------------
     def events(self, since: int = 0) -> list[ClusterEvent]:
         return [e for e in self._events if e.seq > since]
 
-    def leases(self) -> list[Lease]:
-        return list(self._leases.values())
+    @property
+    def epoch(self) -> str:
+        return self.leases.epoch
 
-    # ---- effects out --------------------------------------------------------------------------
-    def _fetched_for(self, model: str, node_id: str) -> bool:
-        """Whether a fetch before placing `model` on `node_id` finished (and the placement is due)."""
-        node = self.state.node(node_id)
-        return node is not None and model in node.stored and model not in self.state.failed
+    @property
+    def acquires(self) -> int:
+        return self.leases.granted
 
+    # ---- effects out ----------------------------------------------------------------------------
     def _begin_place(self, place: Place, *, for_requests: bool = False) -> bool:
         """Apply the decision to the state now (so the next decision sees it), then carry it out;
         True when placed. A placement that evicts, on a node whose store lacks the weights, fetches
-        them first and places nothing yet (False): a fetch that fails has evicted nothing, and the
-        next decision, once the weights are there, may find a better node (L1). Nor is a model
-        placed on a node its files are being removed from (X3)."""
-        spec = self.state.catalog[place.model]
+        them first and places nothing yet (False): a fetch that fails has evicted nothing (L1). Nor
+        is a model placed on a node its files are being removed from (X3)."""
         node = self.state.node(place.node_id)
         if (place.model, place.node_id) in self._removing:
             return False
-        if place.evict and node is not None and fetch_source(spec, node, self.state) is not None:
-            self._prefetch(place.model, place.node_id, for_requests)
+        if place.evict and node is not None and fetch_source(self.state.catalog[place.model], node, self.state) is not None:
+            if (place.model, place.node_id) not in self._prefetches:
+                self._prefetches.add((place.model, place.node_id))
+                task = self._spawn(self._run_fetch(place.model, place.node_id))
+                if for_requests:
+                    self._for_requests[(place.model, place.node_id)] = task
             return False
-        task = self._carry_out(place, 1, f"to place {place.model}: {place.reason}", f"evicted for {place.model}")
-        if for_requests:
-            self._track(place.model, place.node_id, task)
+        self._carry_out(place, 1, f"to place {place.model}: {place.reason}", f"evicted for {place.model}", for_requests)
         return True
 
-    def _carry_out(self, place: Place, attempt: int, evicted: str, stop_reason: str) -> asyncio.Task:
+    def _carry_out(self, place: Place, attempt: int, evicted: str, stop_reason: str, for_requests: bool = False) -> None:
         """Unload, then load (X1): stop the victims, apply the placement to the state (its bytes
-        reserved, the victims' counted free for the next decision), and start the load, which waits
-        for every victim and every other stop on its node to exit before it begins."""
-        after = set(self._stopping.get(place.node_id, ()))
+        reserved, the victims' counted free), and load once every stop on its node has exited and
+        a report shows the room (`room`)."""
         for victim in place.evict:
-            inst = self._instance(victim.node_id, victim.model)
-            nbytes = inst.bytes if inst else None
-            self._record("evicted", model=victim.model, node_id=victim.node_id, bytes=nbytes, reason=evicted)
-            after.add(self._stop(victim, stop_reason, nbytes))
-        self.state = apply_place(self.state, place, self.effects.now())
+            inst = self._instance(victim)
+            self._record("evicted", model=victim.model, node_id=victim.node_id, bytes=inst.bytes if inst else None, reason=evicted)
+            self._drop(victim, None, evicted, stop_reason)
+        self.state = apply_place(self.state, place, self.clock.now())
         self._record("placed", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=place.reason)
-        return self._spawn(self._load(place, attempt, tuple(after)))
-
-    def _track(self, model: str, node_id: str, task: asyncio.Task) -> None:
-        key = (model, node_id)
-        self._for_requests[key] = task
-        task.add_done_callback(lambda t: self._for_requests.pop(key, None) if self._for_requests.get(key) is t else None)
-
-    def _prefetch(self, model: str, node_id: str, for_requests: bool = False) -> None:
-        if (model, node_id) in self._prefetches:
-            return
-        self._prefetches.add((model, node_id))
-        task = self._spawn(self._run_prefetch(model, node_id))
         if for_requests:
-            self._track(model, node_id, task)
+            self._for_requests[(place.model, place.node_id)] = None
+        self.room.place(place, attempt)
 
-    async def _run_prefetch(self, model: str, node_id: str) -> None:
-        try:
-            await self.effects.fetch_weights(model, node_id)
-        except asyncio.CancelledError:  # nobody waits for it (the event is recorded): nothing to undo
-            pass
-        except Exception as e:  # the fetch recorded why (fetch_failed); the model is refused for a back-off (P10)
-            reason, message = (e.reason, e.message) if isinstance(e, LoadError) else ("error", f"{type(e).__name__}: {e}")
-            failure = LoadFailure(model=model, node_id=node_id, reason=reason, message=message)
-            self.state = mark_failed(self.state, failure, self.effects.now())
-            self._failed_files[model] = self.effects.files_version(model)
-        else:
-            node = self.state.node(node_id)
-            if node is not None and model not in node.stored:  # the effect did not report a "fetched" (stored already)
-                self.state = mark_stored(self.state, node_id, model)
-        finally:
-            self._prefetches.discard((model, node_id))
-            self._wake()
+    def start_load(self, place: Place, attempt: int, why: str) -> None:
+        """The room is there (`room`): start the model server."""
+        self._record("loading", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=why)
+        task = self._spawn(self._run_load(place, attempt))
+        if (place.model, place.node_id) in self._for_requests:
+            self._for_requests[(place.model, place.node_id)] = task
 
-    async def _load(self, place: Place, attempt: int, after: tuple[asyncio.Task, ...] = ()) -> None:
-        ref = InstanceRef(node_id=place.node_id, model=place.model)
-        spec = self.state.catalog[place.model]
-        started = False
+    async def _run_load(self, place: Place, attempt: int) -> None:
         try:
-            why = ""
-            if after or place.node_id in self._unsure:
-                self._awaiting_room[ref] = place.bytes
-                try:
-                    why = await self._await_room(place, after)
-                finally:
-                    self._awaiting_room.pop(ref, None)
-                if not why:  # unloaded, or its node died, while it waited: nothing was started
-                    return
-            started = True
-            self._record("loading", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=why)
-            result = await self.effects.start_instance(place, spec)
-        except asyncio.CancelledError:  # nobody waits for it (the event is recorded): release its reservation
-            node = self.state.node(place.node_id)
-            if node is not None and node.instance(place.model) is not None:
-                self.state = remove_instance(self.state, ref)
-            self._stop(ref, "cancelled: nobody waits for it", None, announce=started)
-            self._wake()
-            return
-        except NoRoom as e:
-            self._no_room(place, ref, e.message)
+            result = await self.effects.start_instance(place, self.state.catalog[place.model])
+        except asyncio.CancelledError:  # nobody waits for it (the event is recorded)
+            self.apply(LoadFailed(place=place, attempt=attempt, reason="cancelled", message="nobody waits for it"))
             return
         except LoadError as e:
-            self._load_failed(place, ref, e.reason, e.message, attempt)
+            self.apply(LoadFailed(place=place, attempt=attempt, reason=e.reason, message=e.message))
+            return
+        except NodeUnreachable as e:
+            self.apply(NodeLost(node_id=e.node_id, reason=e.message, suspect=True))
+            self.apply(LoadFailed(place=place, attempt=attempt, reason="node_lost", message=e.message))
             return
         except Exception as e:  # an effect that broke must not leave the model "loading" forever
-            self._load_failed(place, ref, "error", f"{type(e).__name__}: {e}", attempt)
+            self.apply(LoadFailed(place=place, attempt=attempt, reason="error", message=f"{type(e).__name__}: {e}"))
             return
-        node = self.state.node(place.node_id)
-        if node is None or not node.alive or node.instance(place.model) is None:
-            self._stop(ref, "its node died or it was unloaded while loading", result.bytes)
+        finally:
+            self._for_requests.pop((place.model, place.node_id), None)
+        self.apply(LoadDone(place=place, bytes=result.bytes, load_seconds=result.load_seconds))
+
+    def _load_done(self, done: LoadDone) -> None:
+        ref = InstanceRef(node_id=done.place.node_id, model=done.place.model)
+        inst = self._instance(ref)
+        node = self.state.node(ref.node_id)
+        if node is None or not node.alive or inst is None:
+            self.stop(ref, "its node died or it was unloaded while loading", done.bytes)
             return
-        self.state = mark_loaded(self.state, ref, self.effects.now(), result.load_seconds, result.bytes)
-        self._record("loaded", model=place.model, node_id=place.node_id, bytes=result.bytes, seconds=result.load_seconds)
-        self._wake()
+        self.state = mark_loaded(self.state, ref, self.clock.now(), done.load_seconds, done.bytes)
+        self._record("loaded", model=ref.model, node_id=ref.node_id, bytes=done.bytes, seconds=done.load_seconds)
 
-    async def _await_room(self, place: Place, after: tuple[asyncio.Task, ...]) -> str:
-        """Wait until every stop in `after` has confirmed its process gone and a report of the node,
-        asked for after that, measures free memory for this placement and every other one waiting
-        there (X1); at most `exit_wait_s`. Returns why it may load now (for the `loading` event),
-        or "" when the placement left the state meanwhile. NoRoom when the wait fails."""
-        node_id = place.node_id
-        deadline = self.effects.now() + self.config.exit_wait_s
-        ended_at: float | None = None
-        while True:
-            node = self.state.node(node_id)
-            inst = node.instance(place.model) if node is not None and node.alive else None
-            if inst is None or inst.status != "loading":
-                return ""
-            running = [t for t in after if not t.done()]
-            failed = [t for t in after if t.done() and (t.cancelled() or t.exception() is not None or not t.result())]
-            if failed:
-                raise NoRoom(f"{len(failed)} of the instances stopping on {node_id} (and the victims) did not confirm their exit")
-            if not running:
-                if ended_at is None:
-                    ended_at = self.effects.now()
-                    self.effects.want_report(node_id)
-                asked, free = self._reports.get(node_id, (float("-inf"), 0))
-                need = self._awaiting_bytes(node_id)
-                if asked >= ended_at and free >= need:
-                    self._unsure.pop(node_id, None)
-                    return f"after the stops on {node_id} its report measured {gib(free)} free, {gib(need)} to load"
-            now = self.effects.now()
-            if now >= deadline:
-                if running:
-                    raise NoRoom(f"{len(running)} instance(s) stopping for it had not exited after {self.config.exit_wait_s:.0f} s")
-                asked, free = self._reports.get(node_id, (float("-inf"), 0))
-                seen = f"its last report measured {gib(free)} free" if ended_at is not None and asked >= ended_at else "no report came"
-                raise NoRoom(f"{node_id} did not show {gib(self._awaiting_bytes(node_id))} free within {self.config.exit_wait_s:.0f} s: {seen}")
-            if ended_at is not None and self._reports.get(node_id, (float("-inf"), 0))[0] >= ended_at:
-                self.effects.want_report(node_id)  # a report after the stops, short of room: measure again
-            await self._wait_for_change(min(self.config.retry_poll_s, max(0.0, deadline - now)))
-
-    def _no_room(self, place: Place, ref: InstanceRef, message: str) -> None:
-        """X1: a placement whose node never showed the room loads nothing: its reservation goes,
-        the model is not marked failed (its files are not at fault), and the requests waiting for
-        it decide again against the node's latest report."""
-        self._record("load_failed", model=place.model, node_id=place.node_id, reason=f"no_room: {message}; nothing was loaded")
-        if self._instance(place.node_id, place.model) is not None:
+    def _load_failed(self, failed: LoadFailed) -> None:
+        place = failed.place
+        ref = InstanceRef(node_id=place.node_id, model=place.model)
+        self._for_requests.pop((place.model, place.node_id), None)
+        started = failed.reason != "no_room"  # a placement that never found room started nothing
+        if failed.reason == "cancelled":
+            pass
+        elif failed.reason == "no_room":
+            self._record("load_failed", model=place.model, node_id=place.node_id, reason=f"no_room: {failed.message}; nothing was loaded")
+        else:
+            self._record("load_failed", model=place.model, node_id=place.node_id, reason=f"{failed.reason}: {failed.message}")
+        if self._instance(ref) is not None:
             self.state = remove_instance(self.state, ref)
-        self._wake()
-
-    def _load_failed(self, place: Place, ref: InstanceRef, reason: str, message: str, attempt: int) -> None:
-        self._record("load_failed", model=place.model, node_id=place.node_id, reason=f"{reason}: {message}")
-        node = self.state.node(place.node_id)
-        if node is not None and node.instance(place.model) is not None:
-            self.state = remove_instance(self.state, ref)
-        self._stop(ref, "failed to load", None)
-        failure = LoadFailure(model=place.model, node_id=place.node_id, reason=reason, message=message, attempt=attempt)
-        now = self.effects.now()
+        if started:
+            self.stop(ref, "cancelled: nobody waits for it" if failed.reason == "cancelled" else "failed to load", None)
+        if failed.reason in ("no_room", "node_lost", "cancelled"):
+            return  # not the files' fault: requests decide again against the latest state
+        failure = LoadFailure(model=place.model, node_id=place.node_id, reason=failed.reason, message=failed.message, attempt=failed.attempt)
+        now = self.clock.now()
         retry = retry_after_failure(failure, self.state, now, self.config)
         if isinstance(retry, Place) and (retry.model, retry.node_id) not in self._removing:
-            self._carry_out(retry, attempt + 1, f"retrying {place.model}: {retry.reason}", f"evicted to retry {place.model}")
+            self._carry_out(retry, failed.attempt + 1, f"retrying {place.model}: {retry.reason}", f"evicted to retry {place.model}")
         else:  # P9/P10: not retried, nothing evicted; requests are refused until the back-off ends
             self.state = mark_failed(self.state, failure, now)
             self._failed_files[place.model] = self.effects.files_version(place.model)
-        self._wake()
+
+    async def _run_fetch(self, model: str, node_id: str) -> None:
+        try:
+            await self.effects.fetch_weights(model, node_id)
+        except asyncio.CancelledError:  # nobody waits for it (the event is recorded): nothing to undo
+            self.apply(FetchDone(model=model, node_id=node_id, failure="error", message="cancelled"))
+        except LoadError as e:
+            self.apply(FetchDone(model=model, node_id=node_id, failure=e.reason, message=e.message))
+        except Exception as e:
+            self.apply(FetchDone(model=model, node_id=node_id, failure="error", message=f"{type(e).__name__}: {e}"))
+        else:
+            self.apply(FetchDone(model=model, node_id=node_id))
+        finally:
+            self._for_requests.pop((model, node_id), None)
+
+    def _fetch_done(self, done: FetchDone) -> None:
+        self._prefetches.discard((done.model, done.node_id))
+        if done.failure is not None and done.message != "cancelled":  # the fetch recorded why (fetch_failed)
+            failure = LoadFailure(model=done.model, node_id=done.node_id, reason=done.failure, message=done.message)
+            self.state = mark_failed(self.state, failure, self.clock.now())
+            self._failed_files[done.model] = self.effects.files_version(done.model)
+        elif done.failure is None:
+            node = self.state.node(done.node_id)
+            if node is not None and done.model not in node.stored:
+                self.state = mark_stored(self.state, done.node_id, done.model)
 
     def _retry_if_files_changed(self, model: str) -> None:
         """A model marked failed whose files changed since (fixed, copied again) is tried again now."""
@@ -933,81 +723,48 @@ class ResidencyController:
             self.state = clear_failed(self.state, model)
             self._record("retrying", model=model, reason="its files changed since it failed to load")
 
-    def _unload(self, ref: InstanceRef, reason: str) -> None:
-        self._drop(ref, "unloaded", reason, reason)
-
-    def _drop(self, ref: InstanceRef, kind: EventKind, reason: str, stop_reason: str) -> None:
-        """Remove an instance and its leases from the state, record why, and stop its actor."""
-        node = self.state.node(ref.node_id)
-        inst = node.instance(ref.model) if node is not None else None
+    def _drop(self, ref: InstanceRef, kind: EventKind | None, reason: str, stop_reason: str) -> None:
+        """Remove an instance and its leases from the state, record why (`kind`), and stop it."""
+        inst = self._instance(ref)
         if inst is None:
             return
         self.state = remove_instance(self.state, ref)
-        for lease_id, lease in list(self._leases.items()):
-            if lease.node_id == ref.node_id and lease.model == ref.model:
-                self._forget_lease(lease_id)
-        self._record(kind, model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=reason)
-        self._stop(ref, stop_reason, inst.bytes, announce=ref not in self._awaiting_room)  # one still waiting for room runs nothing
+        self.leases.end_on(ref)
+        self._drains.pop(ref, None)
+        if kind is not None:
+            self._record(kind, model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=reason)
+        if not self.room.cancel(ref):  # one still waiting for room runs nothing
+            self.stop(ref, stop_reason, inst.bytes)
         self._wake()
 
-    def _stop(self, ref: InstanceRef, reason: str, nbytes: int | None, *, announce: bool = True) -> asyncio.Task:
-        """Stop the instance's process (the effect takes its incarnation now), tracked as stopping
-        on its node until it has exited: loads placed there meanwhile wait for it (X1). Its exit is
-        a `stopped` event with the bytes it released (`announce`: a process may have run)."""
-        stopping = self.effects.stop_instance(ref, reason)
-        task = self._spawn(self._run_stop(ref, stopping, reason, nbytes if announce else None, announce))
-        self._stopping.setdefault(ref.node_id, set()).add(task)
+    def stop(self, ref: InstanceRef, reason: str, nbytes: int | None) -> None:
+        """Stop the instance's process, tracked as stopping on its node until it has exited (X1)."""
+        stop_id = self.room.stopping(ref)
+        self._spawn(self._run_stop(stop_id, ref, reason, nbytes))
 
-        def done(t: asyncio.Task, node_id: str = ref.node_id) -> None:
-            on_node = self._stopping.get(node_id)
-            if on_node is not None:
-                on_node.discard(t)
-                if not on_node:
-                    del self._stopping[node_id]
-
-        task.add_done_callback(done)
-        return task
-
-    async def _run_stop(self, ref: InstanceRef, stopping, reason: str, nbytes: int | None, announce: bool) -> bool:
+    async def _run_stop(self, stop_id: int, ref: InstanceRef, reason: str, nbytes: int | None) -> None:
+        stopping = self.effects.stop_instance(ref, reason)  # its incarnation is taken now
         try:
             gone = bool(await stopping)
         except Exception as e:  # an effect that broke: the exit is not confirmed
-            gone = False
-            reason = f"{reason}; stopping it failed: {type(e).__name__}: {e}"
-        if not gone:  # its memory may still be held: loads there wait for a report that shows the room
-            self._unsure[ref.node_id] = self.effects.now()
-            self.effects.want_report(ref.node_id)
-        if gone and announce:
-            released = f"{gib(nbytes)} released" if nbytes is not None else "its memory released"
-            self._record("stopped", model=ref.model, node_id=ref.node_id, bytes=nbytes, reason=f"its process exited, {released} ({reason})")
-        self._wake()
-        return gone
+            gone, reason = False, f"{reason}; stopping it failed: {type(e).__name__}: {e}"
+        self.apply(StopDone(stop_id=stop_id, instance=ref, gone=gone, reason=reason, bytes=nbytes))
 
-    # ---- plumbing -----------------------------------------------------------------------------
-    def _forget_lease(self, lease_id: str) -> None:
-        """Drop a lease whose instance is gone (no in-flight count to update)."""
-        self._leases.pop(lease_id, None)
-        self._reported.pop(lease_id, None)
-        self._revoked.discard(lease_id)
-        self._heard.discard(lease_id)
-
+    # ---- plumbing -------------------------------------------------------------------------------
     def _spec(self, model: str) -> ModelSpec:
         spec = self.state.catalog.get(model)
         if spec is None:
             raise OrchardError("model_not_found", f"model {model!r} is not in the registry", "model")
         return spec
 
-    def _copies(self, model: str) -> int:
-        return sum(1 for n in self.state.nodes if n.alive and n.instance(model) is not None)
+    def _instance(self, ref: InstanceRef) -> InstanceState | None:
+        node = self.state.node(ref.node_id)
+        return node.instance(ref.model) if node is not None else None
 
-    def _instance(self, node_id: str, model: str) -> InstanceState | None:
-        node = self.state.node(node_id)
-        return node.instance(model) if node is not None else None
-
-    def record(self, kind: EventKind, **fields) -> None:
-        """An event an effect reports while it works (a copy of weights starting, ending, failing).
-        A finished copy teaches the peer bandwidth (L3) and puts the weights in the node's store
-        at once, before its next report says so. `source` ("peer" or "hub") says where from."""
+    def record(self, kind: EventKind, **fields: Any) -> None:
+        """An event an effect reports while it works (a copy starting, ending, failing). A finished
+        copy teaches the bandwidth (L3) and puts the weights in the node's store at once.
+        `source` ("peer" or "hub") says where from."""
         source = fields.pop("source", "peer")
         self._record(kind, **fields)
         model, node_id, nbytes, seconds = fields.get("model"), fields.get("node_id"), fields.get("bytes"), fields.get("seconds")
@@ -1016,36 +773,63 @@ class ResidencyController:
             if nbytes and seconds:
                 self.state = learn_bandwidth(self.state, source, nbytes / seconds)
 
-    def _record(self, kind: EventKind, **fields) -> None:
-        event = ClusterEvent(seq=next(self._seq), at=self.effects.now(), kind=kind, **fields)
+    def _record(self, kind: EventKind, **fields: Any) -> None:
+        event = ClusterEvent(seq=next(self._seq), at=self.clock.now(), kind=kind, **fields)
         self._events.append(event)
         self.effects.publish(event)
         if kind in _ROUTES_CHANGE:
-            self._routes_update()
+            self.leases.changed()
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def _future(self) -> asyncio.Future:
+        return asyncio.get_running_loop().create_future()
+
     def _wake(self) -> None:
-        """The state changed: operator loads waiting on `_changed` look again, and the waiters'
-        queues are drained (soon, on the loop: callers may be in the middle of a change)."""
-        self._changed.set()
-        self._changed = asyncio.Event()
-        if self._waiters and not self._drain_scheduled:
+        """The state changed: decide the queued asks again, soon (the caller may be mid-change)."""
+        if self._asks or self._drains:
+            if self._redecide_soon:
+                return
             try:
-                asyncio.get_running_loop().call_soon(self._drain)
+                asyncio.get_running_loop().call_soon(self._redecide)
             except RuntimeError:  # no loop (a synchronous test driving the state): nothing waits
                 return
-            self._drain_scheduled = True
+            self._redecide_soon = True
 
-    async def _wait_for_change(self, timeout_s: float) -> None:
+    def _schedule(self, delay_s: float) -> None:
+        """Decide again after `delay_s` on the loop's clock (what passes with time: a young blocker
+        coming of age, a wait timing out); one timer, at the earliest time asked for."""
+        when = self.clock.now() + max(0.0, delay_s)
+        if self._timer is not None and self._timer[0] <= when:
+            return
+        if self._timer is not None:
+            self._timer[1].cancel()
+        self._timer = (when, self.clock.call_at(when, self._on_timer))
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._redecide()
+
+    async def _until(self, event: asyncio.Event, timeout_s: float) -> None:
+        """Wait for `event`, at most `timeout_s` on the loop's clock."""
+        done = self._future()
+
+        def fire(*_: object) -> None:
+            if not done.done():
+                done.set_result(None)
+
+        timer = self.clock.call_at(self.clock.now() + timeout_s, fire)
+        waiter = asyncio.get_running_loop().create_task(event.wait())
+        waiter.add_done_callback(fire)
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout=timeout_s)
-        except TimeoutError:
-            pass
+            await done
+        finally:
+            timer.cancel()
+            waiter.cancel()
 
     async def settle(self) -> None:
         """Wait for every started load and stop (tests, shutdown)."""
@@ -1060,4 +844,4 @@ def _error_for(reject: Reject) -> OrchardError:
 
 
 # Events after which a holder's standing leases or the ready copies may differ.
-_ROUTES_CHANGE: frozenset[str] = frozenset({"loaded", "evicted", "unloaded", "died", "node_dead", "lease_expired"})
+_ROUTES_CHANGE: frozenset[str] = frozenset({"loaded", "evicted", "unloaded", "died", "node_dead", "node_suspect", "lease_expired", "draining"})

@@ -17,10 +17,10 @@ from cluster.node_agent import get_agent
 from cluster.placement import NAMESPACE, actor_name, create_model_server, kill_model_server, new_incarnation
 from deployments.manifest import ManifestEntry, model_location
 from deployments.model_server import unwrap
+from deployments.wire.failure import OrchardError
 from policy import InstanceRef, ModelSpec, Place
 from policy.cluster_state import LoadFailureReason
-from router.errors import OrchardError
-from router.residency.controller import ClusterEvent, LoadError, LoadResult
+from router.residency.events import ClusterEvent, LoadError, LoadResult, NodeUnreachable
 
 log = logging.getLogger("orchard.residency")
 
@@ -79,7 +79,7 @@ class RayEffects:
     async def start_instance(self, place: Place, spec: ModelSpec) -> LoadResult:
         ray_node_id = self.ray_node_ids.get(place.node_id)
         if ray_node_id is None:
-            raise LoadError("error", f"node {place.node_id} is not known to Ray")
+            raise NodeUnreachable(place.node_id, f"node {place.node_id} is not known to Ray")
         registered = self.entries[place.model]
         options = dict(self.server_options, load_now=True)
         scheduling = options.pop("llm_engine", None) or {}  # the LLM engines' own, not the server's
@@ -105,6 +105,8 @@ class RayEffects:
         try:
             report: dict[str, Any] = await asyncio.wait_for(handle.load.remote(), self.load_timeout_s)
         except Exception as e:
+            if isinstance(e, ray.exceptions.ActorUnschedulableError):  # its node is gone (N1), not its files
+                raise NodeUnreachable(place.node_id, f"Ray cannot start {name} on {place.node_id}: {type(e).__name__}") from e
             error = unwrap(e)
             reason = load_failure_reason(error.code, error.message)
             await kill_model_server(handle, drain_timeout_s=0, reason=f"failed to load: {error.message}")
@@ -321,6 +323,19 @@ class RayEffects:
 # What an out-of-memory load failure says (MLX's allocators on Metal and CUDA, Python, Ray's memory
 # monitor): only that failure earns evict-and-retry (policy rule P9).
 _OUT_OF_MEMORY = ("out of memory", "outofmemory", "insufficient memory", "bad_alloc", "unable to allocate", "memoryerror", "running low on memory")
+
+
+async def agent_answers(node_id: str, timeout_s: float) -> bool:
+    """Whether the node's agent answers a call within `timeout_s` (a node whose raylet died is
+    listed alive by Ray for a while; its agent no longer answers)."""
+    agent = await asyncio.to_thread(get_agent, node_id)
+    if agent is None:
+        return False
+    try:
+        await asyncio.wait_for(agent.identity.remote(), timeout_s)
+    except Exception:
+        return False
+    return True
 
 
 def load_failure_reason(code: str, message: str) -> LoadFailureReason:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
-from router.errors import OrchardError
+from deployments.wire.failure import OrchardError
 
 WINDOW_S = 60.0
 ASCII_BYTES_PER_TOKEN = 3  # BPE vocabularies average about 4 bytes of English or code per token

@@ -17,12 +17,14 @@ from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 
 from cluster.node_agent import alive_nodes, collect_reports, ensure_agents
 from cluster.placement import death_cause, find_model_servers, kill_model_server, live_model_server_names, parse_actor_name
+from deployments.wire.failure import OrchardError
+from deployments.wire.leases import Grant, Refusal, RoutesView, UsageReport
 from policy import InstanceRef, PolicyConfig, StoreRoom, plan_background_copies
 from policy.failures import backoff_left
-from router.errors import OrchardError
 from router.residency import metrics as metrics
-from router.residency.controller import ClusterEvent, LoadError, ResidencyController
-from router.residency.effects import RayEffects, holds, store_folder
+from router.residency.controller import ResidencyController
+from router.residency.effects import RayEffects, agent_answers, holds, store_folder
+from router.residency.events import ClusterEvent, LoadError, NodeLost
 from router.residency.limits import Limiter, RateLimited, Tenant
 from router.residency.registry import from_config
 from router.residency.store import OperatorStore
@@ -49,6 +51,7 @@ class ResidencyService:
         watch_period_s: float = 1.0,
         server_options: dict | None = None,
         fetch_max_bytes_per_s: float | None = None,
+        report_timeout_s: float = 2.0,
     ):
         catalog, entries = from_config(models, models_dir)
         self.effects = RayEffects(entries, models_dir, server_options=server_options, fetch_max_bytes_per_s=fetch_max_bytes_per_s)
@@ -67,6 +70,8 @@ class ResidencyService:
         self._copying: set[str] = set()  # nodes a background copy (L4) is coming into
         self._settling: set[str] = set()  # nodes whose background copy ended since the last store reports
         self._copy_failed: dict[tuple[str, str], float] = {}  # (model, node) -> when its background copy failed
+        self._missed: dict[str, int] = {}  # node -> reports in a row its agent did not answer
+        self.report_timeout_s = report_timeout_s
         await self._observe_nodes()
         await self._adopt_running_servers()
         await self._resume_operator_loads()
@@ -92,10 +97,22 @@ class ResidencyService:
 
     async def _observe_nodes(self) -> None:
         agents = await asyncio.to_thread(ensure_agents)
-        asked = self.effects.now()  # the reports measure after this (X1 trusts only those after a stop)
+        asked = self.controller.clock.now()  # the reports measure after this (X1 trusts only those after a stop)
         used = {n.node_id: self.controller.held_bytes(n.node_id) for n in self.controller.state.nodes}
-        reports = await asyncio.to_thread(collect_reports, agents, used)
+        reports = await asyncio.to_thread(collect_reports, agents, used, self.report_timeout_s)
+        for node_id in agents.keys() - reports.keys():  # a node whose agent did not answer twice in a row is suspect (rule N1)
+            self._missed[node_id] = self._missed.get(node_id, 0) + 1
+            node = self.controller.state.node(node_id)
+            if self._missed[node_id] >= 2 and node is not None and node.alive:
+                self.controller.apply(
+                    NodeLost(node_id=node_id, reason=f"its agent did not answer {self._missed[node_id]} reports in a row", suspect=True)
+                )
+        back = []
         for node_id, report in reports.items():
+            self._missed.pop(node_id, None)
+            node = self.controller.state.node(node_id)
+            if node is not None and not node.alive:
+                back.append(node_id)
             self.effects.ray_node_ids[node_id] = report.ray_node_id
             if report.store is not None:
                 self.effects.stores[node_id] = report.store
@@ -113,6 +130,8 @@ class ResidencyService:
         for node in self.controller.state.nodes:
             if node.alive and node.node_id not in alive:
                 self.controller.node_dead(node.node_id, "Ray lists the node as dead")
+        if back:  # a suspect node answers again: the model servers it kept running are ours again
+            await self._adopt_running_servers(only_nodes=frozenset(back))
 
     def _start_background_copies(self) -> None:
         """Rule L4 (`background_copies` in the policy): start the copies plan_background_copies picks
@@ -130,7 +149,7 @@ class ResidencyService:
         }
         copying = self._copying | self._settling | {n for n, s in self.effects.stores.items() if s.get("fetching")}
         self._settling = set()  # the reports just observed show what those copies left
-        now = self.effects.now()
+        now = self.controller.clock.now()
         self._copy_failed = {k: at for k, at in self._copy_failed.items() if now - at < config.background_copy_retry_s}
         demand = self.controller.demand.snapshot(now)
         for copy in plan_background_copies(self.controller.state, config, demand, rooms, frozenset(copying), frozenset(self._copy_failed)):
@@ -145,7 +164,7 @@ class ResidencyService:
         try:
             await self.effects.fetch_weights(model, node_id, background=why)
         except LoadError as e:
-            self._copy_failed[(model, node_id)] = self.effects.now()
+            self._copy_failed[(model, node_id)] = self.controller.clock.now()
             log.info("background copy of %s to %s: %s", model, node_id, e.message)
         finally:
             self._copying.discard(node_id)
@@ -176,9 +195,12 @@ class ResidencyService:
             return
         model, node_id, _ = parsed
         ref = InstanceRef(node_id=node_id, model=model)
-        if self.effects.actor_of(ref) != actor or actor in await asyncio.to_thread(live_model_server_names):
+        if self.effects.actor_of(ref) != actor:
             return
-        self.controller.instance_died(ref, await asyncio.to_thread(death_cause, actor, message))
+        if actor not in await asyncio.to_thread(live_model_server_names):
+            self.controller.instance_died(ref, await asyncio.to_thread(death_cause, actor, message))
+        elif not await agent_answers(node_id, self.report_timeout_s / 2):  # Ray has not noticed yet: rule N1
+            self.controller.apply(NodeLost(node_id=node_id, reason=f"{actor} failed ({message}) and the node's agent does not answer", suspect=True))
 
     def _background(self, coro) -> None:
         """Run `coro` as a task this service holds until it ends (stops of orphans, resumed loads)."""
@@ -204,14 +226,14 @@ class ResidencyService:
         except Exception as e:
             log.warning("resuming the operator's load of %s failed: %s", model, e)
 
-    async def _adopt_running_servers(self, answer_within_s: float = 5.0) -> None:
+    async def _adopt_running_servers(self, answer_within_s: float = 5.0, only_nodes: frozenset[str] | None = None) -> None:
         """Adopt the ready model servers an earlier controller left (one per model and node); stop
         the others (still loading for a controller that is gone, failed, a second copy, a model no
         longer in the registry), whose memory nobody would account for."""
         for name, handle in await asyncio.to_thread(find_model_servers):
             parsed = parse_actor_name(name)
             node = self.controller.state.node(parsed[1]) if parsed is not None else None
-            if parsed is None or node is None or not node.alive:
+            if parsed is None or node is None or not node.alive or (only_nodes is not None and parsed[1] not in only_nodes):
                 continue  # not ours, or on a node that is gone
             model, node_id, _ = parsed
             health: dict[str, Any]
@@ -231,61 +253,68 @@ class ResidencyService:
                 self._background(kill_model_server(name, 0.0, reason="not adopted by a restarted controller"))
 
     # ---- what the ingress calls ----------------------------------------------------------------
-    async def acquire(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0, holder: str | None = None) -> dict[str, Any]:
-        """A lease on `model` (router.serving.lease reads the grant), counted against the key's
-        limits when `tenant` names some (router/residency/limits.py); with `holder` (an ingress
-        replica, for requests no limit counts), a standing lease it routes many requests through."""
+    async def acquire(
+        self,
+        model: str,
+        tenant: dict[str, Any] | None = None,
+        reserve_tokens: int = 0,
+        holder: str | None = None,
+        avoid: tuple[str, float] | None = None,
+    ) -> Grant | Refusal:
+        """A lease on `model`, counted against the key's limits when `tenant` names some
+        (router/residency/limits.py); with `holder` (an ingress replica, for requests no limit
+        counts), a standing lease it routes many requests through. `avoid`: see the controller."""
         who = Tenant.model_validate(tenant) if tenant else None
         if who is not None:
             holder = None  # a key's limits count every request: each has a lease of its own
         ticket = uuid.uuid4().hex
         granted = False
-        asked = self.effects.now()
+        clock = self.controller.clock
+        asked = clock.now()
         try:
             if who is not None:
-                self.limiter.admit(who, ticket, reserve_tokens, self.effects.now())
-            lease = await self.controller.acquire(model, holder)
+                self.limiter.admit(who, ticket, reserve_tokens, clock.now())
+            lease = await self.controller.acquire(model, holder, avoid)
             granted = True
-            metrics.on_queue_wait(model, self.effects.now() - asked)
+            metrics.on_queue_wait(model, clock.now() - asked)
         except OrchardError as e:
             if isinstance(e, RateLimited):
                 metrics.on_limit(e.limit, who.name if who else "")
-            return error_dict(e) | {"ratelimit": self.limiter.headers(who, self.effects.now()) if who else {}}
+            return Refusal.of(e, self.limiter.headers(who, clock.now()) if who else None)
         finally:
             if not granted:  # refused, failed or cancelled (the client left while it waited)
-                self.limiter.finish(ticket, 0, self.effects.now())
+                self.limiter.finish(ticket, 0, clock.now())
         self._tickets[lease.lease_id] = ticket
         entry = self.effects.entries[model]
-        actor = self.effects.actor_of(InstanceRef(node_id=lease.node_id, model=model))
-        return lease.model_dump() | {
-            "kind": entry.kind,
-            "tool_parser": entry.tool_parser,
-            "reasoning": entry.reasoning,
-            "actor_name": actor,
-            "epoch": self.controller.epoch,
-            "ratelimit": self.limiter.headers(who, self.effects.now()) if who else {},
-        }
+        return Grant(
+            lease=lease,
+            kind=entry.kind,
+            tool_parser=entry.tool_parser,
+            reasoning=entry.reasoning,
+            actor_name=self.effects.actor_of(InstanceRef(node_id=lease.node_id, model=model)),
+            epoch=self.controller.epoch,
+            ratelimit=self.limiter.headers(who, clock.now()) if who else {},
+        )
 
     async def release(self, lease_id: str, used_tokens: int | None = None) -> None:
         ticket = self._tickets.pop(lease_id, None)
         if ticket is not None:
-            self.limiter.finish(ticket, used_tokens, self.effects.now())
+            self.limiter.finish(ticket, used_tokens, self.controller.clock.now())
         self.controller.release(lease_id)
 
-    async def report_usage(self, holder: str, in_flight: dict[str, int], started: dict[str, int] | None = None) -> None:
-        """An ingress replica's requests in flight per standing lease, and those it started per model
-        (ResidencyController.report_usage)."""
-        self.controller.report_usage(holder, in_flight, started)
+    async def report_usage(self, report: UsageReport) -> None:
+        """An ingress replica's requests in flight per standing lease, and those it started per model."""
+        self.controller.report_usage(report.holder, report.in_flight, report.started)
 
-    async def routes(self, holder: str, version: int = -1) -> dict[str, Any]:
+    async def routes(self, holder: str, version: int = -1) -> RoutesView:
         """An ingress replica's long poll for its standing leases (ResidencyController.routes)."""
         return await self.controller.routes(holder, version)
 
     def _reap_tickets(self) -> None:
         """Leases the controller ended itself (expired, their instance gone) free their key's count."""
-        live = {lease.lease_id for lease in self.controller.leases()}
+        live = {lease.lease_id for lease in self.controller.leases.all()}
         for lease_id in [lid for lid in self._tickets if lid not in live]:
-            self.limiter.finish(self._tickets.pop(lease_id), None, self.effects.now())
+            self.limiter.finish(self._tickets.pop(lease_id), None, self.controller.clock.now())
 
     async def load(self, model: str, node_id: str | None = None) -> dict[str, Any]:
         try:
@@ -385,7 +414,7 @@ class ResidencyService:
         """Every registry model with its residency: loaded / loading / failed / available, where,
         bytes; a model marked failed (P10) says why and when it is tried again."""
         state = self.controller.state
-        now = self.effects.now()
+        now = self.controller.clock.now()
         out = []
         for name, spec in sorted(state.catalog.items()):
             copies = [(n.node_id, i) for n in state.nodes if n.alive for i in n.instances if i.model == name]
@@ -421,7 +450,7 @@ class ResidencyService:
 
     async def cluster(self) -> dict[str, Any]:
         state = self.controller.state
-        leases = self.controller.leases()
+        leases = self.controller.leases.all()
         return {
             "nodes": [
                 {

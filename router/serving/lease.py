@@ -7,7 +7,6 @@
 Releasing is the one subtle part: a release sent from the request's own context would be cancelled
 with the request when its client disconnects, so each is sent detached (router/serving/detached.py)."""
 
-import asyncio
 import contextlib
 import contextvars
 import logging
@@ -17,7 +16,8 @@ from typing import Any
 import ray
 
 from cluster.placement import NAMESPACE
-from router.errors import OrchardError, raise_for_error
+from deployments.wire.failure import OrchardError
+from deployments.wire.leases import Grant, Refusal
 from router.serving.detached import send_detached
 from router.serving.standing import Standing, StandingLeases
 
@@ -40,21 +40,21 @@ class Lease:
     (kind, output-parsing config). `release()` is idempotent. With `standing`, this request's use
     of this replica's standing lease (router/serving/standing.py): releasing ends the use."""
 
-    def __init__(self, owner: "Leases", grant: dict[str, Any], standing: Standing | None = None, asked: tuple = (None, 0)):
+    def __init__(self, owner: "Leases", grant: Grant, standing: Standing | None = None, asked: tuple = (None, 0)):
         self.owner = owner
         self.asked = asked  # (tenant, reserve_tokens): how it was asked for, to ask again (`move`)
         self.handed_off = False
         self._take(grant, standing)
 
-    def _take(self, grant: dict[str, Any], standing: Standing | None) -> None:
+    def _take(self, grant: Grant, standing: Standing | None) -> None:
         self.standing = standing
         self.grant = grant
-        self.lease_id: str = grant["lease_id"]
-        self.model: str = grant["model"]
-        self.node_id: str = grant["node_id"]
-        self.kind: str = grant["kind"]
-        self.tool_parser: str | None = grant.get("tool_parser")
-        self.reasoning: Any = grant.get("reasoning")
+        self.lease_id: str = grant.lease.lease_id
+        self.model: str = grant.lease.model
+        self.node_id: str = grant.lease.node_id
+        self.kind: str = grant.kind
+        self.tool_parser: str | None = grant.tool_parser
+        self.reasoning: Any = grant.reasoning
         self.released = False
 
     @property
@@ -71,21 +71,21 @@ class Lease:
     def report_unavailable(self, message: str) -> None:
         """Tell the residency service this instance's actor failed as dead or unreachable (it checks
         with Ray and drops a dead one at once, instead of at the next watch round)."""
-        self.owner.send(self.owner.residency.report_unavailable, self.grant.get("actor_name"), message)
+        self.owner.send(self.owner.residency.report_unavailable, self.grant.actor_name, message)
         if self.standing is not None and self.owner.standing is not None:
             self.owner.standing.drop(self.standing)
 
     async def move(self, why: str) -> None:
         """This request's instance stopped or died before answering anything: end this lease (a
         standing one is dropped, so no later request uses it) and take a fresh one on the same model,
-        asked for as this one was. The residency service has been told (`report_unavailable`) or is
-        stopping the instance itself; the short pause lets it drop the instance first."""
+        asked for as this one was, that is not the incarnation it leaves (the residency service has
+        been told, or is stopping it itself, and drops it on its own loop)."""
         log.info("%s: %s; moving the request to a fresh lease", self.label, why)
         if self.standing is not None and self.owner.standing is not None:
             self.owner.standing.drop(self.standing)
         self.release()
-        await asyncio.sleep(0.1)
-        fresh = await self.owner.acquire(self.model, *self.asked)
+        tenant, reserve_tokens = self.asked
+        fresh = await self.owner.acquire(self.model, tenant, reserve_tokens, avoid=(self.node_id, self.grant.lease.loaded_at))
         self._take(fresh.grant, fresh.standing)
 
     def hand_off(self) -> "Lease":
@@ -113,16 +113,21 @@ class Leases:
         self._handles: dict[tuple[str, str], tuple[float, Any]] = {}  # (model, node) -> (loaded_at, actor)
         self.standing = StandingLeases(self, holder, linger_s) if holder is not None and linger_s > 0 else None
 
-    async def acquire(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0) -> Lease:
+    async def acquire(
+        self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0, avoid: tuple[str, float] | None = None
+    ) -> Lease:
         """A lease on a ready instance of `model`, counted against `tenant`'s limits (a key's name,
         rpm, tpm, max_concurrent) with `reserve_tokens` held until it ends; or the residency
-        service's OrchardError (a 429 when a limit says no)."""
-        if tenant is None and self.standing is not None:
+        service's OrchardError (a 429 when a limit says no). `avoid`: an incarnation this request
+        just left, (node, loaded_at); it asks the residency service itself, not a standing lease."""
+        if tenant is None and self.standing is not None and avoid is None:
             standing = await self.standing.use(model)
             return Lease(self, standing.grant, standing)
-        grant = await self.residency.acquire.remote(model, tenant, reserve_tokens)
-        _note_rate_limit(grant.get("ratelimit"))
-        return Lease(self, raise_for_error(grant), asked=(tenant, reserve_tokens))
+        answer = await self.residency.acquire.remote(model, tenant, reserve_tokens, None, avoid)
+        _note_rate_limit(answer.ratelimit)
+        if isinstance(answer, Refusal):
+            raise answer.error()
+        return Lease(self, answer, asked=(tenant, reserve_tokens))
 
     @contextlib.asynccontextmanager
     async def hold(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0) -> AsyncIterator[Lease]:
@@ -140,18 +145,19 @@ class Leases:
         """Call a residency-service method detached from the request (see above)."""
         send_detached(method, *args)
 
-    def actor(self, grant: dict[str, Any]) -> Any:
+    def actor(self, grant: Grant) -> Any:
         """The lease's model-server actor, by the actor name the lease carries. Handles are cached
         per instance incarnation (the lease's loaded_at): ray.get_actor is a blocking GCS call, and
         once per request it was a measurable share of the ingress's event loop at GPU token rates.
         An actor gone since the grant (evicted, died) is `model_unavailable`."""
-        key = (grant["model"], grant["node_id"])
+        lease = grant.lease
+        key = (lease.model, lease.node_id)
         cached = self._handles.get(key)
-        if cached is not None and cached[0] == grant["loaded_at"]:
+        if cached is not None and cached[0] == lease.loaded_at:
             return cached[1]
         try:
-            handle = ray.get_actor(grant["actor_name"], namespace=NAMESPACE)
+            handle = ray.get_actor(grant.actor_name or "", namespace=NAMESPACE)
         except ValueError as e:
-            raise OrchardError("model_unavailable", f"model {grant['model']} on {grant['node_id']} is unavailable: {e}", retry_after_s=1) from None
-        self._handles[key] = (grant["loaded_at"], handle)
+            raise OrchardError("model_unavailable", f"model {lease.model} on {lease.node_id} is unavailable: {e}", retry_after_s=1) from None
+        self._handles[key] = (lease.loaded_at, handle)
         return handle

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from router.errors import raise_for_error
+from deployments.wire.leases import Grant, Refusal, RoutesView, UsageReport
 from router.serving.detached import send_detached
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 class Standing:
     """One standing lease as this replica sees it."""
 
-    grant: dict[str, Any]
+    grant: Grant
     in_flight: int = 0
     idle_since: float = field(default_factory=time.monotonic)
     revoked: bool = False  # asked back: no new requests; given back once in_flight is 0
@@ -41,11 +41,11 @@ class Standing:
 
     @property
     def lease_id(self) -> str:
-        return self.grant["lease_id"]
+        return self.grant.lease.lease_id
 
     @property
     def number(self) -> int:
-        return int(self.lease_id.lstrip("L"))
+        return self.grant.lease.number
 
 
 @dataclass(eq=False)
@@ -137,10 +137,13 @@ class StandingLeases:
                 ask.task.cancel()
 
     async def _acquire(self, model: str) -> Standing:
-        grant = raise_for_error(await self.residency.acquire.remote(model, None, 0, self.holder))
+        grant = await self.residency.acquire.remote(model, None, 0, self.holder)
+        if isinstance(grant, Refusal):
+            raise grant.error()
+        mine = (grant.lease.node_id, grant.lease.loaded_at)
         for s in self.held.get(model, ()):
-            if not s.ended and not s.revoked and (s.grant["node_id"], s.grant["loaded_at"]) == (grant["node_id"], grant["loaded_at"]):
-                self.leases.release(grant["lease_id"])  # a second lease on an instance already held
+            if not s.ended and not s.revoked and (s.grant.lease.node_id, s.grant.lease.loaded_at) == mine:
+                self.leases.release(grant.lease.lease_id)  # a second lease on an instance already held
                 return s
         standing = Standing(grant)
         self.held.setdefault(model, []).append(standing)
@@ -159,7 +162,7 @@ class StandingLeases:
         return [s for held in self.held.values() for s in held]
 
     def _forget(self, standing: Standing) -> None:
-        model = standing.grant["model"]
+        model = standing.grant.lease.model
         held = [s for s in self.held.get(model, ()) if s is not standing]
         if held:
             self.held[model] = held
@@ -189,7 +192,7 @@ class StandingLeases:
         ):  # nothing held: nothing to keep alive
             started, self._started = self._started, {}
             self._reported, self._reported_at = counts, now
-            send_detached(self.residency.report_usage, self.holder, counts, started)
+            send_detached(self.residency.report_usage, UsageReport(holder=self.holder, in_flight=counts, started=started))
 
     async def _poll(self) -> None:
         while True:
@@ -201,22 +204,22 @@ class StandingLeases:
                 continue
             self.apply(view)
 
-    def apply(self, view: dict[str, Any]) -> None:
+    def apply(self, view: RoutesView) -> None:
         """The residency service's answer to the long poll: revoked leases are given back once idle;
         leases it no longer knows (granted before its answer was made, or by an earlier incarnation
         of it: another epoch) are forgotten."""
-        self._version = view["version"]
-        self.copies = view["copies"]
-        valid, revoked, upto = set(view["valid"]), set(view["revoked"]), view["leases_upto"]
+        self._version = view.version
+        self.copies = view.copies
+        valid, revoked = set(view.valid), set(view.revoked)
         for s in self._all():
-            if s.grant.get("epoch") != view["epoch"]:
+            if s.grant.epoch != view.epoch:
                 s.ended = True
                 self._forget(s)
             elif s.lease_id in revoked:
                 s.revoked = True
                 if s.in_flight == 0:
                     self._give_back(s)
-            elif s.lease_id not in valid and s.number <= upto:
+            elif s.lease_id not in valid and s.number <= view.leases_upto:
                 s.ended = True
                 self._forget(s)
 

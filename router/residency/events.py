@@ -1,0 +1,139 @@
+"""What the residency loop takes in and what it writes down.
+
+In: typed happenings, each applied on the loop (`ResidencyController.apply`): a node's report, a
+node lost, an instance's death, and the outcomes of the effects it started (a load done or
+failed, a stop done, a copy of weights done). Out: `ClusterEvent`, one line of the log that
+GET /v1/cluster/events, the metrics and the operator's store read."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from policy import InstanceRef, Place
+from policy._frozen import Frozen
+from policy.cluster_state import LoadFailureReason
+from policy.specs import DeviceKind
+
+EventKind = Literal[
+    "placed",
+    "loaded",
+    "load_failed",
+    "retrying",
+    "evicted",
+    "draining",
+    "stopped",
+    "loading",
+    "unloaded",
+    "died",
+    "rejected",
+    "waiting",
+    "gave_up",
+    "node_up",
+    "node_dead",
+    "node_suspect",
+    "pinned",
+    "unpinned",
+    "lease_expired",
+    "fetching",
+    "fetched",
+    "fetch_failed",
+    "files_removed",
+    "cancelled",
+]
+
+
+class ClusterEvent(Frozen):
+    """One line of the placement / eviction / rejection log (GET /v1/cluster/events)."""
+
+    seq: int
+    at: float
+    kind: EventKind
+    model: str | None = None
+    node_id: str | None = None
+    reason: str = ""
+    bytes: int | None = None
+    seconds: float | None = None
+
+
+# ---- happenings the loop applies ------------------------------------------------------------
+class NodeReported(Frozen):
+    """A node agent's measurement. `stored`: the catalog models its store holds (None: as before).
+    `asked_at`: when the report was asked for (the loop's clock; None: now)."""
+
+    node_id: str
+    devices: tuple[DeviceKind, ...]
+    total_bytes: int
+    usable_bytes: int
+    free_bytes: int
+    labels: dict[str, str] = Field(default_factory=dict)
+    stored: frozenset[str] | None = None
+    asked_at: float | None = None
+
+
+class NodeLost(Frozen):
+    """A node that died (Ray says so), or that is suspect: its agent or an actor there stopped
+    answering. Either way its instances are dropped and placements avoid it until it reports again."""
+
+    node_id: str
+    reason: str
+    suspect: bool = False
+
+
+class InstanceDied(Frozen):
+    instance: InstanceRef
+    cause: str
+
+
+class LoadDone(Frozen):
+    place: Place
+    bytes: int = Field(ge=0)  # measured: weights + KV reservation + overhead
+    load_seconds: float = Field(ge=0)
+
+
+class LoadFailed(Frozen):
+    place: Place
+    attempt: int
+    reason: LoadFailureReason | Literal["no_room", "node_lost", "cancelled"]
+    message: str
+
+
+class StopDone(Frozen):
+    stop_id: int
+    instance: InstanceRef
+    gone: bool  # its process exited (or none was started); False: the exit was not confirmed
+    reason: str
+    bytes: int | None = None  # what it released, when a process may have run
+
+
+class FetchDone(Frozen):
+    """A copy of weights into a node's store before a placement ended; `failure` says why not."""
+
+    model: str
+    node_id: str
+    failure: LoadFailureReason | None = None
+    message: str = ""
+
+
+# ---- what effects answer --------------------------------------------------------------------
+class LoadResult(Frozen):
+    bytes: int = Field(ge=0)  # measured: weights + KV reservation + overhead
+    load_seconds: float = Field(ge=0)
+
+
+class LoadError(Exception):
+    """A start or a fetch that did not end in a loaded instance or stored weights."""
+
+    def __init__(self, reason: LoadFailureReason, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class NodeUnreachable(Exception):
+    """An effect could not reach its node (Ray cannot schedule there, its agent does not answer):
+    the node is suspect, not the model."""
+
+    def __init__(self, node_id: str, message: str):
+        super().__init__(message)
+        self.node_id = node_id
+        self.message = message
