@@ -93,7 +93,7 @@ class LocalNode(Frozen):
 
 def parse_nodes(spec: str) -> list[LocalNode]:
     """'head:6,mac-1:3,mac-2:2:cpu' -> nodes; the first is the head. Budget and device are optional."""
-    from ray._private.label_utils import validate_node_label_syntax
+    from cluster.ray_api import validate_labels
 
     nodes = []
     for part in (p.strip() for p in spec.split(",")):
@@ -108,7 +108,7 @@ def parse_nodes(spec: str) -> list[LocalNode]:
         if device is not None and device not in DEVICE_KINDS:
             raise ValueError(f"node {name}: device {device!r} is not one of {DEVICE_KINDS}")
         node = LocalNode(name=name, budget_gib=budget, device=device)
-        validate_node_label_syntax(node.labels())
+        validate_labels(node.labels())
         nodes.append(node)
     names = [n.name for n in nodes]
     if not nodes or len(names) != len(set(names)):

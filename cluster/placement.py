@@ -16,10 +16,10 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
+from cluster.ray_api import NAMESPACE, all_actor_records
 from deployments.manifest import ManifestEntry
 from deployments.model_server import model_server_options, remote_model_server
 
-NAMESPACE = "orchard"
 PREFIX = "orchard:"
 
 
@@ -109,9 +109,8 @@ def death_cause(name: str, seen: str | None = None) -> str:
     else what the caller saw, else that Ray lists it no more."""
     try:
         from google.protobuf.json_format import MessageToDict
-        from ray._private.state import actors
 
-        ended = [a for a in actors().values() if a.get("Name") == name and a.get("State") == "DEAD"]
+        ended = [a for a in all_actor_records().values() if a.get("Name") == name and a.get("State") == "DEAD"]
     except Exception:
         ended = []
     for actor in sorted(ended, key=lambda a: a.get("EndTime") or 0, reverse=True):
@@ -156,7 +155,7 @@ async def kill_model_server(
     left = None
     try:
         if name is None:
-            name = (await _ask(handle.health.remote(), stop_timeout_s)).get("actor_name")
+            name = (await _ask(handle.health.remote(), stop_timeout_s)).actor_name
         left = await _ask(handle.drain.remote(drain_timeout_s), drain_timeout_s + stop_timeout_s)
         await _ask(handle.stop.remote(reason), stop_timeout_s)
         await _ask(handle.exit.remote(reason), stop_timeout_s)

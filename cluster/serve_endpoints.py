@@ -11,9 +11,9 @@ import socket
 from typing import Any
 
 import ray
-from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE  # Serve's own names for its controller
 
 from cluster.node_agent import alive_nodes
+from cluster.ray_api import serve_controller
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ async def direct_ingress(app: str) -> list[dict[str, str]]:
     """The direct addresses of `app`'s ingress replicas now ([] when direct ingress is off, or when
     Serve cannot say: the cluster view must not fail for want of this list, as while a node dies)."""
     try:
-        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        controller = serve_controller()
         details = await controller.get_serve_instance_details.remote()
         names = {n.ray_node_id: n.node_id for n in await asyncio.to_thread(alive_nodes)}
     except Exception as e:  # the controller restarting, or a replica's record half gone
@@ -62,7 +62,7 @@ def serve_http_host() -> str | None:
     if not ray.is_initialized():
         return None
     try:
-        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        controller = serve_controller()
     except ValueError:
         return None
     options: Any = ray.get(controller.get_http_config.remote())  # Serve's HTTPOptions

@@ -489,7 +489,7 @@ class ModelServer:
             raise FileNotFoundError(errno.ENOENT, f"model folder of {self.entry.name} not found on node {self.node_id}", str(self.path))
         await self.engine.load()
 
-    async def load(self) -> dict[str, Any]:
+    async def load(self) -> MemoryReport:
         """Load the engine (done already when created with load_now); its MemoryReport (bytes,
         load_seconds), as `memory` answers it. FileNotFoundError when the model folder is missing on this node
         (the caller's not_found), OrchardError("load_failed") when the engine fails; loading
@@ -506,10 +506,7 @@ class ModelServer:
                 raise _load_error_for_caller(e) from None
             return self.memory()
 
-    # health, memory and load answer their wire reports (deployments/wire/reports.py) as dicts
-    # until their readers in router/residency, cluster/placement.py and the tests read the models.
-
-    def health(self) -> dict[str, Any]:
+    def health(self) -> HealthReport:
         """The HealthReport: engine health plus this server's node and its calls in flight (streams included)."""
         import ray
 
@@ -521,12 +518,11 @@ class ModelServer:
             actor_name=ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None,
             scheduling=scheduling() if scheduling is not None else None,
         )
-        return report.model_dump(exclude={"scheduling"} if report.scheduling is None else None)  # as before: an LLM's alone
+        return report
 
-    def memory(self) -> dict[str, Any]:
-        """The MemoryReport: what the engine holds, in bytes, and how long its load took."""
-        report: MemoryReport = self.engine.memory()
-        return report.model_dump()
+    def memory(self) -> MemoryReport:
+        """What the engine holds, in bytes, and how long its load took."""
+        return self.engine.memory()
 
     def counters(self) -> dict:
         """The engine's work counters (an LLM engine: mlx-lm's BatchGenerator counters; {} else),

@@ -401,7 +401,7 @@ def test_a_registry_entrys_llm_engine_reaches_its_instances_engine_over_the_apps
     for name, handle in find_model_servers():
         parsed = parse_actor_name(name)
         if parsed and parsed[0] in ("llama-no-tools", "llama-10m"):
-            running[parsed[0]] = ray.get(handle.health.remote())["scheduling"]
+            running[parsed[0]] = ray.get(handle.health.remote()).scheduling
     defaults = LLMEngineOptions().model_dump()
     assert running["llama-10m"] == defaults  # the app's (ray-config's defaults)
     assert running["llama-no-tools"] == defaults | {"admit_hold_steps": 0, "prefill_batch": 8}  # its own, the rest the app's

@@ -230,7 +230,7 @@ def test_client_disconnect_cancels_the_generation_and_ends_the_lease(orchard, vi
     # that is the cancellation's doing (under load the disconnect can take seconds to propagate)
     deadline = time.time() + 25
     while time.time() < deadline:
-        running = ray.get(server.health.remote())["running_requests"]
+        running = ray.get(server.health.remote()).running_requests
         instances = {i["model"]: i for n in http.get("/v1/cluster").json()["nodes"] for i in n["instances"]}
         if running == 0 and instances["llama-10m"]["leases"] == 0:
             break
@@ -252,10 +252,10 @@ def test_a_non_streamed_requests_client_going_away_cancels_its_generation(orchar
     server = find_model_server("llama-10m", node)
     with pytest.raises(requests.exceptions.ReadTimeout):
         requests.post(base + "/v1/completions", json=body, timeout=(10, 2.0))
-    assert ray.get(server.health.remote())["running_requests"] == 1  # it was running when the client left
+    assert ray.get(server.health.remote()).running_requests == 1  # it was running when the client left
     deadline = time.time() + 25
     while time.time() < deadline:
-        running = ray.get(server.health.remote())["running_requests"]
+        running = ray.get(server.health.remote()).running_requests
         instances = {i["model"]: i for n in http.get("/v1/cluster").json()["nodes"] for i in n["instances"]}
         if running == 0 and instances["llama-10m"]["leases"] == 0:
             break

@@ -307,7 +307,7 @@ def test_a_frozen_instance_fails_a_non_streamed_request_after_the_inactivity_tim
 
     waiter = threading.Thread(target=ask)
     waiter.start()
-    wait_for(lambda: ray.get(server.health.remote())["running_requests"] == 1, 30, "the request running")
+    wait_for(lambda: ray.get(server.health.remote()).running_requests == 1, 30, "the request running")
     os.kill(pid, signal.SIGSTOP)
     frozen_at = time.monotonic()
     try:
@@ -319,7 +319,7 @@ def test_a_frozen_instance_fails_a_non_streamed_request_after_the_inactivity_tim
     assert error["code"] == "model_unavailable" and "made no progress" in error["message"], error
     assert result["at"] - frozen_at < CHUNK_TIMEOUT_S + 10, result["at"] - frozen_at
     # thawed, it was told to stop (the call was cancelled): nothing runs on for nobody
-    wait_for(lambda: ray.get(server.health.remote())["running_requests"] == 0, 30, "the generation cancelled")
+    wait_for(lambda: ray.get(server.health.remote()).running_requests == 0, 30, "the generation cancelled")
 
 
 def test_a_model_server_that_dies_mid_generation_costs_a_non_streamed_request_nothing(orchard):

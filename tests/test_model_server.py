@@ -17,7 +17,8 @@ import time
 import pytest
 import ray
 
-from cluster.placement import NAMESPACE, actor_name, create_model_server, find_model_servers, kill_model_server
+from cluster.placement import actor_name, create_model_server, find_model_servers, kill_model_server
+from cluster.ray_api import NAMESPACE
 from deployments.engines.llm import LLMEngine
 from deployments.manifest import read_manifest
 from deployments.model_server import open_channel, unwrap
@@ -94,7 +95,7 @@ def _stream(handle, request: dict) -> tuple[list[dict], list[float]]:
 
 def _running(handle) -> int:
     health = ray.get(handle.health.remote())
-    return max(health["running_requests"], health["in_flight"])
+    return max(health.running_requests, health.in_flight)
 
 
 def _error(call) -> OrchardError:
@@ -114,12 +115,12 @@ def test_the_shared_cluster_comes_clean(ray_node):
 
 def test_load_reports_memory_and_health(llama, manifest):
     handle, report = llama
-    assert report["weight_bytes"] == manifest.entry("llama-10m").weight_bytes
-    assert report["load_seconds"] > 0 and report["active_bytes"] > 0.99 * report["weight_bytes"]  # file size incl. headers
+    assert report.weight_bytes == manifest.entry("llama-10m").weight_bytes
+    assert report.load_seconds > 0 and report.active_bytes > 0.99 * report.weight_bytes  # file size incl. headers
     health = ray.get(handle.health.remote())
-    assert (health["status"], health["kind"], health["node_id"], health["actor_name"]) == ("ready", "llm", NODE, LLAMA)
-    assert ray.get(handle.load.remote())["weight_bytes"] == report["weight_bytes"]  # loading twice is harmless
-    assert ray.get(handle.memory.remote())["weight_bytes"] == report["weight_bytes"]
+    assert (health.status, health.kind, health.node_id, health.actor_name) == ("ready", "llm", NODE, LLAMA)
+    assert ray.get(handle.load.remote()).weight_bytes == report.weight_bytes  # loading twice is harmless
+    assert ray.get(handle.memory.remote()).weight_bytes == report.weight_bytes
     # the actor process took the shorter GIL switch interval it was given (the engine thread
     # waits at most that long for the GIL); this test process keeps Python's own
     assert ray.get(handle.__ray_call__.remote(lambda self: sys.getswitchinterval())) == pytest.approx(0.0001)
@@ -249,7 +250,7 @@ def test_closing_a_channel_cancels_its_requests(llama, local_engine):
     while _running(handle) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _running(handle) == 0
-    assert ray.get(handle.memory.remote())["kv_bytes_in_use"] == 0
+    assert ray.get(handle.memory.remote()).kv_bytes_in_use == 0
     handle.submit.remote("closing", "late", {"prompt": "x", "max_tokens": 2})  # a closed channel takes nothing
     time.sleep(0.5)
     assert _running(handle) == 0
@@ -293,7 +294,7 @@ def test_cancelling_a_whole_generation_stops_it_and_progress_tracks_it(llama, lo
     while _running(handle) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _running(handle) == 0 and ray.get(handle.progress.remote("whole-long")) is None
-    assert ray.get(handle.memory.remote())["kv_bytes_in_use"] == 0
+    assert ray.get(handle.memory.remote()).kv_bytes_in_use == 0
 
 
 def test_embedding_server_returns_vectors(embedder):
@@ -361,7 +362,7 @@ def test_found_again_then_drained_and_killed(llama):
     names = dict(find_model_servers())
     assert LLAMA in names and actor_name("all-minilm-l6-v2", NODE) in names
     fresh = ray.get_actor(LLAMA, namespace=NAMESPACE)
-    assert ray.get(fresh.health.remote())["status"] == "ready"
+    assert ray.get(fresh.health.remote()).status == "ready"
     with pytest.raises(ValueError, match="already taken"):
         create_model_server(("llm", "llama-10m", "/anywhere"), NODE, ray_node_id=ray.get_runtime_context().get_node_id())
 

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray._private import state as ray_state
 
 from cluster.node_agent import get_agent
-from cluster.placement import NAMESPACE, actor_name, create_model_server, kill_model_server, new_incarnation
+from cluster.placement import actor_name, create_model_server, kill_model_server, new_incarnation
+from cluster.ray_api import NAMESPACE, actor_id, actor_record
 from deployments.manifest import ManifestEntry, model_location
 from deployments.model_server import unwrap
 from deployments.wire.failure import OrchardError
+from deployments.wire.reports import MemoryReport
 from policy import InstanceRef, ModelSpec, Place
 from policy.cluster_state import LoadFailureReason
 from router.residency.events import ClusterEvent, LoadError, LoadResult, NodeUnreachable
@@ -103,7 +104,7 @@ class RayEffects:
             incarnation=incarnation,
         )
         try:
-            report: dict[str, Any] = await asyncio.wait_for(handle.load.remote(), self.load_timeout_s)
+            report: MemoryReport = await asyncio.wait_for(handle.load.remote(), self.load_timeout_s)
         except Exception as e:
             if isinstance(e, ray.exceptions.ActorUnschedulableError):  # its node is gone (N1), not its files
                 raise NodeUnreachable(place.node_id, f"Ray cannot start {name} on {place.node_id}: {type(e).__name__}") from e
@@ -113,8 +114,7 @@ class RayEffects:
             raise LoadError(reason, error.message) from e
         if entry.folder is not None and models_dir != self.models_dir and (agent := get_agent(place.node_id)) is not None:
             agent.touch.remote(entry.folder)  # the disk budget's recency
-        measured = report["weight_bytes"] + report["kv_bytes_reserved"]
-        return LoadResult(bytes=max(place.bytes, measured), load_seconds=report["load_seconds"])
+        return LoadResult(bytes=max(place.bytes, report.held_bytes), load_seconds=report.load_seconds)
 
     async def _weights_on(self, node_id: str, entry: ManifestEntry) -> tuple[ManifestEntry, str]:
         """The entry and models folder the model server on `node_id` loads from: the folder in that
@@ -357,15 +357,14 @@ def live_actor(name: str) -> tuple[str, int] | None:
         handle = ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         return None
-    actor_id = handle._actor_id.hex()
-    record = ray_state.actors(actor_id=actor_id)
-    return actor_id, int(record.get("Pid") or 0)
+    found = actor_id(handle)
+    return found, int(actor_record(found).get("Pid") or 0)
 
 
 def actor_dead(actor_id: str) -> bool:
     """Whether Ray's actor table reads the actor DEAD."""
     try:
-        return ray_state.actors(actor_id=actor_id).get("State") == "DEAD"
+        return actor_record(actor_id).get("State") == "DEAD"
     except Exception:  # the GCS unreachable for a moment: not confirmed
         return False
 

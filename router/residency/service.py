@@ -13,12 +13,13 @@ import uuid
 from typing import Any
 
 from ray import serve
-from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 
 from cluster.node_agent import alive_nodes, collect_reports, ensure_agents
 from cluster.placement import death_cause, find_model_servers, kill_model_server, live_model_server_names, parse_actor_name
+from cluster.ray_api import head_node_resource
 from deployments.wire.failure import OrchardError
 from deployments.wire.leases import Grant, Refusal, RoutesView, UsageReport
+from deployments.wire.reports import HealthReport, MemoryReport
 from policy import InstanceRef, PolicyConfig, StoreRoom, plan_background_copies
 from policy.failures import backoff_left
 from router.residency import metrics as metrics
@@ -38,7 +39,7 @@ def error_dict(e: OrchardError) -> dict[str, Any]:
 
 
 # On the head node: a worker node that dies must not take the cluster view with it.
-ON_HEAD = {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE_NAME: 0.001}}
+ON_HEAD = {"num_cpus": 0, "resources": {head_node_resource(): 0.001}}
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=10_000, ray_actor_options=ON_HEAD)
@@ -236,20 +237,24 @@ class ResidencyService:
             if parsed is None or node is None or not node.alive or (only_nodes is not None and parsed[1] not in only_nodes):
                 continue  # not ours, or on a node that is gone
             model, node_id, _ = parsed
-            health: dict[str, Any]
-            memory: dict[str, Any]
+            health: HealthReport | None
+            memory: MemoryReport | None
             try:
                 health = await asyncio.wait_for(handle.health.remote(), answer_within_s)
                 memory = await asyncio.wait_for(handle.memory.remote(), answer_within_s)
             except Exception:
-                health, memory = {}, {}
-            if health.get("status") == "ready" and model in self.controller.state.catalog and node.instance(model) is None:
+                health, memory = None, None
+            if (
+                health is not None
+                and memory is not None
+                and health.status == "ready"
+                and model in self.controller.state.catalog
+                and node.instance(model) is None
+            ):
                 self.effects.actors[(model, node_id)] = name
-                self.controller.adopt_instance(
-                    node_id, model, node.devices[0], memory["weight_bytes"] + memory["kv_bytes_reserved"], memory["load_seconds"]
-                )
+                self.controller.adopt_instance(node_id, model, node.devices[0], memory.held_bytes, memory.load_seconds)
             else:
-                log.info("stopping %s: not adopted (%s)", name, health.get("status") or "no answer")
+                log.info("stopping %s: not adopted (%s)", name, health.status if health is not None else "no answer")
                 self._background(kill_model_server(name, 0.0, reason="not adopted by a restarted controller"))
 
     # ---- what the ingress calls ----------------------------------------------------------------

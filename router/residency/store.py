@@ -22,9 +22,9 @@ from typing import Any
 
 from ray.experimental import internal_kv
 
+from cluster.ray_api import NAMESPACE
 from router.residency.controller import ClusterEvent
 
-NAMESPACE = "orchard"
 log = logging.getLogger("orchard.residency")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from cluster.placement import NAMESPACE
+from cluster.ray_api import NAMESPACE
 from deployments.wire.failure import OrchardError
 from deployments.wire.leases import Grant, Refusal
 from router.serving.detached import send_detached

@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from cluster.ray_api import actor_id
 from deployments.model_server import open_channel
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import ChannelItem, GenerationRequest, VLMRequest
@@ -157,7 +158,7 @@ class StreamMux:
     def open(self, actor: Any, label: str, request: GenerationRequest | VLMRequest) -> MuxStream:
         """Submit `request` to `actor` (not awaited: a request the server refuses comes back on the
         channel as its OrchardError) and return its stream."""
-        key = actor._actor_id.hex()
+        key = actor_id(actor)
         reader = self._readers.get(key)
         if reader is None:
             reader = self._readers[key] = _Reader(self, key, actor, label)

@@ -16,7 +16,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.experimental import internal_kv as kv
 
-from cluster.placement import NAMESPACE
+from cluster.ray_api import NAMESPACE
 from support.cluster import node_args
 
 NODE = "head"  # Orchard's name for the shared cluster's one node

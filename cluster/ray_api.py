@@ -1,0 +1,52 @@
+"""The one place Orchard reaches past Ray's public API, and the namespace its actors live in.
+
+Ray 2.60 has no public call for these: an actor's id from its handle, one actor's row of the GCS
+actor table (state, worker pid, death cause) without the dashboard's state API, and the head node's
+resource name. When Ray moves one, this module is what changes. (cluster/local.py's launcher patches
+two of Ray's private constants inside the `ray start` process it spawns; that shim says why.)"""
+
+from typing import Any
+
+# Every Orchard actor (model servers, node agents) and the operator's GCS keys live in this namespace.
+NAMESPACE = "orchard"
+
+
+def head_node_resource() -> str:
+    """The custom resource only the head node offers (to pin the residency service there)."""
+    from ray._common.constants import HEAD_NODE_RESOURCE_NAME
+
+    return HEAD_NODE_RESOURCE_NAME
+
+
+def actor_id(handle: Any) -> str:
+    """The hex id of the actor behind a handle: an actor placed again under the same name is a new id."""
+    return handle._actor_id.hex()
+
+
+def actor_record(actor_id_hex: str) -> dict[str, Any]:
+    """The GCS actor table's row of one actor (State, Pid, Name, DeathCause, EndTime ...); {} if none."""
+    from ray._private import state
+
+    return state.actors(actor_id=actor_id_hex) or {}
+
+
+def all_actor_records() -> dict[str, dict[str, Any]]:
+    """Every row of the GCS actor table, by actor id."""
+    from ray._private import state
+
+    return state.actors()
+
+
+def serve_controller() -> Any:
+    """Ray Serve's controller actor (its name and namespace are Serve's private constants)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+
+
+def validate_labels(labels: dict[str, str]) -> None:
+    """Ray's own check of node labels (raises ValueError as Ray would at `ray start`)."""
+    from ray._private.label_utils import validate_node_label_syntax
+
+    validate_node_label_syntax(labels)
