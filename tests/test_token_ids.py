@@ -169,6 +169,10 @@ class FakeLease:
         self.reported: list[str] = []
         self.released = 0
 
+    @property
+    def moved(self) -> bool:
+        return bool(self.moves)
+
     def actor(self):
         return self.actors[len(self.moves)]
 

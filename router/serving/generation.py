@@ -98,7 +98,6 @@ class DeltaStream:
         self.ttft_s: float | None = None
         self.tokens = 0
         self.used_tokens: int | None = None  # prompt + completion, from the final delta's usage
-        self.moved = False  # its first instance went away before any output: it runs on another
         self._deltas = self._run(mux, request, chunk_timeout_s)
 
     async def _run(self, mux: StreamMux, request: GenerationRequest | VLMRequest, chunk_timeout_s: float) -> AsyncGenerator[GenerationDelta, None]:
@@ -111,13 +110,12 @@ class DeltaStream:
                         stream = mux.open(self.lease.actor(), self.lease.label, request)
                     delta = await self._next(stream, chunk_timeout_s)
                 except Exception as e:
-                    if output or self.moved or not instance_gone(e):
+                    if not may_move(self.lease, e, output):
                         raise
                     death = await self._crash(stream, e)
                     if death is not None:
                         raise crash_error(self.lease, death) from None
                     # Nothing was generated yet and the instance stopped or went away: once, on another lease.
-                    self.moved = True
                     if stream is not None:
                         stream.close()
                         stream = None
@@ -209,7 +207,6 @@ class WholeGeneration:
         self.started = time.monotonic()
         self.ttft_s: float | None = None
         self.tokens = 0
-        self.moved = False
 
     async def run(self) -> GenerationDelta:
         """The merged delta, or the request's OrchardError (raised)."""
@@ -231,9 +228,8 @@ class WholeGeneration:
                         self.lease.report_unavailable(error.message)
                     if crashed(e):
                         raise crash_error(self.lease, e) from None
-                    if self.moved or not instance_gone(e):
+                    if not may_move(self.lease, e):
                         raise error from None
-                    self.moved = True
                     await self.lease.move(error.message)
                     continue
                 break
@@ -284,6 +280,13 @@ async def _result(ref: Any) -> Any:
     return await ref
 
 
+def may_move(lease: Lease, e: BaseException, output: bool = False) -> bool:
+    """The one rule for moving a call to a fresh lease: its instance stopped or went away
+    (`instance_gone`), nothing reached the client yet (`output`), and it has not moved before
+    (once per request). The callers check `crashed` first: a crash is never moved."""
+    return not output and not lease.moved and instance_gone(e)
+
+
 def instance_gone(e: BaseException) -> bool:
     """Whether a call failed because its instance is stopping or gone (dead, or its actor name no
     longer found), not because of the request or a silent instance: worth one more try elsewhere,
@@ -297,7 +300,6 @@ async def call(lease: Lease, method: Callable[[Any], Awaitable[Any]]) -> Any:
     """One model-server call (embed, rerank, transcribe, speak, count_tokens) on the lease's actor;
     once more on a fresh lease when the instance stopped or went away before answering, unless its
     process crashed while running the call (`model_crashed`)."""
-    moved = False
     while True:
         try:
             return await method(lease.actor())
@@ -307,7 +309,6 @@ async def call(lease: Lease, method: Callable[[Any], Awaitable[Any]]) -> Any:
                 lease.report_unavailable(error.message)
             if crashed(e):
                 raise crash_error(lease, e) from None
-            if moved or not instance_gone(e):
+            if not may_move(lease, e):
                 raise error from None
-            moved = True
             await lease.move(error.message)

@@ -44,6 +44,7 @@ class Lease:
         self.owner = owner
         self.asked = asked  # (tenant, reserve_tokens): how it was asked for, to ask again (`move`)
         self.handed_off = False
+        self.moved = False  # its first instance went away before answering: it runs on another (once)
         self._take(grant, standing)
 
     def _take(self, grant: Grant, standing: Standing | None) -> None:
@@ -81,6 +82,7 @@ class Lease:
         asked for as this one was, that is not the incarnation it leaves (the residency service has
         been told, or is stopping it itself, and drops it on its own loop)."""
         log.info("%s: %s; moving the request to a fresh lease", self.label, why)
+        self.moved = True
         if self.standing is not None and self.owner.standing is not None:
             self.owner.standing.drop(self.standing)
         self.release()
