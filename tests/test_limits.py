@@ -11,7 +11,8 @@ import pytest
 from deployments.wire.failure import STATUS
 from router.api.generate import prompt_estimate, reserve_tokens
 from router.protocols import openai as oai
-from router.residency.limits import AUDIO_BYTES_PER_S, AUDIO_TOKENS_PER_S, Limiter, RateLimited, Tenant, audio_tokens, estimate_tokens
+from router.residency.limits import Limiter, RateLimited, Tenant
+from router.serving.token_estimate import AUDIO_BYTES_PER_S, AUDIO_TOKENS_PER_S, audio_tokens, estimate_tokens
 
 
 def test_rpm_trips_with_retry_after_and_recovers_after_the_window():

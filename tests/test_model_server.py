@@ -398,7 +398,7 @@ def test_found_again_then_drained_and_killed(llama):
 def test_the_operator_store_round_trips_through_the_gcs(ray_node):
     """router.residency.store on a real GCS (this module's one-node cluster): what a restarted
     controller reads back is what the last one wrote; the event window keeps the newest."""
-    from router.residency.controller import ClusterEvent
+    from deployments.wire.events import ClusterEvent
     from router.residency.store import OperatorStore
 
     store = OperatorStore(app="store-test", max_events=3)

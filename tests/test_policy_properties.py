@@ -234,6 +234,12 @@ def test_every_decision_obeys_the_spec(request):
 
     # Wait or Reject: nothing may be feasible with every unprotected instance gone (completeness).
     assert not feasible_at_all
+    if any(i.model == model and i.status == "draining" for n in state.nodes if n.alive for i in n.instances):  # W1: wait for the drain
+        if config.contention == "wait" and waited < config.wait_timeout_s:
+            assert isinstance(decision, Wait) and decision.code == "busy" and decision.blockers[0].protection == "draining"
+        else:
+            assert isinstance(decision, Reject) and decision.code == "busy" and decision.retry_after_s
+        return
     if not nodes:
         assert isinstance(decision, Reject) and decision.code == "no_eligible_node"
         return

@@ -6,7 +6,7 @@ bookkeeping; the cluster tests run it through Serve and Ray)."""
 import asyncio
 
 from support.builders import spec
-from test_controller import PLAIN, make
+from support.loop import PLAIN, make
 
 from deployments.wire.leases import Grant, UsageReport
 from router.serving.lease import Leases

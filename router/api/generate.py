@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Callable
 
+from router import metrics
 from router.api.bodies import json_body
 from router.api.ingress import Ingress
 from router.api.keys import Principal
@@ -17,11 +18,10 @@ from router.api.request_context import ARRIVED
 from router.api.sse import event_stream
 from router.protocols import openai as oai
 from router.protocols.openai import DEFAULT_MAX_TOKENS
-from router.residency import metrics
-from router.residency.limits import estimate_tokens
 from router.serving.generation import ChatOrCompletion, DeltaStream, WholeGeneration, prepare
 from router.serving.output.parsing import OutputParser
 from router.serving.renderers import Renderer
+from router.serving.token_estimate import estimate_tokens
 
 
 async def generate(

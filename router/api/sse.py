@@ -24,9 +24,9 @@ from starlette.types import Message, Receive, Scope, Send
 from deployments.model_server import unwrap
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import GenerationDelta
+from router import metrics
 from router.api.errors import for_principal
 from router.api.keys import Principal
-from router.residency import metrics
 from router.serving.generation import DeltaStream
 from router.serving.renderers import Renderer
 

@@ -215,7 +215,8 @@ class ResidencyController:
         if node is None or not node.alive:
             return
         for inst in node.instances:
-            self._record("unloaded", model=inst.model, node_id=lost.node_id, reason="node suspect" if lost.suspect else "node dead", bytes=inst.bytes)
+            cause = "node_suspect" if lost.suspect else "node_dead"
+            self._record("unloaded", model=inst.model, node_id=lost.node_id, reason=cause.replace("_", " "), bytes=inst.bytes, cause=cause)
             self.leases.end_on(InstanceRef(node_id=lost.node_id, model=inst.model))
             self._drains.pop(InstanceRef(node_id=lost.node_id, model=inst.model), None)
         gone = node.model_copy(update={"alive": False, "instances": ()})
@@ -461,7 +462,7 @@ class ResidencyController:
                 del self._drains[ref]
             elif inst.in_flight == 0:
                 del self._drains[ref]
-                self._drop(ref, "evicted", f"drained for {asker}", f"evicted for {asker}")
+                self._drop(ref, "evicted", f"drained for {asker}", f"evicted for {asker}", cause="swap")
 
     # ---- leases ---------------------------------------------------------------------------------
     def release(self, lease_id: str) -> None:
@@ -509,7 +510,7 @@ class ResidencyController:
             if unload.reason == "node_dead":
                 self.node_dead(unload.instance.node_id)
             else:
-                self._drop(unload.instance, "unloaded", unload.reason, unload.reason)
+                self._drop(unload.instance, "unloaded", unload.reason, unload.reason, cause=unload.reason)
         for place in plan_copies(self.state, now, self.config):
             self._begin_place(place)
         self._wake()
@@ -521,7 +522,7 @@ class ResidencyController:
             raise OrchardError("model_pinned", f"model {model} is pinned: unpin it first")
         refs = [InstanceRef(node_id=n.node_id, model=model) for n in self.state.nodes if n.alive and n.instance(model) is not None]
         for ref in refs:
-            self._drop(ref, "unloaded", "unloaded by the operator", "unloaded by the operator")
+            self._drop(ref, "unloaded", "unloaded by the operator", "unloaded by the operator", cause="operator")
         return refs
 
     def pin(self, model: str, pinned: bool = True) -> ModelSpec:
@@ -618,7 +619,8 @@ class ResidencyController:
         a report shows the room (`room`)."""
         for victim in place.evict:
             inst = self._instance(victim)
-            self._record("evicted", model=victim.model, node_id=victim.node_id, bytes=inst.bytes if inst else None, reason=evicted)
+            cause = "retry" if attempt > 1 else "placement"
+            self._record("evicted", model=victim.model, node_id=victim.node_id, bytes=inst.bytes if inst else None, reason=evicted, cause=cause)
             self._drop(victim, None, evicted, stop_reason)
         self.state = apply_place(self.state, place, self.clock.now())
         self._record("placed", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=place.reason)
@@ -723,7 +725,7 @@ class ResidencyController:
             self.state = clear_failed(self.state, model)
             self._record("retrying", model=model, reason="its files changed since it failed to load")
 
-    def _drop(self, ref: InstanceRef, kind: EventKind | None, reason: str, stop_reason: str) -> None:
+    def _drop(self, ref: InstanceRef, kind: EventKind | None, reason: str, stop_reason: str, cause: str | None = None) -> None:
         """Remove an instance and its leases from the state, record why (`kind`), and stop it."""
         inst = self._instance(ref)
         if inst is None:
@@ -732,7 +734,7 @@ class ResidencyController:
         self.leases.end_on(ref)
         self._drains.pop(ref, None)
         if kind is not None:
-            self._record(kind, model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=reason)
+            self._record(kind, model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=reason, cause=cause)
         if not self.room.cancel(ref):  # one still waiting for room runs nothing
             self.stop(ref, stop_reason, inst.bytes)
         self._wake()
@@ -766,7 +768,7 @@ class ResidencyController:
         copy teaches the bandwidth (L3) and puts the weights in the node's store at once.
         `source` ("peer" or "hub") says where from."""
         source = fields.pop("source", "peer")
-        self._record(kind, **fields)
+        self._record(kind, **fields, cause=source if kind == "fetched" else None)
         model, node_id, nbytes, seconds = fields.get("model"), fields.get("node_id"), fields.get("bytes"), fields.get("seconds")
         if kind == "fetched" and model in self.state.catalog and node_id is not None and self.state.node(node_id) is not None:
             self.state = mark_stored(self.state, node_id, model)

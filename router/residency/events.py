@@ -9,50 +9,13 @@ from typing import Literal
 
 from pydantic import Field
 
+from deployments.wire.events import ClusterEvent, EventKind
 from policy import InstanceRef, Place
 from policy._frozen import Frozen
 from policy.cluster_state import LoadFailureReason
 from policy.specs import DeviceKind
 
-EventKind = Literal[
-    "placed",
-    "loaded",
-    "load_failed",
-    "retrying",
-    "evicted",
-    "draining",
-    "stopped",
-    "loading",
-    "unloaded",
-    "died",
-    "rejected",
-    "waiting",
-    "gave_up",
-    "node_up",
-    "node_dead",
-    "node_suspect",
-    "pinned",
-    "unpinned",
-    "lease_expired",
-    "fetching",
-    "fetched",
-    "fetch_failed",
-    "files_removed",
-    "cancelled",
-]
-
-
-class ClusterEvent(Frozen):
-    """One line of the placement / eviction / rejection log (GET /v1/cluster/events)."""
-
-    seq: int
-    at: float
-    kind: EventKind
-    model: str | None = None
-    node_id: str | None = None
-    reason: str = ""
-    bytes: int | None = None
-    seconds: float | None = None
+__all__ = ["ClusterEvent", "EventKind"]
 
 
 # ---- happenings the loop applies ------------------------------------------------------------

@@ -2,13 +2,12 @@
 replica at once. The residency service keeps them: every request already asks it for a lease (one
 call, never per token), so the count lives in one place whatever the number of ingress replicas.
 
-Tokens are reserved when a request is admitted, the prompt's estimate (`estimate_tokens`) plus
+Tokens are reserved when a request is admitted, the prompt's estimate (router/serving/token_estimate.py) plus
 max_tokens for a generation, and corrected to what it used (the usage the model reports: prompt +
 completion, an embedding's or a rerank's input tokens) when its lease ends. Every route that runs a
 model counts: generations, embeddings, rerank, count_tokens, audio (router/api). The windows slide
 over the last 60 s."""
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -17,33 +16,6 @@ from pydantic import BaseModel, ConfigDict
 from deployments.wire.failure import OrchardError
 
 WINDOW_S = 60.0
-ASCII_BYTES_PER_TOKEN = 3  # BPE vocabularies average about 4 bytes of English or code per token
-
-
-def estimate_tokens(*texts: str) -> int:
-    """An upper-ish estimate of the tokens `texts` make, before any tokenizer has seen them: what a
-    request reserves of its key's tpm at admission (its real count replaces it when it ends). ASCII
-    counts a token per 3 bytes, plus one more per digit (Llama's and Qwen's tokenizers split numbers
-    into single digits), and every byte beyond ASCII counts a token (an English-centred vocabulary
-    spends about that on accents and CJK). Above a BPE tokenizer's count for English, code, numbers
-    and non-Latin text (tests/test_limits.py checks SmolLM2's), so concurrent long prompts cannot
-    pass a key's budget on a low guess; for multilingual vocabularies it can be a few times high.
-    Cheap: C-level passes over each text, no tokenizer in the ingress."""
-    total = 0.0
-    for text in texts:
-        ascii_bytes = len(text.encode("ascii", "ignore"))
-        digits = sum(map(text.count, "0123456789"))
-        total += ascii_bytes / ASCII_BYTES_PER_TOKEN + digits + (len(text.encode()) - ascii_bytes)
-    return math.ceil(total)
-
-
-AUDIO_TOKENS_PER_S = 10  # what a second of audio counts (a transcription's input; Orchard's own rate)
-AUDIO_BYTES_PER_S = 32_000  # 16 kHz 16-bit mono, what speech-to-text models decode to: the admission estimate
-
-
-def audio_tokens(seconds: float) -> int:
-    """The tokens `seconds` of audio count against a key's tpm (AUDIO_TOKENS_PER_S, rounded up)."""
-    return math.ceil(max(0.0, seconds) * AUDIO_TOKENS_PER_S)
 
 
 class RateLimited(OrchardError):

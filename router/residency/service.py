@@ -22,7 +22,7 @@ from deployments.wire.leases import Grant, Refusal, RoutesView, UsageReport
 from deployments.wire.reports import HealthReport, MemoryReport
 from policy import InstanceRef, PolicyConfig, StoreRoom, plan_background_copies
 from policy.failures import backoff_left
-from router.residency import metrics as metrics
+from router import metrics
 from router.residency.controller import ResidencyController
 from router.residency.effects import RayEffects, agent_answers, holds, store_folder
 from router.residency.events import ClusterEvent, LoadError, NodeLost

@@ -23,7 +23,7 @@ from typing import Any
 from ray.experimental import internal_kv
 
 from cluster.ray_api import NAMESPACE
-from router.residency.controller import ClusterEvent
+from deployments.wire.events import ClusterEvent
 
 log = logging.getLogger("orchard.residency")
 

@@ -10,8 +10,8 @@ from router.api.auth import principal
 from router.api.ingress import Ingress, current
 from router.api.keys import Principal
 from router.protocols.rerank_audio import SpeechRequest, TranscriptionForm
-from router.residency.limits import AUDIO_BYTES_PER_S, audio_tokens, estimate_tokens
 from router.serving.generation import call, require_kind
+from router.serving.token_estimate import AUDIO_BYTES_PER_S, audio_tokens, estimate_tokens
 
 router = APIRouter(tags=["openai"])
 

@@ -9,8 +9,8 @@ from router.api.ingress import Ingress, current
 from router.api.keys import Principal
 from router.protocols import openai as oai
 from router.protocols.rerank_audio import RerankRequest, rerank_response
-from router.residency.limits import estimate_tokens
 from router.serving.generation import call, require_kind
+from router.serving.token_estimate import estimate_tokens
 
 router = APIRouter(tags=["openai"])
 

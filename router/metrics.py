@@ -8,7 +8,7 @@ from functools import cache
 
 from ray.util import metrics
 
-from router.residency.controller import ClusterEvent
+from deployments.wire.events import ClusterEvent
 
 MODEL_NODE = ("model", "node")
 
@@ -69,25 +69,17 @@ def on_event(event: ClusterEvent) -> None:
     elif event.kind == "load_failed":
         m["load_failures"].inc(tags=tags)
     elif event.kind == "evicted":
-        m["evictions"].inc(tags=tags | {"reason": "retry" if event.reason.startswith("retrying") else "placement"})
+        m["evictions"].inc(tags=tags | {"reason": event.cause or "placement"})
     elif event.kind == "unloaded":
-        m["unloads"].inc(tags=tags | {"reason": _unload_reason(event.reason)})
+        m["unloads"].inc(tags=tags | {"reason": event.cause or "other"})
     elif event.kind == "died":
         m["deaths"].inc(tags=tags)
     elif event.kind == "rejected":
         m["rejections"].inc(tags={"model": tags["model"]})
     elif event.kind == "fetched" and event.bytes:
-        m["fetch_bytes"].inc(event.bytes, tags=tags | {"source": "hub" if event.reason.startswith("from the Hub") else "peer"})
+        m["fetch_bytes"].inc(event.bytes, tags=tags | {"source": event.cause or "peer"})
     elif event.kind == "fetch_failed":
         m["fetch_failures"].inc(tags=tags)
-
-
-def _unload_reason(reason: str) -> str:
-    """A few values for the metric's tag (the event keeps the whole reason)."""
-    for word in ("idle", "operator", "node dead", "draining"):
-        if word in reason:
-            return word.replace(" ", "_")
-    return "other"
 
 
 def on_nodes(nodes) -> None:
