@@ -392,7 +392,7 @@ def test_rerank_orders_relevant_documents_first(orchard):
 
 
 def test_a_registry_entrys_llm_engine_reaches_its_instances_engine_over_the_apps(orchard):
-    from cluster.placement import find_model_servers, parse_actor_name
+    from cluster.model_servers import find_model_servers, parse_actor_name
     from deployments.engines.options import LLMEngineOptions
 
     for model in ("llama-no-tools", "llama-10m"):

@@ -20,7 +20,7 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from support.cluster import HEALTH, Http, free_port, node_args  # noqa: E402
 
-from cluster.placement import find_model_server  # noqa: E402
+from cluster.model_servers import find_model_server  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
 
 MIB = 1024**2

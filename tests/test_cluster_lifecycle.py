@@ -23,7 +23,7 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from support.cluster import HEALTH, free_port, node_args, wait_for  # noqa: E402
 
-from cluster.placement import create_model_server, find_model_server, live_model_server_names  # noqa: E402
+from cluster.model_servers import create_model_server, find_model_server, live_model_server_names  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
 
 MIB = 1024**2

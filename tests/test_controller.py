@@ -14,8 +14,8 @@ from deployments.wire.failure import OrchardError
 from policy import InstanceRef
 from policy.config import GIB
 from router.residency.controller import ResidencyController
+from router.residency.operator_store import OperatorStore
 from router.residency.service import ResidencyService
-from router.residency.store import OperatorStore
 
 
 def test_first_request_places_loads_and_leases():

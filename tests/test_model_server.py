@@ -17,7 +17,7 @@ import time
 import pytest
 import ray
 
-from cluster.placement import actor_name, create_model_server, find_model_servers, kill_model_server
+from cluster.model_servers import actor_name, create_model_server, find_model_servers, kill_model_server
 from cluster.ray_api import NAMESPACE
 from deployments.engines.llm import LLMEngine
 from deployments.manifest import read_manifest
@@ -396,10 +396,10 @@ def test_found_again_then_drained_and_killed(llama):
 
 
 def test_the_operator_store_round_trips_through_the_gcs(ray_node):
-    """router.residency.store on a real GCS (this module's one-node cluster): what a restarted
+    """router.residency.operator_store on a real GCS (this module's one-node cluster): what a restarted
     controller reads back is what the last one wrote; the event window keeps the newest."""
     from deployments.wire.events import ClusterEvent
-    from router.residency.store import OperatorStore
+    from router.residency.operator_store import OperatorStore
 
     store = OperatorStore(app="store-test", max_events=3)
 

@@ -18,7 +18,7 @@ from ray import serve  # noqa: E402
 from ray._private import state as ray_state  # noqa: E402
 from support.cluster import key_entry, serve_orchard  # noqa: E402
 
-from cluster.placement import live_model_server_names, parse_actor_name  # noqa: E402
+from cluster.model_servers import live_model_server_names, parse_actor_name  # noqa: E402
 from cluster.ray_api import NAMESPACE  # noqa: E402
 
 MIB = 1024**2

@@ -31,7 +31,7 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from bench.engine.share import Bare, messages  # noqa: E402  (the same prompts on every side)
-from cluster.placement import find_model_server  # noqa: E402
+from cluster.model_servers import find_model_server  # noqa: E402
 from deployments.engines.llm import LLMEngine  # noqa: E402
 from deployments.engines.options import LLMEngineOptions  # noqa: E402
 from deployments.models import prepare  # noqa: E402

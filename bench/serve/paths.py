@@ -20,7 +20,7 @@ os.environ.update(session_token_env())  # Ray's token auth, as every Orchard clu
 import ray
 
 from bench.serve.__main__ import closed_loop, engine_one, messages, with_steps
-from cluster.placement import create_model_server
+from cluster.model_servers import create_model_server
 from deployments.engines.llm import LLMEngine
 from deployments.manifest import read_manifest
 from deployments.models import prepare

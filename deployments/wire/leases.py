@@ -17,7 +17,7 @@ class _Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class Lease(_Message):
+class LeaseRecord(_Message):
     """A lease on one instance (router/residency/leases.py)."""
 
     lease_id: str
@@ -38,7 +38,7 @@ class Lease(_Message):
 
 
 class Grant(_Message):
-    lease: Lease
+    lease: LeaseRecord
     kind: str
     tool_parser: str | None = None
     reasoning: Any = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from deployments.wire.failure import OrchardError
-from deployments.wire.leases import Lease, RoutesView
+from deployments.wire.leases import LeaseRecord, RoutesView
 from policy import (
     ClusterState,
     InstanceRef,
@@ -234,7 +234,7 @@ class ResidencyController:
         self._record("loaded", model=model, node_id=node_id, bytes=nbytes, reason="adopted a running instance")
 
     # ---- asks -----------------------------------------------------------------------------------
-    async def acquire(self, model: str, holder: str | None = None, avoid: tuple[str, float] | None = None) -> Lease:
+    async def acquire(self, model: str, holder: str | None = None, avoid: tuple[str, float] | None = None) -> LeaseRecord:
         """A lease on a ready instance of `model`, placing (and evicting, or draining) as the policy
         decides and waiting while it says so; OrchardError with the policy's reason otherwise. With
         a `holder`, a standing lease for that ingress replica. `avoid` (node, loaded_at): the

@@ -12,8 +12,8 @@ from typing import Any
 
 import ray
 
+from cluster.model_servers import actor_name, create_model_server, kill_model_server, new_incarnation
 from cluster.node_agent import get_agent
-from cluster.placement import actor_name, create_model_server, kill_model_server, new_incarnation
 from cluster.ray_api import NAMESPACE, actor_id, actor_record
 from deployments.manifest import ManifestEntry, model_location
 from deployments.model_server import unwrap

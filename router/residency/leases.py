@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import uuid
 
-from deployments.wire.leases import Lease, RoutesView
+from deployments.wire.leases import LeaseRecord, RoutesView
 from policy import InstanceRef
 
 
@@ -33,7 +33,7 @@ class LeaseBook:
         self.granted = 0  # leases granted, both kinds: what standing leases save is visible
         self._numbers = itertools.count(1)
         self._last = 0  # the number of the last lease granted
-        self._leases: dict[str, Lease] = {}
+        self._leases: dict[str, LeaseRecord] = {}
         self._reported: dict[str, int] = {}  # standing lease -> in flight, as its holder last said
         self._heard: set[str] = set()  # standing leases their holder reported on since the grant
         self._revoked: set[str] = set()  # standing leases asked back, not yet given back
@@ -42,9 +42,9 @@ class LeaseBook:
         self._changed = asyncio.Event()
 
     # ---- granting and ending ----------------------------------------------------------------
-    def grant(self, ref: InstanceRef, loaded_at: float, holder: str | None, now: float) -> Lease:
+    def grant(self, ref: InstanceRef, loaded_at: float, holder: str | None, now: float) -> LeaseRecord:
         self._last = next(self._numbers)
-        lease = Lease(lease_id=f"L{self._last}", model=ref.model, node_id=ref.node_id, acquired_at=now, loaded_at=loaded_at, holder=holder)
+        lease = LeaseRecord(lease_id=f"L{self._last}", model=ref.model, node_id=ref.node_id, acquired_at=now, loaded_at=loaded_at, holder=holder)
         self._leases[lease.lease_id] = lease
         if holder is not None:
             self._reported[lease.lease_id] = 1  # the request that asked for it
@@ -52,7 +52,7 @@ class LeaseBook:
         self.granted += 1
         return lease
 
-    def end(self, lease_id: str) -> Lease | None:
+    def end(self, lease_id: str) -> LeaseRecord | None:
         """End a lease (released, given back, expired); None when it had ended already."""
         lease = self._leases.pop(lease_id, None)
         self._reported.pop(lease_id, None)
@@ -67,10 +67,10 @@ class LeaseBook:
         for lease in self.on(ref):
             self.end(lease.lease_id)
 
-    def on(self, ref: InstanceRef) -> list[Lease]:
+    def on(self, ref: InstanceRef) -> list[LeaseRecord]:
         return [lease for lease in self._leases.values() if lease.node_id == ref.node_id and lease.model == ref.model]
 
-    def all(self) -> list[Lease]:
+    def all(self) -> list[LeaseRecord]:
         return list(self._leases.values())
 
     def in_flight(self, ref: InstanceRef) -> int:
@@ -124,10 +124,10 @@ class LeaseBook:
             self._revoked.update(ids)
             self.changed()
 
-    def expired(self, now: float) -> list[tuple[Lease, str]]:
+    def expired(self, now: float) -> list[tuple[LeaseRecord, str]]:
         """End the leases that outlived their use: every standing lease of a holder silent for
         holder_timeout_s, and requests' leases held over max_lease_s; each with why."""
-        out: list[tuple[Lease, str]] = []
+        out: list[tuple[LeaseRecord, str]] = []
         for holder, seen in list(self._holders.items()):
             if now - seen > self.holder_timeout_s:
                 del self._holders[holder]

@@ -14,8 +14,8 @@ from typing import Any
 
 from ray import serve
 
+from cluster.model_servers import death_cause, find_model_servers, kill_model_server, live_model_server_names, parse_actor_name
 from cluster.node_agent import alive_nodes, collect_reports, ensure_agents
-from cluster.placement import death_cause, find_model_servers, kill_model_server, live_model_server_names, parse_actor_name
 from cluster.ray_api import head_node_resource
 from deployments.wire.failure import OrchardError
 from deployments.wire.leases import Grant, Refusal, RoutesView, UsageReport
@@ -27,8 +27,8 @@ from router.residency.controller import ResidencyController
 from router.residency.effects import RayEffects, agent_answers, holds, store_folder
 from router.residency.events import ClusterEvent, LoadError, NodeLost
 from router.residency.limits import Limiter, RateLimited, Tenant
+from router.residency.operator_store import OperatorStore
 from router.residency.registry import from_config
-from router.residency.store import OperatorStore
 
 log = logging.getLogger("orchard.residency")
 
