@@ -18,6 +18,12 @@ def head_node_resource() -> str:
     return HEAD_NODE_RESOURCE_NAME
 
 
+def on_head() -> dict[str, Any]:
+    """Ray actor options that put an actor on the head node (a worker node that dies must not take
+    the cluster view, or the one ingress of a single-ingress app, with it)."""
+    return {"num_cpus": 0, "resources": {head_node_resource(): 0.001}}
+
+
 def actor_id(handle: Any) -> str:
     """The hex id of the actor behind a handle: an actor placed again under the same name is a new id."""
     return handle._actor_id.hex()

@@ -15,6 +15,7 @@ from fastapi import Depends, FastAPI
 from fastapi.routing import APIRoute
 from ray import serve
 
+from cluster.ray_api import on_head
 from cluster.serve_endpoints import node_host_names
 from router.api import errors, guard
 from router.api.auth import principal
@@ -22,7 +23,6 @@ from router.api.ingress import Ingress
 from router.api.keys import Principal
 from router.api.request_context import RequestContext
 from router.api.routes import audio, chat, cluster, embeddings, health, messages, metrics, models, responses
-from router.residency.service import ON_HEAD
 
 app = FastAPI(title="Orchard", description="Many MLX models, one OpenAI- and Anthropic-compatible URL", version="0.1.0")
 errors.install(app)
@@ -37,7 +37,7 @@ KEYLESS = frozenset(
 app.add_middleware(guard.Guard, routes=app.router, keyless=KEYLESS, uploads=frozenset({audio.TRANSCRIPTIONS}))  # outermost
 
 
-@serve.deployment(name="Ingress", max_ongoing_requests=500, ray_actor_options=ON_HEAD)
+@serve.deployment(name="Ingress", max_ongoing_requests=500, ray_actor_options=on_head())
 @serve.ingress(app)
 class IngressDeployment(Ingress):
     def __init__(

@@ -16,7 +16,7 @@ from ray import serve
 
 from cluster.model_servers import death_cause, find_model_servers, kill_model_server, live_model_server_names, parse_actor_name
 from cluster.node_agent import alive_nodes, collect_reports, ensure_agents
-from cluster.ray_api import head_node_resource
+from cluster.ray_api import on_head
 from deployments.wire.failure import OrchardError
 from deployments.wire.leases import Grant, Refusal, RoutesView, UsageReport
 from deployments.wire.reports import HealthReport, MemoryReport
@@ -39,7 +39,7 @@ def error_dict(e: OrchardError) -> dict[str, Any]:
 
 
 # On the head node: a worker node that dies must not take the cluster view with it.
-ON_HEAD = {"num_cpus": 0, "resources": {head_node_resource(): 0.001}}
+ON_HEAD = on_head()
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=10_000, ray_actor_options=ON_HEAD)
