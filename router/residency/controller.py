@@ -222,6 +222,7 @@ class ResidencyController:
         gone = node.model_copy(update={"alive": False, "instances": ()})
         self.state = self.state.model_copy(update={"nodes": tuple(gone if n.node_id == lost.node_id else n for n in self.state.nodes)})
         self._record("node_suspect" if lost.suspect else "node_dead", node_id=lost.node_id, reason=lost.reason)
+        self.room.check(lost.node_id)  # placements waiting for room there load nothing now
 
     def adopt_instance(self, node_id: str, model: str, device: Any, nbytes: int, load_seconds: float | None = None) -> None:
         """A running instance found after a restart (its actor outlived the old controller)."""
