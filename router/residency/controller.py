@@ -34,9 +34,7 @@ from policy import (
     Use,
     Wait,
     ensure,
-    fetch_source,
     plan_copies,
-    retry_after_failure,
     sweep,
 )
 from policy.decisions import Decision
@@ -70,11 +68,10 @@ from router.residency.events import (
     LoadResult,
     NodeLost,
     NodeReported,
-    NodeUnreachable,
     StopDone,
 )
 from router.residency.leases import LeaseBook
-from router.residency.room import Room
+from router.residency.placements import Placements
 
 __all__ = ["ClusterEvent", "Effects", "LoadError", "LoadResult", "ResidencyController"]
 
@@ -138,7 +135,7 @@ class ResidencyController:
         self.state = ClusterState(catalog=dict(catalog))
         self.demand = Demand(config.demand_half_life_s)  # requests per model, decayed (L4)
         self.leases = LeaseBook(max_lease_s=max_lease_s, holder_timeout_s=holder_timeout_s)
-        self.room = Room(self)  # placements that wait for stops to exit and the room to show (X1)
+        self.placements = Placements(self)  # placements that wait for stops to exit and the room to show (X1)
         # How long a request under contention "fail", or an operator's load on a node, may wait for
         # standing leases in its way to be given back before it is refused.
         self.revoke_grace_s = revoke_grace_s
@@ -146,8 +143,6 @@ class ResidencyController:
         self._seq = itertools.count(1)
         self._asks: dict[str, deque[_Ask]] = {}
         self._failed_files: dict[str, str | None] = {}  # model marked failed -> its files' version then
-        self._prefetches: set[tuple[str, str]] = set()  # (model, node): weights fetched before an eviction
-        self._for_requests: dict[tuple[str, str], asyncio.Task | None] = {}  # loads/fetches only requests wait for
         self._removing: set[tuple[str, str]] = set()  # (model, node) whose files an operator removes (X3)
         self._drains: dict[InstanceRef, str] = {}  # instance draining for a swap -> the model it makes room for
         self._swaps: deque[float] = deque()  # when each swap of the last minute started (W2)
@@ -164,13 +159,13 @@ class ResidencyController:
         elif isinstance(event, InstanceDied):
             self._drop(event.instance, "died", event.cause, f"died: {event.cause}")
         elif isinstance(event, LoadDone):
-            self._load_done(event)
+            self.placements.load_done(event)
         elif isinstance(event, LoadFailed):
-            self._load_failed(event)
+            self.placements.load_failed(event)
         elif isinstance(event, StopDone):
-            self.room.stop_done(event)
+            self.placements.stop_done(event)
         else:
-            self._fetch_done(event)
+            self.placements.fetch_done(event)
         self._wake()
 
     def report_node(self, node_id: str, **fields: Any) -> None:
@@ -187,9 +182,9 @@ class ResidencyController:
         measured free memory, less what placements waiting to load there reserved, is the headroom."""
         old = self.state.node(r.node_id)
         instances = old.instances if old is not None and old.alive else ()
-        waiting = self.room.awaiting_bytes(r.node_id)
+        waiting = self.placements.awaiting_bytes(r.node_id)
         ours = sum(i.bytes for i in instances) - waiting
-        self.room.reported(r.node_id, self.clock.now() if r.asked_at is None else r.asked_at, r.free_bytes)
+        self.placements.reported(r.node_id, self.clock.now() if r.asked_at is None else r.asked_at, r.free_bytes)
         node = NodeState(
             node_id=r.node_id,
             labels=r.labels,
@@ -207,7 +202,7 @@ class ResidencyController:
         self.state = self.state.model_copy(update={"nodes": tuple(sorted(nodes, key=lambda n: n.node_id))})
         if old is None or not old.alive:
             self._record("node_up", node_id=r.node_id, bytes=r.usable_bytes, reason=f"{gib(r.usable_bytes)} usable")
-        self.room.check(r.node_id)
+        self.placements.check(r.node_id)
 
     def _node_lost(self, lost: NodeLost) -> None:
         """Drop the node's instances and leases; requests for its models are placed elsewhere."""
@@ -222,7 +217,7 @@ class ResidencyController:
         gone = node.model_copy(update={"alive": False, "instances": ()})
         self.state = self.state.model_copy(update={"nodes": tuple(gone if n.node_id == lost.node_id else n for n in self.state.nodes)})
         self._record("node_suspect" if lost.suspect else "node_dead", node_id=lost.node_id, reason=lost.reason)
-        self.room.check(lost.node_id)  # placements waiting for room there load nothing now
+        self.placements.check(lost.node_id)  # placements waiting for room there load nothing now
 
     def adopt_instance(self, node_id: str, model: str, device: Any, nbytes: int, load_seconds: float | None = None) -> None:
         """A running instance found after a restart (its actor outlived the old controller)."""
@@ -251,8 +246,8 @@ class ResidencyController:
         """Operator load: where the policy says, or on `node_id` (an extra copy there, within
         max_copies). Returns once the instance is ready. A model marked failed is tried again."""
         self._spec(model)
-        for key in [k for k in self._for_requests if k[0] == model]:  # the operator waits for these now
-            del self._for_requests[key]
+        for key in [k for k in self.placements.for_requests if k[0] == model]:  # the operator waits for these now
+            del self.placements.for_requests[key]
         if model in self.state.failed:
             self.state = clear_failed(self.state, model)
             self._failed_files.pop(model, None)
@@ -275,15 +270,15 @@ class ResidencyController:
     def _cancel_unwaited(self, model: str) -> None:
         """The last ask for `model` went away: cancel what was started for requests alone (a load,
         a fetch before an eviction), and a drain for it goes back to serving."""
-        for (m, node_id), task in list(self._for_requests.items()):
+        for (m, node_id), task in list(self.placements.for_requests.items()):
             if m != model:
                 continue
-            del self._for_requests[(m, node_id)]
+            del self.placements.for_requests[(m, node_id)]
             self._record("cancelled", model=model, node_id=node_id, reason="every request that asked for it went away")
             if task is not None:
                 task.cancel()
             else:  # still waiting for room: nothing runs yet
-                self.room.cancel(InstanceRef(node_id=node_id, model=model))
+                self.placements.cancel(InstanceRef(node_id=node_id, model=model))
         for ref, asker in list(self._drains.items()):
             if asker == model and self._instance(ref) is not None:
                 del self._drains[ref]
@@ -321,7 +316,7 @@ class ResidencyController:
             decision = ensure(model, self.state, now, self.config, waited_s=now - ask.started, exclude_nodes=self._removing_on(model))
             if not isinstance(decision, Place):
                 break
-            if not self._begin_place(decision, for_requests=not ask.operator):
+            if not self.placements.begin(decision, for_requests=not ask.operator):
                 return self._waiting_for_fetch(ask, decision, now)
         if isinstance(decision, Use):
             return self._use(ask, decision.instance, now)
@@ -379,7 +374,7 @@ class ResidencyController:
                 ask.future.set_result(InstanceRef(node_id=node_id, model=model))
                 return True
             return False  # loading: its LoadDone decides again
-        if (model, node_id) in self._prefetches:
+        if (model, node_id) in self.placements.prefetches:
             return False
         mark = self.state.failed.get(model)
         if mark is not None and mark.at >= ask.started:
@@ -403,7 +398,7 @@ class ResidencyController:
             why = "its constraints exclude it" if not eligible else "it does not fit even after every allowed eviction, or a cap forbids it"
             self._record("rejected", model=model, node_id=node_id, reason=why)
             raise OrchardError("model_blocked", f"cannot place model {model} on {node_id}: {why}")
-        ask.placed = self._begin_place(place_from_plan(spec, plan, self.config))
+        ask.placed = self.placements.begin(place_from_plan(spec, plan, self.config))
         return False
 
     def _waiting_for_fetch(self, ask: _Ask, place: Place, now: float) -> bool:
@@ -513,7 +508,7 @@ class ResidencyController:
             else:
                 self._drop(unload.instance, "unloaded", unload.reason, unload.reason, cause=unload.reason)
         for place in plan_copies(self.state, now, self.config):
-            self._begin_place(place)
+            self.placements.begin(place)
         self._wake()
 
     def unload(self, model: str) -> list[InstanceRef]:
@@ -550,7 +545,7 @@ class ResidencyController:
                 + ": unload first",
                 "node",
             )
-        copying = sorted(m for m, n in self._prefetches if n == node_id and m in models)
+        copying = sorted(m for m, n in self.placements.prefetches if n == node_id and m in models)
         if copying:
             raise OrchardError("files_in_use", f"the weights of {', '.join(copying)} are being copied to {node_id} for a placement", "node")
         if any((m, node_id) in self._removing for m in models):
@@ -569,7 +564,7 @@ class ResidencyController:
     def held_bytes(self, node_id: str) -> int:
         """What our instances on the node hold or are loading (those waiting for room hold nothing yet)."""
         node = self.state.node(node_id)
-        return (sum(i.bytes for i in node.instances) if node is not None else 0) - self.room.awaiting_bytes(node_id)
+        return (sum(i.bytes for i in node.instances) if node is not None else 0) - self.placements.awaiting_bytes(node_id)
 
     def restore(self, events: list[ClusterEvent], pins: dict[str, bool]) -> None:
         """What a previous controller left in the operator's store: its event log (numbering goes on
@@ -595,127 +590,10 @@ class ResidencyController:
     def acquires(self) -> int:
         return self.leases.granted
 
-    # ---- effects out ----------------------------------------------------------------------------
-    def _begin_place(self, place: Place, *, for_requests: bool = False) -> bool:
-        """Apply the decision to the state now (so the next decision sees it), then carry it out;
-        True when placed. A placement that evicts, on a node whose store lacks the weights, fetches
-        them first and places nothing yet (False): a fetch that fails has evicted nothing (L1). Nor
-        is a model placed on a node its files are being removed from (X3)."""
-        node = self.state.node(place.node_id)
-        if (place.model, place.node_id) in self._removing:
-            return False
-        if place.evict and node is not None and fetch_source(self.state.catalog[place.model], node, self.state) is not None:
-            if (place.model, place.node_id) not in self._prefetches:
-                self._prefetches.add((place.model, place.node_id))
-                task = self._spawn(self._run_fetch(place.model, place.node_id))
-                if for_requests:
-                    self._for_requests[(place.model, place.node_id)] = task
-            return False
-        self._carry_out(place, 1, f"to place {place.model}: {place.reason}", f"evicted for {place.model}", for_requests)
-        return True
-
-    def _carry_out(self, place: Place, attempt: int, evicted: str, stop_reason: str, for_requests: bool = False) -> None:
-        """Unload, then load (X1): stop the victims, apply the placement to the state (its bytes
-        reserved, the victims' counted free), and load once every stop on its node has exited and
-        a report shows the room (`room`)."""
-        for victim in place.evict:
-            inst = self._instance(victim)
-            cause = "retry" if attempt > 1 else "placement"
-            self._record("evicted", model=victim.model, node_id=victim.node_id, bytes=inst.bytes if inst else None, reason=evicted, cause=cause)
-            self._drop(victim, None, evicted, stop_reason)
-        self.state = apply_place(self.state, place, self.clock.now())
-        self._record("placed", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=place.reason)
-        if for_requests:
-            self._for_requests[(place.model, place.node_id)] = None
-        self.room.place(place, attempt)
-
-    def start_load(self, place: Place, attempt: int, why: str) -> None:
-        """The room is there (`room`): start the model server."""
-        self._record("loading", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=why)
-        task = self._spawn(self._run_load(place, attempt))
-        if (place.model, place.node_id) in self._for_requests:
-            self._for_requests[(place.model, place.node_id)] = task
-
-    async def _run_load(self, place: Place, attempt: int) -> None:
-        try:
-            result = await self.effects.start_instance(place, self.state.catalog[place.model])
-        except asyncio.CancelledError:  # nobody waits for it (the event is recorded)
-            self.apply(LoadFailed(place=place, attempt=attempt, reason="cancelled", message="nobody waits for it"))
-            return
-        except LoadError as e:
-            self.apply(LoadFailed(place=place, attempt=attempt, reason=e.reason, message=e.message))
-            return
-        except NodeUnreachable as e:
-            self.apply(NodeLost(node_id=e.node_id, reason=e.message, suspect=True))
-            self.apply(LoadFailed(place=place, attempt=attempt, reason="node_lost", message=e.message))
-            return
-        except Exception as e:  # an effect that broke must not leave the model "loading" forever
-            self.apply(LoadFailed(place=place, attempt=attempt, reason="error", message=f"{type(e).__name__}: {e}"))
-            return
-        finally:
-            self._for_requests.pop((place.model, place.node_id), None)
-        self.apply(LoadDone(place=place, bytes=result.bytes, load_seconds=result.load_seconds))
-
-    def _load_done(self, done: LoadDone) -> None:
-        ref = InstanceRef(node_id=done.place.node_id, model=done.place.model)
-        inst = self._instance(ref)
-        node = self.state.node(ref.node_id)
-        if node is None or not node.alive or inst is None:
-            self.stop(ref, "its node died or it was unloaded while loading", done.bytes)
-            return
-        self.state = mark_loaded(self.state, ref, self.clock.now(), done.load_seconds, done.bytes)
-        self._record("loaded", model=ref.model, node_id=ref.node_id, bytes=done.bytes, seconds=done.load_seconds)
-
-    def _load_failed(self, failed: LoadFailed) -> None:
-        place = failed.place
-        ref = InstanceRef(node_id=place.node_id, model=place.model)
-        self._for_requests.pop((place.model, place.node_id), None)
-        started = failed.reason != "no_room"  # a placement that never found room started nothing
-        if failed.reason == "cancelled":
-            pass
-        elif failed.reason == "no_room":
-            self._record("load_failed", model=place.model, node_id=place.node_id, reason=f"no_room: {failed.message}; nothing was loaded")
-        else:
-            self._record("load_failed", model=place.model, node_id=place.node_id, reason=f"{failed.reason}: {failed.message}")
-        if self._instance(ref) is not None:
-            self.state = remove_instance(self.state, ref)
-        if started:
-            self.stop(ref, "cancelled: nobody waits for it" if failed.reason == "cancelled" else "failed to load", None)
-        if failed.reason in ("no_room", "node_lost", "cancelled"):
-            return  # not the files' fault: requests decide again against the latest state
-        failure = LoadFailure(model=place.model, node_id=place.node_id, reason=failed.reason, message=failed.message, attempt=failed.attempt)
-        now = self.clock.now()
-        retry = retry_after_failure(failure, self.state, now, self.config)
-        if isinstance(retry, Place) and (retry.model, retry.node_id) not in self._removing:
-            self._carry_out(retry, failed.attempt + 1, f"retrying {place.model}: {retry.reason}", f"evicted to retry {place.model}")
-        else:  # P9/P10: not retried, nothing evicted; requests are refused until the back-off ends
-            self.state = mark_failed(self.state, failure, now)
-            self._failed_files[place.model] = self.effects.files_version(place.model)
-
-    async def _run_fetch(self, model: str, node_id: str) -> None:
-        try:
-            await self.effects.fetch_weights(model, node_id)
-        except asyncio.CancelledError:  # nobody waits for it (the event is recorded): nothing to undo
-            self.apply(FetchDone(model=model, node_id=node_id, failure="error", message="cancelled"))
-        except LoadError as e:
-            self.apply(FetchDone(model=model, node_id=node_id, failure=e.reason, message=e.message))
-        except Exception as e:
-            self.apply(FetchDone(model=model, node_id=node_id, failure="error", message=f"{type(e).__name__}: {e}"))
-        else:
-            self.apply(FetchDone(model=model, node_id=node_id))
-        finally:
-            self._for_requests.pop((model, node_id), None)
-
-    def _fetch_done(self, done: FetchDone) -> None:
-        self._prefetches.discard((done.model, done.node_id))
-        if done.failure is not None and done.message != "cancelled":  # the fetch recorded why (fetch_failed)
-            failure = LoadFailure(model=done.model, node_id=done.node_id, reason=done.failure, message=done.message)
-            self.state = mark_failed(self.state, failure, self.clock.now())
-            self._failed_files[done.model] = self.effects.files_version(done.model)
-        elif done.failure is None:
-            node = self.state.node(done.node_id)
-            if node is not None and done.model not in node.stored:
-                self.state = mark_stored(self.state, done.node_id, done.model)
+    def mark_failed(self, failure: LoadFailure) -> None:
+        """P10: the model is refused for a back-off; its files' version now is what a change is seen against."""
+        self.state = mark_failed(self.state, failure, self.clock.now())
+        self._failed_files[failure.model] = self.effects.files_version(failure.model)
 
     def _retry_if_files_changed(self, model: str) -> None:
         """A model marked failed whose files changed since (fixed, copied again) is tried again now."""
@@ -736,22 +614,9 @@ class ResidencyController:
         self._drains.pop(ref, None)
         if kind is not None:
             self._record(kind, model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=reason, cause=cause)
-        if not self.room.cancel(ref):  # one still waiting for room runs nothing
-            self.stop(ref, stop_reason, inst.bytes)
+        if not self.placements.cancel(ref):  # one still waiting for room runs nothing
+            self.placements.stop(ref, stop_reason, inst.bytes)
         self._wake()
-
-    def stop(self, ref: InstanceRef, reason: str, nbytes: int | None) -> None:
-        """Stop the instance's process, tracked as stopping on its node until it has exited (X1)."""
-        stop_id = self.room.stopping(ref)
-        self._spawn(self._run_stop(stop_id, ref, reason, nbytes))
-
-    async def _run_stop(self, stop_id: int, ref: InstanceRef, reason: str, nbytes: int | None) -> None:
-        stopping = self.effects.stop_instance(ref, reason)  # its incarnation is taken now
-        try:
-            gone = bool(await stopping)
-        except Exception as e:  # an effect that broke: the exit is not confirmed
-            gone, reason = False, f"{reason}; stopping it failed: {type(e).__name__}: {e}"
-        self.apply(StopDone(stop_id=stop_id, instance=ref, gone=gone, reason=reason, bytes=nbytes))
 
     # ---- plumbing -------------------------------------------------------------------------------
     def _spec(self, model: str) -> ModelSpec:

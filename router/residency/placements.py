@@ -1,0 +1,292 @@
+"""Carrying placements out: the weights fetched first when an eviction needs them (L1), the victims
+stopped, the room waited for (X1), the model server started, and each outcome back to the loop as
+an event (LoadDone, LoadFailed, StopDone, FetchDone).
+
+Unload, then load (rule X1): placements wait for the room they were promised.
+
+A placement on a node where instances are stopping (its victims, unloads), or where a stop could
+not confirm its process gone, loads nothing until every such stop has confirmed its exit and a
+node report asked for after that measures the free memory for it and every other placement
+waiting there; at most `exit_wait_s`, then it fails (`no_room`) having loaded nothing. A Mac frees
+a process's memory only once it has exited, so this is what keeps an eviction from overcommitting
+a node. Part of the residency loop: it runs in the loop's steps and reads the loop's state."""
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from policy import InstanceRef, LoadFailure, Place, fetch_source, retry_after_failure
+from policy.memory import gib
+from policy.transitions import apply_place, mark_loaded, mark_stored, remove_instance
+from router.residency.clock import Timer
+from router.residency.events import FetchDone, LoadDone, LoadError, LoadFailed, NodeLost, NodeUnreachable, StopDone
+
+if TYPE_CHECKING:
+    from router.residency.controller import ResidencyController
+
+
+@dataclass(eq=False)
+class _Pending:
+    place: Place
+    attempt: int
+    after: set[int]  # the stops it waits for
+    deadline: Timer
+    ended_at: float | None = None  # when the last of them ended
+    asked_at: float = float("-inf")  # when it last asked for a report
+    unconfirmed: int = 0  # its stops that ended without confirming the exit
+    timers: list[Timer] = field(default_factory=list)
+
+
+class Placements:
+    def __init__(self, loop: "ResidencyController"):
+        self.loop = loop
+        self.prefetches: set[tuple[str, str]] = set()  # (model, node): weights fetched before an eviction
+        self.for_requests: dict[tuple[str, str], asyncio.Task | None] = {}  # loads and fetches only requests wait for
+        self._ids = itertools.count(1)
+        self._stops: dict[int, InstanceRef] = {}  # stops under way
+        self._pending: dict[InstanceRef, _Pending] = {}
+        self._reports: dict[str, tuple[float, int]] = {}  # node -> (when its latest report was asked for, free bytes)
+        # node -> when a stop there ended without confirming its process gone: until a report asked
+        # for after that shows the room, every load there waits for one.
+        self._unsure: dict[str, float] = {}
+
+    def stopping(self, ref: InstanceRef) -> int:
+        stop_id = next(self._ids)
+        self._stops[stop_id] = ref
+        return stop_id
+
+    def place(self, place: Place, attempt: int) -> None:
+        """Load now, or once the room is there."""
+        node_id = place.node_id
+        after = {i for i, ref in self._stops.items() if ref.node_id == node_id}
+        if not after and node_id not in self._unsure:
+            self.start_load(place, attempt, "")
+            return
+        ref = InstanceRef(node_id=node_id, model=place.model)
+        clock = self.loop.clock
+        deadline = clock.call_at(clock.now() + self.loop.config.exit_wait_s, lambda: self._timed_out(ref))
+        self._pending[ref] = _Pending(place=place, attempt=attempt, after=after, deadline=deadline)
+        self.check(node_id)
+
+    def cancel(self, ref: InstanceRef) -> bool:
+        """The placement left the state while it waited (unloaded, cancelled): True when it was
+        waiting, so nothing was started for it."""
+        pending = self._pending.pop(ref, None)
+        if pending is None:
+            return False
+        self._forget(pending)
+        return True
+
+    def awaiting_bytes(self, node_id: str) -> int:
+        return sum(p.place.bytes for ref, p in self._pending.items() if ref.node_id == node_id)
+
+    def reported(self, node_id: str, asked_at: float, free_bytes: int) -> None:
+        self._reports[node_id] = (asked_at, free_bytes)
+
+    def stop_done(self, done: StopDone) -> None:
+        self._stops.pop(done.stop_id, None)
+        node_id = done.instance.node_id
+        now = self.loop.clock.now()
+        if done.gone:
+            released = f"{gib(done.bytes)} released" if done.bytes is not None else "its memory released"
+            self.loop._record(
+                "stopped", model=done.instance.model, node_id=node_id, bytes=done.bytes, reason=f"its process exited, {released} ({done.reason})"
+            )
+        else:  # its memory may still be held: loads there wait for a report that shows the room
+            self._unsure[node_id] = now
+            self.loop.effects.want_report(node_id)
+            for p in self._pending.values():
+                if done.stop_id in p.after:
+                    p.unconfirmed += 1
+        self.check(node_id)
+
+    def check(self, node_id: str) -> None:
+        """Start every placement on the node whose room is there now."""
+        for ref, p in list(self._pending.items()):
+            if ref.node_id == node_id and ref in self._pending:
+                self._check(ref, p)
+
+    def _check(self, ref: InstanceRef, p: _Pending) -> None:
+        loop, now = self.loop, self.loop.clock.now()
+        inst = loop._instance(ref)
+        if inst is None or inst.status != "loading":  # unloaded, or its node died, while it waited
+            self.cancel(ref)
+            return
+        if p.unconfirmed:
+            self._fail(ref, p, f"{p.unconfirmed} of the instances stopping on {ref.node_id} (and the victims) did not confirm their exit")
+            return
+        if p.after & self._stops.keys():
+            return
+        if p.ended_at is None:
+            p.ended_at = now
+        asked, free = self._reports.get(ref.node_id, (float("-inf"), 0))
+        need = self.awaiting_bytes(ref.node_id)
+        if asked >= p.ended_at and free >= need:
+            self._unsure.pop(ref.node_id, None)
+            del self._pending[ref]
+            self._forget(p)
+            self.start_load(p.place, p.attempt, f"after the stops on {ref.node_id} its report measured {gib(free)} free, {gib(need)} to load")
+            return
+        poll = loop.config.retry_poll_s
+        if now - p.asked_at >= poll:  # no report since the stops ended, or one short of room: measure again
+            p.asked_at = now
+            loop.effects.want_report(ref.node_id)
+            p.timers.append(loop.clock.call_at(now + poll, lambda: self.check(ref.node_id)))
+
+    def _timed_out(self, ref: InstanceRef) -> None:
+        p = self._pending.get(ref)
+        if p is None:
+            return
+        wait = self.loop.config.exit_wait_s
+        running = p.after & self._stops.keys()
+        if running:
+            message = f"{len(running)} instance(s) stopping for it had not exited after {wait:.0f} s"
+        else:
+            asked, free = self._reports.get(ref.node_id, (float("-inf"), 0))
+            seen = f"its last report measured {gib(free)} free" if p.ended_at is not None and asked >= p.ended_at else "no report came"
+            message = f"{ref.node_id} did not show {gib(self.awaiting_bytes(ref.node_id))} free within {wait:.0f} s: {seen}"
+        self._fail(ref, p, message)
+        self.loop._wake()
+
+    def _fail(self, ref: InstanceRef, p: _Pending, message: str) -> None:
+        del self._pending[ref]
+        self._forget(p)
+        self.loop.apply(LoadFailed(place=p.place, attempt=p.attempt, reason="no_room", message=message))
+
+    def _forget(self, p: _Pending) -> None:
+        p.deadline.cancel()
+        for timer in p.timers:
+            timer.cancel()
+
+    def begin(self, place: Place, *, for_requests: bool = False) -> bool:
+        """Apply the decision to the state now (so the next decision sees it), then carry it out;
+        True when placed. A placement that evicts, on a node whose store lacks the weights, fetches
+        them first and places nothing yet (False): a fetch that fails has evicted nothing (L1). Nor
+        is a model placed on a node its files are being removed from (X3)."""
+        node = self.loop.state.node(place.node_id)
+        if (place.model, place.node_id) in self.loop._removing:
+            return False
+        if place.evict and node is not None and fetch_source(self.loop.state.catalog[place.model], node, self.loop.state) is not None:
+            if (place.model, place.node_id) not in self.prefetches:
+                self.prefetches.add((place.model, place.node_id))
+                task = self.loop._spawn(self._run_fetch(place.model, place.node_id))
+                if for_requests:
+                    self.for_requests[(place.model, place.node_id)] = task
+            return False
+        self.carry_out(place, 1, f"to place {place.model}: {place.reason}", f"evicted for {place.model}", for_requests)
+        return True
+
+    def carry_out(self, place: Place, attempt: int, evicted: str, stop_reason: str, for_requests: bool = False) -> None:
+        """Unload, then load (X1): stop the victims, apply the placement to the state (its bytes
+        reserved, the victims' counted free), and load once every stop on its node has exited and
+        a report shows the room (`room`)."""
+        for victim in place.evict:
+            inst = self.loop._instance(victim)
+            cause = "retry" if attempt > 1 else "placement"
+            self.loop._record("evicted", model=victim.model, node_id=victim.node_id, bytes=inst.bytes if inst else None, reason=evicted, cause=cause)
+            self.loop._drop(victim, None, evicted, stop_reason)
+        self.loop.state = apply_place(self.loop.state, place, self.loop.clock.now())
+        self.loop._record("placed", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=place.reason)
+        if for_requests:
+            self.for_requests[(place.model, place.node_id)] = None
+        self.place(place, attempt)
+
+    def start_load(self, place: Place, attempt: int, why: str) -> None:
+        """The room is there (`room`): start the model server."""
+        self.loop._record("loading", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=why)
+        task = self.loop._spawn(self._run_load(place, attempt))
+        if (place.model, place.node_id) in self.for_requests:
+            self.for_requests[(place.model, place.node_id)] = task
+
+    async def _run_load(self, place: Place, attempt: int) -> None:
+        try:
+            result = await self.loop.effects.start_instance(place, self.loop.state.catalog[place.model])
+        except asyncio.CancelledError:  # nobody waits for it (the event is recorded)
+            self.loop.apply(LoadFailed(place=place, attempt=attempt, reason="cancelled", message="nobody waits for it"))
+            return
+        except LoadError as e:
+            self.loop.apply(LoadFailed(place=place, attempt=attempt, reason=e.reason, message=e.message))
+            return
+        except NodeUnreachable as e:
+            self.loop.apply(NodeLost(node_id=e.node_id, reason=e.message, suspect=True))
+            self.loop.apply(LoadFailed(place=place, attempt=attempt, reason="node_lost", message=e.message))
+            return
+        except Exception as e:  # an effect that broke must not leave the model "loading" forever
+            self.loop.apply(LoadFailed(place=place, attempt=attempt, reason="error", message=f"{type(e).__name__}: {e}"))
+            return
+        finally:
+            self.for_requests.pop((place.model, place.node_id), None)
+        self.loop.apply(LoadDone(place=place, bytes=result.bytes, load_seconds=result.load_seconds))
+
+    def load_done(self, done: LoadDone) -> None:
+        ref = InstanceRef(node_id=done.place.node_id, model=done.place.model)
+        inst = self.loop._instance(ref)
+        node = self.loop.state.node(ref.node_id)
+        if node is None or not node.alive or inst is None:
+            self.stop(ref, "its node died or it was unloaded while loading", done.bytes)
+            return
+        self.loop.state = mark_loaded(self.loop.state, ref, self.loop.clock.now(), done.load_seconds, done.bytes)
+        self.loop._record("loaded", model=ref.model, node_id=ref.node_id, bytes=done.bytes, seconds=done.load_seconds)
+
+    def load_failed(self, failed: LoadFailed) -> None:
+        place = failed.place
+        ref = InstanceRef(node_id=place.node_id, model=place.model)
+        self.for_requests.pop((place.model, place.node_id), None)
+        started = failed.reason != "no_room"  # a placement that never found room started nothing
+        if failed.reason == "cancelled":
+            pass
+        elif failed.reason == "no_room":
+            self.loop._record("load_failed", model=place.model, node_id=place.node_id, reason=f"no_room: {failed.message}; nothing was loaded")
+        else:
+            self.loop._record("load_failed", model=place.model, node_id=place.node_id, reason=f"{failed.reason}: {failed.message}")
+        if self.loop._instance(ref) is not None:
+            self.loop.state = remove_instance(self.loop.state, ref)
+        if started:
+            self.stop(ref, "cancelled: nobody waits for it" if failed.reason == "cancelled" else "failed to load", None)
+        if failed.reason in ("no_room", "node_lost", "cancelled"):
+            return  # not the files' fault: requests decide again against the latest state
+        failure = LoadFailure(model=place.model, node_id=place.node_id, reason=failed.reason, message=failed.message, attempt=failed.attempt)
+        now = self.loop.clock.now()
+        retry = retry_after_failure(failure, self.loop.state, now, self.loop.config)
+        if isinstance(retry, Place) and (retry.model, retry.node_id) not in self.loop._removing:
+            self.carry_out(retry, failed.attempt + 1, f"retrying {place.model}: {retry.reason}", f"evicted to retry {place.model}")
+        else:  # P9/P10: not retried, nothing evicted; requests are refused until the back-off ends
+            self.loop.mark_failed(failure)
+
+    async def _run_fetch(self, model: str, node_id: str) -> None:
+        try:
+            await self.loop.effects.fetch_weights(model, node_id)
+        except asyncio.CancelledError:  # nobody waits for it (the event is recorded): nothing to undo
+            self.loop.apply(FetchDone(model=model, node_id=node_id, failure="error", message="cancelled"))
+        except LoadError as e:
+            self.loop.apply(FetchDone(model=model, node_id=node_id, failure=e.reason, message=e.message))
+        except Exception as e:
+            self.loop.apply(FetchDone(model=model, node_id=node_id, failure="error", message=f"{type(e).__name__}: {e}"))
+        else:
+            self.loop.apply(FetchDone(model=model, node_id=node_id))
+        finally:
+            self.for_requests.pop((model, node_id), None)
+
+    def fetch_done(self, done: FetchDone) -> None:
+        self.prefetches.discard((done.model, done.node_id))
+        if done.failure is not None and done.message != "cancelled":  # the fetch recorded why (fetch_failed)
+            failure = LoadFailure(model=done.model, node_id=done.node_id, reason=done.failure, message=done.message)
+            self.loop.mark_failed(failure)
+        elif done.failure is None:
+            node = self.loop.state.node(done.node_id)
+            if node is not None and done.model not in node.stored:
+                self.loop.state = mark_stored(self.loop.state, done.node_id, done.model)
+
+    def stop(self, ref: InstanceRef, reason: str, nbytes: int | None) -> None:
+        """Stop the instance's process, tracked as stopping on its node until it has exited (X1)."""
+        stop_id = self.stopping(ref)
+        self.loop._spawn(self._run_stop(stop_id, ref, reason, nbytes))
+
+    async def _run_stop(self, stop_id: int, ref: InstanceRef, reason: str, nbytes: int | None) -> None:
+        stopping = self.loop.effects.stop_instance(ref, reason)  # its incarnation is taken now
+        try:
+            gone = bool(await stopping)
+        except Exception as e:  # an effect that broke: the exit is not confirmed
+            gone, reason = False, f"{reason}; stopping it failed: {type(e).__name__}: {e}"
+        self.loop.apply(StopDone(stop_id=stop_id, instance=ref, gone=gone, reason=reason, bytes=nbytes))
