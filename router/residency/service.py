@@ -72,6 +72,7 @@ class ResidencyService:
         self._settling: set[str] = set()  # nodes whose background copy ended since the last store reports
         self._copy_failed: dict[tuple[str, str], float] = {}  # (model, node) -> when its background copy failed
         self._missed: dict[str, int] = {}  # node -> reports in a row its agent did not answer
+        self._agents: dict[str, Any] = {}  # the node agents found by the last round that found them all
         self.report_timeout_s = report_timeout_s
         await self._observe_nodes()
         await self._adopt_running_servers()
@@ -97,7 +98,11 @@ class ResidencyService:
                 log.exception("node watch round failed")
 
     async def _observe_nodes(self) -> None:
-        agents = await asyncio.to_thread(ensure_agents)
+        try:
+            # the first round waits for every agent to start; later ones do not wait for a node that stopped answering
+            agents = self._agents = await asyncio.to_thread(ensure_agents, 2 * self.report_timeout_s if self._agents else 30.0)
+        except TimeoutError:  # an agent that does not answer (its node may be gone): ask the others as before
+            agents = self._agents
         asked = self.controller.clock.now()  # the reports measure after this (X1 trusts only those after a stop)
         used = {n.node_id: self.controller.held_bytes(n.node_id) for n in self.controller.state.nodes}
         reports = await asyncio.to_thread(collect_reports, agents, used, self.report_timeout_s)
