@@ -14,6 +14,7 @@ from deployments.wire.failure import OrchardError
 from policy import InstanceRef
 from policy.config import GIB
 from router.residency.controller import ResidencyController
+from router.residency.events import NodeReported
 from router.residency.operator_store import OperatorStore
 from router.residency.service import ResidencyService
 
@@ -910,3 +911,52 @@ def test_delete_files_and_a_request_for_a_model_loading_from_them_cannot_race():
     assert lease.node_id == "n2" and deleted["removed"] is True
     assert "a" not in c.state.node("n1").stored and "a2" not in c.state.node("n1").stored
     assert in_use["error"]["code"] == "files_in_use" and "a2 is on n2 from these files" in in_use["error"]["message"]
+
+
+def test_background_copies_and_pulls_take_the_loops_one_copy_path():
+    """L4 through the loop: a requested model that n2's store lacks is copied there in the
+    background (no placement), with its reason; a failed background copy is not tried on that node
+    again within background_copy_retry_s; an operator's pull runs the same path and says why it failed."""
+    from policy import StoreRoom
+
+    config = PLAIN.model_copy(update={"background_copies": "requested", "background_copy_disk_reserve_bytes": 0, "background_copy_retry_s": 60})
+    room = StoreRoom(free_bytes=100 * GIB, used_bytes=0)
+
+    async def scenario():
+        c, fx = make([spec("a", gb=1), spec("b", gb=1)], nodes=(("n1", 8),), config=config)
+        for node_id in ("n1", "n2"):
+            stored = frozenset({"a", "b"}) if node_id == "n1" else frozenset()
+            c.apply(
+                NodeReported(
+                    node_id=node_id,
+                    devices=("metal", "cpu"),
+                    total_bytes=8 * GIB,
+                    usable_bytes=8 * GIB,
+                    free_bytes=8 * GIB,
+                    stored=stored,
+                    store_room=room,
+                )
+            )
+        for _ in range(2):
+            c.release((await c.acquire("a")).lease_id)
+            c.release((await c.acquire("b")).lease_id)
+        fx.fail_fetch.add("b")
+        c.tick()  # a and b are both asked for; n2 takes one copy at a time
+        await fx.run_for(0.1)
+        c.apply(NodeReported(node_id="n2", devices=("metal", "cpu"), total_bytes=8 * GIB, usable_bytes=8 * GIB, free_bytes=8 * GIB, store_room=room))
+        c.tick()
+        await fx.run_for(0.1)
+        c.apply(NodeReported(node_id="n2", devices=("metal", "cpu"), total_bytes=8 * GIB, usable_bytes=8 * GIB, free_bytes=8 * GIB, store_room=room))
+        c.tick()  # b failed on n2: not again within the retry period
+        await fx.run_for(0.1)
+        with pytest.raises(OrchardError) as pulled:
+            await c.pull("b", "n2")
+        return c, fx, pulled.value
+
+    c, fx, pulled = asyncio.run(scenario())
+    copies = [(m, n) for m, n, _ in fx.fetched]
+    assert sorted(copies[:2]) == [("a", "n2"), ("b", "n2")] and copies[2:] == [("b", "n2")]  # the third is the pull
+    assert all(why is not None and why.startswith("background copy, L4") for why in fx.background[:2]) and fx.background[2] is None
+    assert "a" in c.state.node("n2").stored and "b" not in c.state.node("n2").stored
+    assert c.state.node("n2").instances == ()  # copied, not placed
+    assert pulled.code == "fetch_failed" and "sha256" in pulled.message

@@ -87,8 +87,9 @@ class Effects(Protocol):
         """Ask the node for a fresh memory report soon: it arrives as `NodeReported`."""
         ...
 
-    async def fetch_weights(self, model: str, node_id: str) -> None:
-        """Put the model's weights in the node's store (L1), raising LoadError when that fails."""
+    async def fetch_weights(self, model: str, node_id: str, background: str | None = None) -> None:
+        """Put the model's weights in the node's store, raising LoadError when that fails; with
+        `background` (its reason), a background copy that removes nothing stored there (L4)."""
         ...
 
     def fetch_progress(self, model: str, node_id: str) -> str | None: ...
@@ -184,7 +185,7 @@ class ResidencyController:
         instances = old.instances if old is not None and old.alive else ()
         waiting = self.placements.awaiting_bytes(r.node_id)
         ours = sum(i.bytes for i in instances) - waiting
-        self.placements.reported(r.node_id, self.clock.now() if r.asked_at is None else r.asked_at, r.free_bytes)
+        self.placements.reported(r.node_id, self.clock.now() if r.asked_at is None else r.asked_at, r.free_bytes, r.store_room, r.store_copying)
         node = NodeState(
             node_id=r.node_id,
             labels=r.labels,
@@ -509,7 +510,13 @@ class ResidencyController:
                 self._drop(unload.instance, "unloaded", unload.reason, unload.reason, cause=unload.reason)
         for place in plan_copies(self.state, now, self.config):
             self.placements.begin(place)
+        self.placements.background_copies(now, self.demand.snapshot(now))
         self._wake()
+
+    async def pull(self, model: str, node_id: str) -> None:
+        """An operator's pull: the model's weights into the node's store, without loading it, on the
+        same copy path as every other copy; OrchardError when the copy fails (fetch_failed says why)."""
+        await self.placements.copy(model, node_id, "pull")
 
     def unload(self, model: str) -> list[InstanceRef]:
         """Operator unload of every copy (the effects drain requests in flight before they stop);

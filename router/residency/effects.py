@@ -223,24 +223,6 @@ class RayEffects:
         """Nodes (known to Ray) whose store holds `folder`, by name; `but` left out."""
         return sorted(n for n, s in self.stores.items() if n != but and n in self.ray_node_ids and holds(s, folder))
 
-    async def pull(self, node_id: str, entry: ManifestEntry) -> str:
-        """Copy the model's folder into `node_id`'s store without loading it: "stored" when it is
-        there (already, or after the copy). OrchardError when it cannot be."""
-        folder = store_folder(entry)
-        mine = self.stores.get(node_id)
-        if folder is None:
-            raise OrchardError("files_not_stored", f"model {entry.name} is not kept in node stores (its path is absolute)", "model")
-        if mine is None:
-            raise OrchardError("node_not_found", f"no store report from node {node_id}", "nodes")
-        if not holds(mine, folder):
-            if not self.holders(folder, but=node_id) and not entry.hub:
-                raise OrchardError("files_not_stored", f"no node's store holds {folder} to copy from", "model")
-            try:
-                await self.fetch_weights(entry.name, node_id)
-            except LoadError as e:
-                raise OrchardError("fetch_failed", e.message, retry_after_s=1) from None
-        return "stored"
-
     async def remove_files(self, node_id: str, folder: str) -> bool:
         agent = get_agent(node_id)
         if agent is None:

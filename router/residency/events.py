@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field
 
 from deployments.wire.events import ClusterEvent, EventKind
-from policy import InstanceRef, Place
+from policy import InstanceRef, Place, StoreRoom
 from policy._frozen import Frozen
 from policy.cluster_state import LoadFailureReason
 from policy.specs import DeviceKind
@@ -31,6 +31,8 @@ class NodeReported(Frozen):
     labels: dict[str, str] = Field(default_factory=dict)
     stored: frozenset[str] | None = None
     asked_at: float | None = None
+    store_room: StoreRoom | None = None  # its store's disk (L4), when it reported its store
+    store_copying: bool = False  # a copy into its store is under way, as its agent says
 
 
 class NodeLost(Frozen):
@@ -69,10 +71,12 @@ class StopDone(Frozen):
 
 
 class FetchDone(Frozen):
-    """A copy of weights into a node's store before a placement ended; `failure` says why not."""
+    """A copy of weights into a node's store ended; `failure` says why not. `purpose`: before an
+    evicting placement (L1), a background copy (L4), or an operator's pull."""
 
     model: str
     node_id: str
+    purpose: Literal["placement", "background", "pull"] = "placement"
     failure: LoadFailureReason | None = None
     message: str = ""
 

@@ -14,9 +14,10 @@ a node. Part of the residency loop: it runs in the loop's steps and reads the lo
 import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from policy import InstanceRef, LoadFailure, Place, fetch_source, retry_after_failure
+from deployments.wire.failure import OrchardError
+from policy import InstanceRef, LoadFailure, Place, StoreRoom, fetch_source, plan_background_copies, retry_after_failure
 from policy.memory import gib
 from policy.transitions import apply_place, mark_loaded, mark_stored, remove_instance
 from router.residency.clock import Timer
@@ -42,6 +43,11 @@ class Placements:
     def __init__(self, loop: "ResidencyController"):
         self.loop = loop
         self.prefetches: set[tuple[str, str]] = set()  # (model, node): weights fetched before an eviction
+        self._copies: dict[tuple[str, str], asyncio.Task] = {}  # background copies and pulls under way
+        self._rooms: dict[str, StoreRoom] = {}  # node -> its store's disk, as last reported
+        self._store_copying: set[str] = set()  # nodes whose store report shows a copy coming in
+        self._settling: set[str] = set()  # nodes whose background copy ended since their last store report
+        self._copy_failed: dict[tuple[str, str], float] = {}  # (model, node) -> when its background copy failed
         self.for_requests: dict[tuple[str, str], asyncio.Task | None] = {}  # loads and fetches only requests wait for
         self._ids = itertools.count(1)
         self._stops: dict[int, InstanceRef] = {}  # stops under way
@@ -81,8 +87,54 @@ class Placements:
     def awaiting_bytes(self, node_id: str) -> int:
         return sum(p.place.bytes for ref, p in self._pending.items() if ref.node_id == node_id)
 
-    def reported(self, node_id: str, asked_at: float, free_bytes: int) -> None:
+    def reported(self, node_id: str, asked_at: float, free_bytes: int, room: StoreRoom | None = None, copying: bool = False) -> None:
         self._reports[node_id] = (asked_at, free_bytes)
+        if room is not None:
+            self._rooms[node_id] = room
+            self._store_copying.discard(node_id)
+            if copying:
+                self._store_copying.add(node_id)
+            self._settling.discard(node_id)  # the report shows what the last background copy there left
+
+    # ---- copies with no placement behind them: background (L4) and operators' pulls --------------
+    def background_copies(self, now: float, demand: dict[str, float]) -> None:
+        """L4: start the copies plan_background_copies picks for nodes with no copy coming in; one
+        that fails is an event (fetch_failed) like any copy's, and is not tried on that node again
+        for background_copy_retry_s."""
+        config = self.loop.config
+        if config.background_copies == "off":
+            return
+        self._copy_failed = {k: at for k, at in self._copy_failed.items() if now - at < config.background_copy_retry_s}
+        busy = {n for _, n in self._copies} | self._settling | self._store_copying
+        for copy in plan_background_copies(self.loop.state, config, demand, self._rooms, frozenset(busy), frozenset(self._copy_failed)):
+            asked = (
+                f"{copy.demand:.1f} requests, counted with a {config.demand_half_life_s / 60:g} min half-life" if copy.demand else "not asked for yet"
+            )
+            self._copies[(copy.model, copy.node_id)] = self.loop._spawn(self._run_copy(copy.model, copy.node_id, f"background copy, L4: {asked}"))
+
+    async def copy(self, model: str, node_id: str, purpose: str) -> None:
+        """A pull (or any copy a caller waits for): joins one already under way to the same node."""
+        task = self._copies.get((model, node_id))
+        if task is None:
+            task = self._copies[(model, node_id)] = self.loop._spawn(self._run_copy(model, node_id, None))
+        failure = await asyncio.shield(task)
+        if failure is not None:
+            raise OrchardError("fetch_failed", failure, retry_after_s=1)
+
+    async def _run_copy(self, model: str, node_id: str, background: str | None) -> str | None:
+        purpose: Literal["background", "pull"] = "pull" if background is None else "background"
+        try:
+            await self.loop.effects.fetch_weights(model, node_id, background=background)
+        except LoadError as e:
+            self.loop.apply(FetchDone(model=model, node_id=node_id, purpose=purpose, failure=e.reason, message=e.message))
+            return e.message
+        except Exception as e:
+            self.loop.apply(FetchDone(model=model, node_id=node_id, purpose=purpose, failure="error", message=f"{type(e).__name__}: {e}"))
+            return f"{type(e).__name__}: {e}"
+        finally:
+            self._copies.pop((model, node_id), None)
+        self.loop.apply(FetchDone(model=model, node_id=node_id, purpose=purpose))
+        return None
 
     def stop_done(self, done: StopDone) -> None:
         self._stops.pop(done.stop_id, None)
@@ -269,11 +321,15 @@ class Placements:
             self.for_requests.pop((model, node_id), None)
 
     def fetch_done(self, done: FetchDone) -> None:
-        self.prefetches.discard((done.model, done.node_id))
-        if done.failure is not None and done.message != "cancelled":  # the fetch recorded why (fetch_failed)
-            failure = LoadFailure(model=done.model, node_id=done.node_id, reason=done.failure, message=done.message)
-            self.loop.mark_failed(failure)
-        elif done.failure is None:
+        if done.purpose == "background":
+            self._settling.add(done.node_id)
+            if done.failure is not None:
+                self._copy_failed[(done.model, done.node_id)] = self.loop.clock.now()
+        if done.purpose == "placement":
+            self.prefetches.discard((done.model, done.node_id))
+            if done.failure is not None and done.message != "cancelled":  # the fetch recorded why (fetch_failed)
+                self.loop.mark_failed(LoadFailure(model=done.model, node_id=done.node_id, reason=done.failure, message=done.message))
+        if done.failure is None:
             node = self.loop.state.node(done.node_id)
             if node is not None and done.model not in node.stored:
                 self.loop.state = mark_stored(self.loop.state, done.node_id, done.model)

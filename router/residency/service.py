@@ -20,12 +20,12 @@ from cluster.ray_api import on_head
 from deployments.wire.failure import OrchardError
 from deployments.wire.leases import Grant, Refusal, RoutesView, UsageReport
 from deployments.wire.reports import HealthReport, MemoryReport
-from policy import InstanceRef, PolicyConfig, StoreRoom, plan_background_copies
+from policy import InstanceRef, PolicyConfig, StoreRoom
 from policy.failures import backoff_left
 from router import metrics
 from router.residency.controller import ResidencyController
 from router.residency.effects import RayEffects, agent_answers, holds, store_folder
-from router.residency.events import ClusterEvent, LoadError, NodeLost
+from router.residency.events import ClusterEvent, NodeLost
 from router.residency.limits import Limiter, RateLimited, Tenant
 from router.residency.operator_store import OperatorStore
 from router.residency.registry import from_config
@@ -36,6 +36,13 @@ log = logging.getLogger("orchard.residency")
 def error_dict(e: OrchardError) -> dict[str, Any]:
     """An error as it crosses Ray to the ingress, which raises it again (router.serving.lease)."""
     return {"error": e.to_dict()}
+
+
+def _room(store: dict[str, Any]) -> StoreRoom:
+    """A store report's disk, as rule L4 reads it."""
+    return StoreRoom(
+        free_bytes=max(0, store.get("free_bytes", 0)), used_bytes=max(0, store.get("used_bytes", 0)), budget_bytes=store.get("budget_bytes")
+    )
 
 
 # On the head node: a worker node that dies must not take the cluster view with it.
@@ -68,9 +75,6 @@ class ResidencyService:
         self.effects.listeners.append(self._count_event)
         self.watch_period_s = watch_period_s
         self._orphans: set[asyncio.Task] = set()
-        self._copying: set[str] = set()  # nodes a background copy (L4) is coming into
-        self._settling: set[str] = set()  # nodes whose background copy ended since the last store reports
-        self._copy_failed: dict[tuple[str, str], float] = {}  # (model, node) -> when its background copy failed
         self._missed: dict[str, int] = {}  # node -> reports in a row its agent did not answer
         self._agents: dict[str, Any] = {}  # the node agents found by the last round that found them all
         self.report_timeout_s = report_timeout_s
@@ -91,7 +95,6 @@ class ResidencyService:
                 await self._observe_nodes()
                 await self._observe_instances()
                 self.controller.tick()
-                self._start_background_copies()
                 self._reap_tickets()
                 metrics.on_nodes(self.controller.state.nodes)
             except Exception:  # a failed round must not end the watcher
@@ -131,6 +134,8 @@ class ResidencyService:
                 labels=report.labels,
                 stored=self._stored(report.store) if report.store is not None else None,
                 asked_at=asked,
+                store_room=_room(report.store) if report.store is not None else None,
+                store_copying=bool(report.store.get("fetching")) if report.store is not None else False,
             )
         alive = {n.node_id for n in await asyncio.to_thread(alive_nodes)}
         for node in self.controller.state.nodes:
@@ -138,43 +143,6 @@ class ResidencyService:
                 self.controller.node_dead(node.node_id, "Ray lists the node as dead")
         if back:  # a suspect node answers again: the model servers it kept running are ours again
             await self._adopt_running_servers(only_nodes=frozenset(back))
-
-    def _start_background_copies(self) -> None:
-        """Rule L4 (`background_copies` in the policy): start the copies plan_background_copies picks
-        for nodes with no copy coming in, each in the background; one that fails is an event
-        (fetch_failed) like any copy's, and is not tried on that node again for
-        background_copy_retry_s."""
-        config = self.controller.config
-        if config.background_copies == "off":
-            return
-        rooms = {
-            node_id: StoreRoom(
-                free_bytes=max(0, s.get("free_bytes", 0)), used_bytes=max(0, s.get("used_bytes", 0)), budget_bytes=s.get("budget_bytes")
-            )
-            for node_id, s in self.effects.stores.items()
-        }
-        copying = self._copying | self._settling | {n for n, s in self.effects.stores.items() if s.get("fetching")}
-        self._settling = set()  # the reports just observed show what those copies left
-        now = self.controller.clock.now()
-        self._copy_failed = {k: at for k, at in self._copy_failed.items() if now - at < config.background_copy_retry_s}
-        demand = self.controller.demand.snapshot(now)
-        for copy in plan_background_copies(self.controller.state, config, demand, rooms, frozenset(copying), frozenset(self._copy_failed)):
-            self._copying.add(copy.node_id)
-            asked = (
-                f"{copy.demand:.1f} requests, counted with a {config.demand_half_life_s / 60:g} min half-life" if copy.demand else "not asked for yet"
-            )
-            why = f"background copy, L4: {asked}"
-            self._background(self._background_copy(copy.model, copy.node_id, why))
-
-    async def _background_copy(self, model: str, node_id: str, why: str) -> None:
-        try:
-            await self.effects.fetch_weights(model, node_id, background=why)
-        except LoadError as e:
-            self._copy_failed[(model, node_id)] = self.controller.clock.now()
-            log.info("background copy of %s to %s: %s", model, node_id, e.message)
-        finally:
-            self._copying.discard(node_id)
-            self._settling.add(node_id)
 
     def _stored(self, store: dict) -> frozenset[str]:
         """The catalog models whose folder a store report lists (L1)."""
@@ -378,7 +346,7 @@ class ResidencyService:
 
     async def _pull(self, node_id: str, entry: Any) -> None:
         try:
-            await self.effects.pull(node_id, entry)
+            await self.controller.pull(entry.name, node_id)
         except OrchardError as e:  # recorded as fetch_failed by the copy itself when it got that far
             log.info("pull of %s to %s: %s", entry.name, node_id, e.message)
         finally:

@@ -41,6 +41,7 @@ class FakeEffects:
         self.gate: asyncio.Event | None = None
         self.versions: dict[str, str] = {}  # model -> its files' version (files_version)
         self.fetched: list[tuple[str, str, int]] = []
+        self.background: list[str | None] = []  # each fetch's background reason (None: not a background copy)
         self.fail_fetch: set[str] = set()
         self.fetch_s = 0.01
 
@@ -114,8 +115,9 @@ class FakeEffects:
     def files_version(self, model):
         return self.versions.get(model)
 
-    async def fetch_weights(self, model, node_id):
+    async def fetch_weights(self, model, node_id, background=None):
         self.fetched.append((model, node_id, len(self.stopped)))  # how many stops had happened by then
+        self.background.append(background)
         await self.run_for(self.fetch_s)
         if model in self.fail_fetch:
             raise LoadError("error", "copying it failed: sha256 mismatch")
