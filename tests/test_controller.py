@@ -3,7 +3,6 @@ not of Ray: the Ray effects are exercised by the cluster tests)."""
 
 import asyncio
 import threading
-import time
 
 import pytest
 from support.builders import spec
@@ -742,17 +741,22 @@ def test_a_placement_without_stops_on_its_node_loads_at_once():
 
 
 class SlowKV:
-    """Ray's internal_kv functions over a dict; a put of a value in `slow` sleeps first (a GCS
-    call that takes a while), and `writing` is set when a put begins."""
+    """Ray's internal_kv functions over a dict; a put of a value in `slow` waits until the test
+    releases it (a GCS call that takes a while), and `writing` is set when a put begins."""
 
-    def __init__(self, slow: dict[str, float]):
+    def __init__(self, slow: set[str]):
         self.data: dict[str, str] = {}
-        self.slow = dict(slow)
+        self.gates = {value: threading.Event() for value in slow}
         self.writing = threading.Event()
+
+    def release(self, value: str) -> None:
+        self.gates[value].set()
 
     def _internal_kv_put(self, key, value, overwrite=True, namespace=None):
         self.writing.set()
-        time.sleep(self.slow.pop(value, 0))
+        gate = self.gates.get(value)
+        if gate is not None:
+            assert gate.wait(30), "the test never released the slow write"
         self.data[key] = value
 
     def _internal_kv_del(self, key, namespace=None):
@@ -779,9 +783,14 @@ def test_a_pin_and_an_unpin_close_together_are_stored_in_the_order_they_were_mad
     the unpin's: the store said pinned while the controller said unpinned (and a restart believed it)."""
 
     async def scenario():
-        c, _ = make([spec("a", gb=3)])
-        svc = _service(c, SlowKV({"true": 0.2}))
-        answers = await asyncio.gather(svc.pin("a", True), svc.pin("a", False))
+        c, fx = make([spec("a", gb=3)])
+        kv = SlowKV({"true"})
+        svc = _service(c, kv)
+        pins = asyncio.gather(svc.pin("a", True), svc.pin("a", False))
+        while not (kv.writing.is_set() and c.state.catalog["a"].pinned is False):  # both made, the pin's write under way
+            await fx.run_for(0.01)
+        kv.release("true")
+        answers = await pins
         return c, svc.store, answers
 
     c, store, answers = run(scenario())
@@ -792,13 +801,16 @@ def test_a_pin_and_an_unpin_close_together_are_stored_in_the_order_they_were_mad
 def test_an_unload_right_after_a_load_is_stored_after_it():
     async def scenario():
         c, fx = make([spec("a", gb=3)])
-        kv = SlowKV({"null": 0.2})  # the load's record (no node asked for) is slow to write
+        kv = SlowKV({"null"})  # the load's record (no node asked for) is slow to write
         svc = _service(c, kv)
         loading = asyncio.create_task(svc.load("a"))
         while not kv.writing.is_set():
             await fx.run_for(0.01)
-        unloaded = await svc.unload("a")
-        loaded = await loading
+        unloading = asyncio.create_task(svc.unload("a"))
+        while c.state.node("n2").instance("a") is not None:  # the unload made, its write queued
+            await fx.run_for(0.01)
+        kv.release("null")
+        unloaded, loaded = await unloading, await loading
         return c, svc.store, loaded, unloaded
 
     c, store, loaded, unloaded = run(scenario())
@@ -898,7 +910,7 @@ def test_delete_files_and_a_request_for_a_model_loading_from_them_cannot_race():
             c.report_node(
                 node_id, devices=("metal", "cpu"), total_bytes=gb * GIB, usable_bytes=gb * GIB, free_bytes=gb * GIB, stored=frozenset({"a", "a2"})
             )
-        svc = _service(c, SlowKV({}), fx)
+        svc = _service(c, SlowKV(set()), fx)
         deleting = asyncio.create_task(svc.delete_files("a", "n1"))
         await fx.run_for(0.01)
         lease = await asyncio.wait_for(c.acquire("a2"), 1)  # a2 loads from the same folder
