@@ -922,7 +922,7 @@ def test_delete_files_and_a_request_for_a_model_loading_from_them_cannot_race():
     c, lease, deleted, in_use = run(scenario())
     assert lease.node_id == "n2" and deleted["removed"] is True
     assert "a" not in c.state.node("n1").stored and "a2" not in c.state.node("n1").stored
-    assert in_use["error"]["code"] == "files_in_use" and "a2 is on n2 from these files" in in_use["error"]["message"]
+    assert in_use.code == "files_in_use" and "a2 is on n2 from these files" in in_use.message
 
 
 def test_background_copies_and_pulls_take_the_loops_one_copy_path():

@@ -104,14 +104,6 @@ class OrchardError(Exception):
         return {"code": self.code, "message": self.message, "param": self.param, "retry_after_s": self.retry_after_s}
 
 
-def raise_for_error(result: Any) -> Any:
-    """`result` as it came across Ray from the residency service, or its OrchardError raised again
-    when it is the `{"error": to_dict()}` the service answers a failure with."""
-    if isinstance(result, dict) and "error" in result:
-        raise OrchardError(**result["error"])
-    return result
-
-
 def _rebuild(cls: type[OrchardError], code: str, message: str, param: str | None, retry_after_s: float | None, status: int | None) -> OrchardError:
     error = OrchardError.__new__(cls)
     OrchardError.__init__(error, code, message, param, retry_after_s=retry_after_s, status=status)

@@ -4,8 +4,8 @@ It owns the ResidencyController (one asyncio loop: the replica's) and a watcher 
 `watch_period_s`, keeps one node agent per alive node, turns their memory reports into node
 events, marks nodes Ray no longer lists as dead, and ticks the controller (idle unloads, copies,
 forgotten leases). On start it adopts model servers that outlived a previous controller. The
-ingress calls it for leases and cluster operations only, never per token. Errors travel as plain
-dicts (`{"error": {...}}`) so the ingress can answer them in OpenAI's format."""
+ingress calls it for leases and cluster operations only, never per token. A refusal travels as a
+`Refusal` (deployments/wire/leases.py), which the ingress raises again as the OrchardError it was."""
 
 import asyncio
 import logging
@@ -31,11 +31,6 @@ from router.residency.operator_store import OperatorStore
 from router.residency.registry import from_config
 
 log = logging.getLogger("orchard.residency")
-
-
-def error_dict(e: OrchardError) -> dict[str, Any]:
-    """An error as it crosses Ray to the ingress, which raises it again (router.serving.lease)."""
-    return {"error": e.to_dict()}
 
 
 def _room(store: dict[str, Any]) -> StoreRoom:
@@ -294,31 +289,31 @@ class ResidencyService:
         for lease_id in [lid for lid in self._tickets if lid not in live]:
             self.limiter.finish(self._tickets.pop(lease_id), None, self.controller.clock.now())
 
-    async def load(self, model: str, node_id: str | None = None) -> dict[str, Any]:
+    async def load(self, model: str, node_id: str | None = None) -> dict[str, Any] | Refusal:
         try:
             ref = await self.controller.load(model, node_id)
         except OrchardError as e:
-            return error_dict(e)
+            return Refusal.of(e)
         await self.store.add_load(model, node_id)  # started in the step the load ended (X2)
         return {"model": ref.model, "node_id": ref.node_id, "status": "loaded"}
 
-    async def unload(self, model: str) -> dict[str, Any]:
+    async def unload(self, model: str) -> dict[str, Any] | Refusal:
         try:
             refs = self.controller.unload(model)
         except OrchardError as e:
-            return error_dict(e)
+            return Refusal.of(e)
         await self.store.drop_load(model)  # started in the step of the change (X2)
         return {"model": model, "unloaded_from": [r.node_id for r in refs]}
 
-    async def pin(self, model: str, pinned: bool) -> dict[str, Any]:
+    async def pin(self, model: str, pinned: bool) -> dict[str, Any] | Refusal:
         try:
             spec = self.controller.pin(model, pinned)
         except OrchardError as e:
-            return error_dict(e)
+            return Refusal.of(e)
         await self.store.set_pin(model, pinned)  # started in the step of the change (X2)
         return {"model": model, "pinned": spec.pinned}
 
-    async def pull(self, model: str, nodes: list[str] | None = None) -> dict[str, Any]:
+    async def pull(self, model: str, nodes: list[str] | None = None) -> dict[str, Any] | Refusal:
         """Copy the model's folder into these nodes' stores (default: every alive node), without
         loading it; returns at once, the copies go on (GET /v1/models/<m> shows them)."""
         try:
@@ -333,7 +328,7 @@ class ResidencyService:
             if not self.effects.holders(folder) and not entry.hub:
                 raise OrchardError("files_not_stored", f"no node's store holds {folder} to copy from", "model")
         except OrchardError as e:
-            return error_dict(e)
+            return Refusal.of(e)
         out = {}
         for node_id in nodes or alive:
             if holds(self.effects.stores.get(node_id, {}), folder):
@@ -352,7 +347,7 @@ class ResidencyService:
         finally:
             await asyncio.to_thread(self.store.drop_pull, entry.name, node_id)
 
-    async def delete_files(self, model: str, node_id: str, force: bool = False) -> dict[str, Any]:
+    async def delete_files(self, model: str, node_id: str, force: bool = False) -> dict[str, Any] | Refusal:
         """Remove the model's folder from one node's store: not while a model using that folder is
         on the node (loading, waiting to load or loaded) or being copied in, and no placement
         chooses that node for those models until the removal has ended (X3); not the cluster's last
@@ -378,7 +373,7 @@ class ResidencyService:
             finally:
                 self.controller.end_removing(node_id, users, removed)
         except OrchardError as e:
-            return error_dict(e)
+            return Refusal.of(e)
         self.controller.record("files_removed", model=model, node_id=node_id, reason=f"{folder} removed from the store by an operator")
         return {"model": model, "node_id": node_id, "removed": removed}
 

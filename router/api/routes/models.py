@@ -7,7 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Body, Depends, Query
 from pydantic import BaseModel, ConfigDict
 
-from deployments.wire.failure import OrchardError, raise_for_error
+from deployments.wire.failure import OrchardError
+from deployments.wire.leases import Refusal
 from router.api.auth import principal, require_admin
 from router.api.ingress import Ingress, current
 from router.api.keys import Principal
@@ -32,8 +33,11 @@ def _model_object(m: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _ask(call) -> dict[str, Any]:
-    """A residency-service call whose failure comes back as {"error": {...}} (it crosses Ray)."""
-    return raise_for_error(await call)
+    """A residency-service call whose failure comes back as a Refusal (it crosses Ray)."""
+    answer = await call
+    if isinstance(answer, Refusal):
+        raise answer.error()
+    return answer
 
 
 @router.get("/v1/models")
