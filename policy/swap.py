@@ -35,13 +35,22 @@ class Drain(Frozen):
     reason: str
 
 
-def pick_swap(asks: Sequence[SwapAsk], state: ClusterState, now: float, config: PolicyConfig, *, swaps_last_minute: int) -> Drain | None:
+def pick_swap(
+    asks: Sequence[SwapAsk],
+    state: ClusterState,
+    now: float,
+    config: PolicyConfig,
+    *,
+    swaps_last_minute: int,
+    draining_for: frozenset[str] = frozenset(),
+) -> Drain | None:
     """W1: only under `contention: wait`, for a model whose oldest request has waited
     `swap_after_s`, and when busy instances alone keep it out: with their requests finished the
     usual placement (P4-P7) would place it, evicting only instances that are not pinned, young,
     loading or draining, and only busy ones among them are drained. W2 (anti-thrash): none while
     `max_swaps_per_minute` swaps were started in the last minute, none on a node where a drain is
-    under way; minimum residency protects every instance, the one a swap loaded too. W3: among
+    under way, none for a model a drain is under way for (`draining_for`: one swap makes room for
+    one model); minimum residency protects every instance, the one a swap loaded too. W3: among
     the models that could be swapped in, the one with the most waiting time per second of loading
     the swap costs (requests waiting x the oldest's wait / (1 + load seconds of the model and of
     the drained instances)); ties by model name."""
@@ -64,7 +73,7 @@ def pick_swap(asks: Sequence[SwapAsk], state: ClusterState, now: float, config: 
     best: tuple[float, str, Drain] | None = None
     for ask in asks:
         spec = state.catalog.get(ask.model)
-        if spec is None or ask.waited_s < config.swap_after_s:
+        if spec is None or ask.waited_s < config.swap_after_s or ask.model in draining_for:
             continue
         plan, _, _ = plan_placement(spec, idle, now, config, exclude_nodes=draining)
         if plan is None:

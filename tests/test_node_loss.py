@@ -14,24 +14,21 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from support.cluster import Http, node_args, serve_orchard, wait_for  # noqa: E402
 
 MODEL = "llama-10m"
+MIB = 1024**2
 NEVER_END = {str(t): -100 for t in range(4)}  # llama-10m's special tokens (EOS among them): the stream runs on
 
 
 @pytest.fixture(scope="module")
 def orchard(models_dir):
-    cluster = Cluster(initialize_head=True, head_node_args=node_args("head", 0.3, 1))
-    doomed = cluster.add_node(**node_args("mac-1", 0.6, 1))
+    cluster = Cluster(initialize_head=True, head_node_args=node_args("head", 0.05, 1))
+    doomed = cluster.add_node(**node_args("mac-1", 0.3, 1))
     cluster.add_node(**node_args("mac-2", 0.3, 1))
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    base = serve_orchard(
-        {
-            "models_dir": models_dir,
-            "models": [{"name": MODEL, "kind": "llm", "path": "llama-10m"}],
-            "policy": {"contention": "wait", "wait_timeout_s": 30},
-        }
-    )
     try:
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        models = [{"name": MODEL, "kind": "llm", "path": "llama-10m"}]
+        policy = {"safety_margin_bytes": 16 * MIB, "safety_margin_fraction": 0, "instance_overhead_bytes": 64 * MIB, "wait_timeout_s": 30}
+        base = serve_orchard({"models_dir": str(models_dir), "models": models, "policy": policy})
         yield Http(base), cluster, doomed
     finally:
         ray.shutdown()
@@ -69,7 +66,7 @@ def test_a_killed_nodes_model_is_served_elsewhere_within_seconds(orchard):
         except requests.RequestException:
             pass
         time.sleep(0.2)
-    events = http.get("/v1/cluster/events").json()
+    events = http.get("/v1/cluster/events").json()["data"]
     kinds = [(e["kind"], e.get("node_id")) for e in events]
     assert served_at is not None, kinds
     assert ("node_suspect", "mac-1") in kinds, kinds

@@ -166,3 +166,23 @@ def test_n1_a_lost_node_drops_its_instances_and_leases_at_once():
     assert InstanceRef(node_id=first.node_id, model="a") not in {
         InstanceRef(node_id=n.node_id, model=i.model) for n in c.state.nodes for i in n.instances
     }
+
+
+def test_w2_one_swap_makes_room_for_one_model():
+    """Two busy nodes, one waiting model: one drain, not one per node (each would cost a swap and
+    bounce a model that had to be loaded back)."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=3), spec("c", gb=3), spec("b", gb=3)], nodes=(("n1", 4), ("n2", 4)), config=SWAPPING)
+        leases = [await c.acquire("a"), await c.acquire("c")]
+        await fx.run_for(6)
+        b = asyncio.create_task(c.acquire("b"))
+        await fx.run_for(4)  # twice swap_after_s, the drain still under way
+        drains = kinds(c).count("draining")
+        for lease in leases:
+            c.release(lease.lease_id)
+        got = await asyncio.wait_for(b, 5)
+        return c, drains, got
+
+    c, drains, got = asyncio.run(scenario())
+    assert drains == 1 and kinds(c).count("evicted") == 1 and got.model == "b"

@@ -437,7 +437,8 @@ class ResidencyController:
         ]
         while self._swaps and now - self._swaps[0] > 60.0:
             self._swaps.popleft()
-        drain = pick_swap(asks, self.state, now, self.config, swaps_last_minute=len(self._swaps)) if asks else None
+        draining_for = frozenset(self._drains.values())
+        drain = pick_swap(asks, self.state, now, self.config, swaps_last_minute=len(self._swaps), draining_for=draining_for) if asks else None
         if drain is not None:
             self._start_drain(drain, now)
 
