@@ -62,9 +62,9 @@ class PolicyConfig(Frozen):
 
     # Swaps (rules W1-W3): a request that has waited swap_after_s for a model that busy instances
     # keep out has one of them drained for it (no new requests, what runs finishes, then the swap),
-    # at most max_swaps_per_minute swaps started in the cluster per minute (0: never drain).
+    # at most max_swaps_per_node_per_minute swaps started on any one node per minute (0: never drain).
     swap_after_s: float = Field(default=2.0, ge=0)
-    max_swaps_per_minute: int = Field(default=6, ge=0)
+    max_swaps_per_node_per_minute: int = Field(default=6, ge=0)
 
     # Unload, then load (rule X1): a load placed on a node where instances are stopping (its
     # victims, unloads) starts once they have exited and a report of the node shows the room; it

@@ -5,7 +5,7 @@ wait until its requests time out: E2 never evicts a busy instance. A swap drains
 new request is sent to it, what runs on it finishes, then it is evicted and the waiting model is
 placed in its room (by the usual placement, once it is idle)."""
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pydantic import Field
 
@@ -41,22 +41,26 @@ def pick_swap(
     now: float,
     config: PolicyConfig,
     *,
-    swaps_last_minute: int,
+    swaps_last_minute: Mapping[str, int],
     draining_for: frozenset[str] = frozenset(),
 ) -> Drain | None:
     """W1: only under `contention: wait`, for a model whose oldest request has waited
     `swap_after_s`, and when busy instances alone keep it out: with their requests finished the
     usual placement (P4-P7) would place it, evicting only instances that are not pinned, young,
     loading or draining, and only busy ones among them are drained. W2 (anti-thrash): none while
-    `max_swaps_per_minute` swaps were started in the last minute, none on a node where a drain is
+    `max_swaps_per_node_per_minute` swaps started on a node in the last minute (`swaps_last_minute`:
+    node -> swaps), none on a node where a drain is
     under way, none for a model a drain is under way for (`draining_for`: one swap makes room for
     one model); minimum residency protects every instance, the one a swap loaded too. W3: among
     the models that could be swapped in, the one with the most waiting time per second of loading
     the swap costs (requests waiting x the oldest's wait / (1 + load seconds of the model and of
     the drained instances)); ties by model name."""
-    if config.contention != "wait" or swaps_last_minute >= config.max_swaps_per_minute:
+    if config.contention != "wait":
         return None
-    draining = frozenset(n.node_id for n in state.nodes for i in n.instances if i.status == "draining")
+    spent = frozenset(node for node, n in swaps_last_minute.items() if n >= config.max_swaps_per_node_per_minute)
+    draining = frozenset(n.node_id for n in state.nodes for i in n.instances if i.status == "draining") | spent
+    if config.max_swaps_per_node_per_minute == 0:
+        return None
     busy = [
         (InstanceRef(node_id=n.node_id, model=i.model), i)
         for n in state.nodes

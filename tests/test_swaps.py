@@ -75,7 +75,7 @@ def test_w1_a_drain_stops_when_no_request_waits_for_it_any_more():
 def test_w2_no_drain_of_a_young_instance_nor_past_the_swap_budget(bound):
     config = SWAPPING.model_copy(update={"wait_timeout_s": 3.0, "min_residency_s": 60.0 if bound == "young" else 0.0})
     if bound == "budget":
-        config = config.model_copy(update={"max_swaps_per_minute": 0})
+        config = config.model_copy(update={"max_swaps_per_node_per_minute": 0})
 
     async def scenario():
         c, fx = make([spec("a", gb=3), spec("b", gb=3)], nodes=ONE_NODE, config=config)
@@ -117,12 +117,17 @@ def test_w3_the_swap_goes_to_the_most_waiting_per_second_of_loading():
         [spec("a", gb=3), spec("c", gb=3), spec("b", gb=3, load_seconds_estimate=2.0), spec("d", gb=3, load_seconds_estimate=2.0)],
     )
     asks = [SwapAsk(model="b", waiting=1, waited_s=8.0), SwapAsk(model="d", waiting=6, waited_s=3.0)]
-    drain = pick_swap(asks, s, 100.0, SWAPPING, swaps_last_minute=0)
+    drain = pick_swap(asks, s, 100.0, SWAPPING, swaps_last_minute={})
     assert drain is not None and drain.model == "d" and len(drain.instances) == 1
     assert drain.instances[0].model in ("a", "c") and "6 request(s) for d" in drain.reason
-    assert pick_swap([SwapAsk(model="b", waiting=1, waited_s=0.5)], s, 100.0, SWAPPING, swaps_last_minute=0) is None  # not waited long enough
-    assert pick_swap(asks, s, 100.0, SWAPPING, swaps_last_minute=SWAPPING.max_swaps_per_minute) is None
-    assert pick_swap(asks, s, 100.0, SWAPPING.model_copy(update={"contention": "fail"}), swaps_last_minute=0) is None
+    assert pick_swap([SwapAsk(model="b", waiting=1, waited_s=0.5)], s, 100.0, SWAPPING, swaps_last_minute={}) is None  # not waited long enough
+    assert (
+        pick_swap(
+            asks, s, 100.0, SWAPPING, swaps_last_minute={"n1": SWAPPING.max_swaps_per_node_per_minute, "n2": SWAPPING.max_swaps_per_node_per_minute}
+        )
+        is None
+    )
+    assert pick_swap(asks, s, 100.0, SWAPPING.model_copy(update={"contention": "fail"}), swaps_last_minute={}) is None
 
 
 def test_n1_a_node_ray_cannot_start_on_is_suspect_and_the_model_goes_elsewhere():

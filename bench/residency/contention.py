@@ -19,7 +19,7 @@ the total time. The cluster's events (GET /v1/cluster/events) are read every 2 s
 
 Variants, one after another, each on a fresh cluster (a fresh Serve app alone would keep the model
 servers of the one before: they are detached actors, and the residency service adopts them):
-`noswap` (`max_swaps_per_minute: 0`, the residency loop before swaps, the baseline) and `swaps`
+`noswap` (`max_swaps_per_node_per_minute: 0`, the residency loop before swaps, the baseline) and `swaps`
 (rules W1-W3 at their defaults). Each variant's Ray logs stay in its session folder (printed, and
 in the JSON) for a look at the residency service's log afterwards.
 
@@ -70,7 +70,7 @@ BASE_POLICY: dict[str, Any] = {
     "safety_margin_fraction": 0,
     "instance_overhead_bytes": "128MiB",
 }
-VARIANTS: dict[str, dict[str, Any]] = {"noswap": {"max_swaps_per_minute": 0}, "swaps": {}}
+VARIANTS: dict[str, dict[str, Any]] = {"noswap": {"max_swaps_per_node_per_minute": 0}, "swaps": {}}
 GAVE_UP = ("model_gave_up", "model_busy")
 NEVER_END = {str(t): -100 for t in range(4)}  # llama-10m's special tokens (EOS among them): every request runs to max_tokens
 PROMPT = "Once upon a time"

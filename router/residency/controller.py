@@ -15,7 +15,7 @@ controller is never on the token path."""
 
 import asyncio
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -146,7 +146,7 @@ class ResidencyController:
         self._failed_files: dict[str, str | None] = {}  # model marked failed -> its files' version then
         self._removing: set[tuple[str, str]] = set()  # (model, node) whose files an operator removes (X3)
         self._drains: dict[InstanceRef, str] = {}  # instance draining for a swap -> the model it makes room for
-        self._swaps: deque[float] = deque()  # when each swap of the last minute started (W2)
+        self._swaps: deque[tuple[float, str]] = deque()  # when and where each swap of the last minute started (W2)
         self._tasks: set[asyncio.Task] = set()
         self._redecide_soon = False
         self._timer: tuple[float, Timer] | None = None
@@ -435,15 +435,16 @@ class ResidencyController:
             for model, queue in self._asks.items()
             if (blocked := [a for a in queue if a.busy_blocked and not a.future.done()])
         ]
-        while self._swaps and now - self._swaps[0] > 60.0:
+        while self._swaps and now - self._swaps[0][0] > 60.0:
             self._swaps.popleft()
         draining_for = frozenset(self._drains.values())
-        drain = pick_swap(asks, self.state, now, self.config, swaps_last_minute=len(self._swaps), draining_for=draining_for) if asks else None
+        spent = Counter(node for _, node in self._swaps)
+        drain = pick_swap(asks, self.state, now, self.config, swaps_last_minute=spent, draining_for=draining_for) if asks else None
         if drain is not None:
             self._start_drain(drain, now)
 
     def _start_drain(self, drain: Drain, now: float) -> None:
-        self._swaps.append(now)
+        self._swaps.append((now, drain.node_id))
         for ref in drain.instances:
             self.state = mark_draining(self.state, ref)
             self._drains[ref] = drain.model
