@@ -45,7 +45,7 @@ def _start(manifest, models_dir, ray_node, model, options=None):
     started = time.perf_counter()
     handle = create_model_server(manifest.entry(model), NODE, ray_node_id=ray_node, models_dir=models_dir, options=options)
     report = ray.get(handle.load.remote(), timeout=60)
-    print(f"\n{model}: actor create + load {time.perf_counter() - started:.2f} s (engine load {report['load_seconds']:.2f} s)")
+    print(f"\n{model}: actor create + load {time.perf_counter() - started:.2f} s (engine load {report.load_seconds:.2f} s)")
     return handle, report
 
 
