@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from policy.caps import CapExcess, global_cap_excesses, node_cap_excesses
-from policy.cluster_state import ClusterState, InstanceRef, NodeState
+from policy.cluster_state import ClusterState, InstanceRef, InstanceState, NodeState
 from policy.config import PolicyConfig
 from policy.decisions import PASSING_PROTECTIONS, Blocker, Decision, LoadFailure, Place, Reject, Use, Wait
 from policy.eviction import Candidate, Need, candidates, eviction_order_key, select_victims, set_cost
@@ -263,7 +263,19 @@ def ensure(
     plan, shortfalls, eligible = plan_placement(spec, state, now, config, exclude_nodes=exclude_nodes, oracle_keep_values=oracle_keep_values)
     if plan is not None:
         return place_from_plan(spec, plan, config)
+    draining = [(n, i) for n in state.nodes if n.alive for i in n.instances if i.model == model and i.status == "draining"]
+    if draining:  # W1: drained for a swap, it is gone once what runs on it has ended: wait for that
+        return _behind_drain(model, draining[0][0], draining[0][1], waited_s, config)
     return _refuse(spec, state, now, config, shortfalls, eligible, waited_s, exclude_nodes)
+
+
+def _behind_drain(model: str, node: NodeState, inst: InstanceState, waited_s: float, config: PolicyConfig) -> Wait | Reject:
+    """P3 for a draining copy with no other place for the model: wait, as P8 waits for busy instances."""
+    message = f"model {model} is draining on {node.node_id} to make room for another (a swap, W1); it is placed again once it has left"
+    blockers = (Blocker(instance=InstanceRef(node_id=node.node_id, model=model), protection="draining", bytes=inst.bytes),)
+    if config.contention == "wait" and waited_s < config.wait_timeout_s:
+        return Wait(model=model, code="busy", message=message, blockers=blockers, retry_after_s=config.retry_poll_s)
+    return Reject(model=model, code="busy", message=message, blockers=blockers, retry_after_s=config.retry_poll_s)
 
 
 def place_from_plan(spec: ModelSpec, plan: Plan, config: PolicyConfig) -> Place:
