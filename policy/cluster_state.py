@@ -19,6 +19,12 @@ FetchSource = Literal["peer", "hub"]
 LoadFailureReason = Literal["not_found", "bad_files", "out_of_memory", "error"]
 
 
+# (node_id, model): an InstanceRef's identity as a plain tuple. Sets the policy builds for one
+# decision (the members of a cap, the victims chosen) hold these: hashed and compared in C, where a
+# pydantic InstanceRef costs microseconds to build and to compare, a thousand times per decision.
+RefKey = tuple[str, str]
+
+
 class InstanceRef(Frozen):
     """Names one instance. A node holds at most one instance of a model; copies live on other nodes."""
 

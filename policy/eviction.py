@@ -1,32 +1,42 @@
 """Which instances may be evicted, in what order each strategy gives them up, and the smallest set
 that makes room. Ordering is where strategies differ; safety (protections) is the same for all."""
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from policy.caps import CapExcess
-from policy.cluster_state import ClusterState, InstanceRef, InstanceState
+from policy.cluster_state import ClusterState, InstanceRef, InstanceState, RefKey
 from policy.config import EvictionStrategy, PolicyConfig
 from policy.decisions import Protection
-from policy.locality import fetch_seconds
 from policy.memory import reload_seconds
 from policy.specs import ModelKind, ModelSpec
 
 
-@dataclass(frozen=True)
 class Candidate:
-    """An instance seen as a possible victim."""
+    """An instance seen as a possible victim in one decision (policy/snapshot.py makes one per
+    instance, and keeps their keep values). Nothing changes it once made; it is a plain class
+    rather than a frozen dataclass because a decision at scale makes a thousand, and a frozen one
+    costs four times as much to build. Compared by identity. key: the instance as (node_id, model)."""
 
-    ref: InstanceRef
-    inst: InstanceState
-    spec: ModelSpec
-    protection: Protection | None
-    keep_value: float
+    __slots__ = ("key", "inst", "spec", "protection", "tier", "bytes")
+
+    def __init__(self, key: RefKey, inst: InstanceState, spec: ModelSpec, protection: Protection | None) -> None:
+        self.key = key
+        self.inst = inst
+        self.spec = spec
+        self.protection = protection
+        # Keep-warm instances are given up only when nothing else will do (rule E5).
+        self.tier = 1 if spec.keep_warm else 0
+        self.bytes = inst.bytes  # read often: a plain attribute reads faster than a pydantic field
 
     @property
-    def tier(self) -> int:
-        """Keep-warm instances are given up only when nothing else will do (rule E5)."""
-        return 1 if self.spec.keep_warm else 0
+    def ref(self) -> InstanceRef:
+        """Built when a decision names the instance (a victim, a blocker), not for every candidate."""
+        return InstanceRef(node_id=self.key[0], model=self.key[1])
+
+    @property
+    def node_id(self) -> str:
+        return self.key[0]
 
 
 def ready_copies(state: ClusterState) -> dict[str, int]:
@@ -43,11 +53,12 @@ def protection_of(inst: InstanceState, spec: ModelSpec, copies: int, now: float,
     """Why this instance may not be evicted now, or None. Lasting reasons are named before passing ones."""
     if spec.pinned:
         return "pinned"
-    if inst.status == "ready" and spec.min_copies > 0 and copies <= spec.min_copies:
+    status = inst.status
+    if status == "ready" and spec.min_copies > 0 and copies <= spec.min_copies:
         return "min_copies"
-    if inst.status == "loading":
+    if status == "loading":
         return "loading"
-    if inst.status == "draining":
+    if status == "draining":
         return "draining"
     if inst.in_flight > 0:
         return "busy"
@@ -56,49 +67,44 @@ def protection_of(inst: InstanceState, spec: ModelSpec, copies: int, now: float,
     return None
 
 
-def keep_value(inst: InstanceState, spec: ModelSpec, now: float, config: PolicyConfig, fetch_s: float = 0.0) -> float:
+def keep_valuer(now: float, config: PolicyConfig) -> Callable[[InstanceState, ModelSpec, float], float]:
     """The `cost` strategy's estimate of what losing an instance costs: reload seconds on its node
     (the load, plus fetching the weights again when that node's store does not hold them, L2),
     times a weight for utility models, times an estimated reuse rate of 1 / (idle seconds + floor).
-    (A frequency term, requests served / age, was tried in the simulator and reloaded more.)"""
-    weight = config.cost.utility_weight if spec.role == "utility" else 1.0
-    idle_s = max(0.0, now - inst.last_used)
-    return (reload_seconds(inst, spec, config) + fetch_s) * weight / (idle_s + config.cost.idle_floor_s)
+    (A frequency term, requests served / age, was tried in the simulator and reloaded more.)
+
+    A function of (instance, spec, fetch seconds) at `now`, with the config's figures read once: a
+    decision asks it of every instance it weighs."""
+    utility_weight, idle_floor_s = config.cost.utility_weight, config.cost.idle_floor_s
+
+    def keep_value(inst: InstanceState, spec: ModelSpec, fetch_s: float) -> float:
+        weight = utility_weight if spec.role == "utility" else 1.0
+        idle_s = max(0.0, now - inst.last_used)
+        return (reload_seconds(inst, spec, config) + fetch_s) * weight / (idle_s + idle_floor_s)
+
+    return keep_value
 
 
-def candidates(
-    state: ClusterState,
-    now: float,
-    config: PolicyConfig,
-    oracle_keep_values: Mapping[InstanceRef, float] | None = None,
-) -> list[Candidate]:
-    """Every instance on an alive node, with its protection and keep value."""
-    copies = ready_copies(state)
-    found = []
-    for node in state.nodes:
-        if not node.alive:
-            continue
-        for inst in node.instances:
-            spec = state.catalog[inst.model]
-            ref = InstanceRef(node_id=node.node_id, model=inst.model)
-            if oracle_keep_values is not None:
-                value = oracle_keep_values.get(ref, 0.0)
-            else:
-                value = keep_value(inst, spec, now, config, fetch_seconds(spec, node, state, config))
-            found.append(Candidate(ref, inst, spec, protection_of(inst, spec, copies.get(inst.model, 0), now, config), value))
-    return found
-
-
-def eviction_order_key(c: Candidate, strategy: EvictionStrategy, kind: ModelKind, memory_pressure: bool, oracle: bool) -> tuple:
-    """Sort key: the first candidate is given up first. Tier (keep-warm) always comes first."""
-    tie = (c.ref.node_id, c.ref.model)
+def eviction_orders(
+    candidates: Iterable[Candidate], keep_values: Mapping[Candidate, float], strategy: EvictionStrategy, kind: ModelKind, oracle: bool
+) -> tuple[dict[Candidate, tuple], dict[Candidate, tuple]]:
+    """Sort keys by candidate, without memory pressure and under it: the first candidate is given
+    up first. Tier (keep-warm) always comes first; the instance itself, (node_id, model), breaks ties."""
+    relaxed: dict[Candidate, tuple] = {}
+    pressed: dict[Candidate, tuple] = {}
     if oracle or strategy == "cost":
-        value = c.keep_value / max(c.inst.bytes, 1) if memory_pressure else c.keep_value
-        return (c.tier, value, *tie)
-    if strategy == "lru":
-        return (c.tier, c.spec.kind != kind, c.inst.last_used, *tie)
-    # fewest: biggest first frees the most memory per eviction
-    return (c.tier, -c.inst.bytes if memory_pressure else 0, c.inst.last_used, *tie)
+        for c in candidates:
+            value = keep_values[c]
+            relaxed[c] = (c.tier, value, c.key)
+            pressed[c] = (c.tier, value / max(c.bytes, 1), c.key)  # per byte freed
+    elif strategy == "lru":
+        for c in candidates:
+            relaxed[c] = pressed[c] = (c.tier, c.spec.kind != kind, c.inst.last_used, c.key)
+    else:  # fewest: under pressure biggest first, which frees the most memory per eviction
+        for c in candidates:
+            relaxed[c] = (c.tier, 0, c.inst.last_used, c.key)
+            pressed[c] = (c.tier, -c.bytes, c.inst.last_used, c.key)
+    return relaxed, pressed
 
 
 @dataclass(frozen=True)
@@ -110,11 +116,11 @@ class Need:
     excesses: tuple[CapExcess, ...]
 
     def met_by(self, victims: Sequence[Candidate]) -> bool:
-        freed = sum(v.inst.bytes for v in victims if v.ref.node_id == self.node_id)
+        freed = sum(v.bytes for v in victims if v.node_id == self.node_id)
         if freed < self.memory_bytes:
             return False
-        refs = {v.ref for v in victims}
-        return all(len(refs & e.members) >= e.excess for e in self.excesses)
+        keys = {v.key for v in victims}
+        return all(len(keys & e.members) >= e.excess for e in self.excesses)
 
 
 def select_victims(
@@ -125,53 +131,48 @@ def select_victims(
     skipped there), taking only those that still help; then pruning any victim
     the rest already cover, most valuable first. None if even all of them fall short. The result is
     minimal: no single victim can be dropped (property-tested). Both inputs are sorted by `key`."""
+    node_id, memory, excesses = need.node_id, need.memory_bytes, need.excesses
     chosen: list[Candidate] = []
     freed = 0
-    counts = [0] * len(need.excesses)
-
-    def met() -> bool:
-        return freed >= need.memory_bytes and all(n >= e.excess for n, e in zip(counts, need.excesses, strict=True))
-
-    def cluster_caps_open() -> bool:
-        return any(e.cluster_wide and n < e.excess for n, e in zip(counts, need.excesses, strict=True))
-
+    missing = [e.excess for e in excesses]  # members each broken cap still lacks
+    cluster_wide = [j for j, e in enumerate(excesses) if e.cluster_wide]
     li = ei = 0
-    while not met():
+    while freed < memory or any(m > 0 for m in missing):
         take_local = li < len(local)
-        take_elsewhere = ei < len(elsewhere) and cluster_caps_open()
+        take_elsewhere = ei < len(elsewhere) and any(missing[j] > 0 for j in cluster_wide)
         if take_local and take_elsewhere:
             take_local = key(local[li]) <= key(elsewhere[ei])
         if take_local:
             c, li = local[li], li + 1
         elif take_elsewhere:
             c, ei = elsewhere[ei], ei + 1
-            if c.ref.node_id == need.node_id:
+            if c.key[0] == node_id:
                 continue
         else:
             return None
-        frees_memory = c.ref.node_id == need.node_id and freed < need.memory_bytes
-        fills = [j for j, e in enumerate(need.excesses) if counts[j] < e.excess and c.ref in e.members]
-        if not frees_memory and not fills:
-            continue
+        here = c.key[0] == node_id
+        caps = [j for j, e in enumerate(excesses) if c.key in e.members]
+        if not (here and freed < memory) and not any(missing[j] > 0 for j in caps):
+            continue  # it would help nothing still missing
         chosen.append(c)
-        if c.ref.node_id == need.node_id:
-            freed += c.inst.bytes
-        for j, e in enumerate(need.excesses):
-            if c.ref in e.members:
-                counts[j] += 1
-    for c in reversed(list(chosen)):
-        rest = [v for v in chosen if v is not c]
-        if need.met_by(rest):
-            chosen = rest
+        if here:
+            freed += c.bytes
+        for j in caps:
+            missing[j] -= 1
+    if len(chosen) > 1:  # one victim is never redundant: without it the need was not met
+        for c in reversed(list(chosen)):
+            rest = [v for v in chosen if v is not c]
+            if need.met_by(rest):
+                chosen = rest
     return tuple(chosen)
 
 
-def set_cost(victims: Sequence[Candidate], strategy: EvictionStrategy, oracle: bool) -> tuple:
+def set_cost(victims: Sequence[Candidate], keep_values: Mapping[Candidate, float], strategy: EvictionStrategy, oracle: bool) -> tuple:
     """Compares eviction sets on different nodes: lower is cheaper to lose."""
     max_tier = max((v.tier for v in victims), default=0)
-    nbytes = sum(v.inst.bytes for v in victims)
+    nbytes = sum(v.bytes for v in victims)
     if oracle or strategy == "cost":
-        return (max_tier, sum(v.keep_value for v in victims), nbytes)
+        return (max_tier, sum(keep_values[v] for v in victims), nbytes)
     if strategy == "lru":
         return (max_tier, max((v.inst.last_used for v in victims), default=0.0), len(victims), nbytes)
     return (max_tier, len(victims), nbytes)

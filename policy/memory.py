@@ -35,9 +35,10 @@ def free_bytes(node: NodeState) -> int:
     return min(accounted, node.reported_headroom_bytes)
 
 
-def ever_available_bytes(node: NodeState, config: PolicyConfig) -> int:
-    """What the node could give a model if every one of our instances on it were gone."""
-    return free_bytes(node) + ours_bytes(node) - margin_bytes(node, config)
+def ever_available_bytes(node: NodeState, config: PolicyConfig, free: int | None = None) -> int:
+    """What the node could give a model if every one of our instances on it were gone.
+    free: free_bytes(node), when the caller has it."""
+    return (free_bytes(node) if free is None else free) + ours_bytes(node) - margin_bytes(node, config)
 
 
 def estimated_load_seconds(nbytes: int, config: PolicyConfig) -> float:

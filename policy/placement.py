@@ -1,25 +1,27 @@
 """ensure(): where a request for a model goes. Filter nodes by hard constraints, plan the cheapest
 room on each, pick by a fixed preference; explain precisely when nothing works."""
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
-from policy.caps import CapExcess, global_cap_excesses, node_cap_excesses
-from policy.cluster_state import ClusterState, InstanceRef, InstanceState, NodeState
+from pydantic import TypeAdapter
+
+from policy.caps import CapExcess, global_cap_excesses, node_cap_excesses, node_caps_set
+from policy.cluster_state import ClusterState, InstanceRef, InstanceState, NodeState, RefKey
 from policy.config import PolicyConfig
 from policy.decisions import PASSING_PROTECTIONS, Blocker, Decision, LoadFailure, Place, Reject, Use, Wait
-from policy.eviction import Candidate, Need, candidates, eviction_order_key, select_victims, set_cost
+from policy.eviction import Candidate, Need, eviction_orders, select_victims, set_cost
 from policy.failures import NOT_RETRIED_BECAUSE, backoff_left, failed_load_backoff, failure_text, failures_after, load_failed, reject_marked
-from policy.locality import fetch_seconds
 from policy.memory import (
     estimated_load_seconds,
     ever_available_bytes,
-    free_bytes,
     gib,
     margin_bytes,
     overhead_bytes,
     required_bytes,
 )
+from policy.snapshot import Snapshot
 from policy.specs import DeviceKind, ModelSpec
 
 
@@ -53,28 +55,205 @@ class NodeShortfall:
     node: NodeState
     memory_short_bytes: int
     unmet_caps: tuple[CapExcess, ...]
-    blockers: tuple[Candidate, ...]
+    # The protected instances behind it come in two parts: this node's own, and the protected
+    # members of the unmet cluster-wide caps, one tuple shared by every node's shortfall (listing
+    # them again per node was a decision's largest cost at scale). `span`: where this node's
+    # instances would be in that tuple.
+    own_blockers: tuple[Candidate, ...]
+    cluster_blockers: tuple[Candidate, ...]
+    span: tuple[int, int]
+
+    @property
+    def blockers(self) -> tuple[Candidate, ...]:
+        """Every protected instance behind the shortfall, in the state's order."""
+        start, end = self.span
+        return self.cluster_blockers[:start] + self.own_blockers + self.cluster_blockers[end:]
 
 
-def _need_on(
-    spec: ModelSpec,
-    node: NodeState,
-    device: DeviceKind,
-    state: ClusterState,
-    config: PolicyConfig,
-    global_excesses: list[CapExcess],
-) -> Need:
-    memory = required_bytes(spec, config) + margin_bytes(node, config) - free_bytes(node)
-    excesses = tuple(global_excesses) + tuple(node_cap_excesses(spec, node, device, state, config))
-    return Need(node_id=node.node_id, memory_bytes=memory, excesses=excesses)
+def _eligible(spec: ModelSpec, state: ClusterState, exclude_nodes: frozenset[str], holding: frozenset[str] | None = None) -> list[NodeState]:
+    """holding: the alive nodes with an instance of the model, when the caller has them."""
+    if holding is None:
+        holding = frozenset(n.node_id for n in state.nodes if n.alive for i in n.instances if i.model == spec.name)
+    anywhere = spec.allowed_nodes is None and not spec.required_labels and spec.device is None  # meets every node's constraints
+    return [
+        n
+        for n in state.nodes
+        if n.alive and not n.draining and n.node_id not in exclude_nodes and n.node_id not in holding and (anywhere or meets_constraints(spec, n))
+    ]
 
 
-def _relevant(pool: list[Candidate], need: Need) -> list[Candidate]:
-    """Candidates that can help this node: its own instances, and members of broken caps."""
-    members: set[InstanceRef] = set()
-    for e in need.excesses:
-        members |= e.members
-    return [c for c in pool if c.ref.node_id == need.node_id or c.ref in members]
+def _fits_as_is(need: Need) -> bool:
+    return need.memory_bytes <= 0 and not need.excesses
+
+
+class _Planner:
+    """Placing one model on one snapshot: what every node's plan shares (the victims allowed, the
+    cluster-wide caps, the victims' order) is worked out once, the victims only once some node
+    has to evict. With passing_evictable, busy/loading/young instances count as evictable: that
+    answers "would waiting help?"."""
+
+    def __init__(self, spec: ModelSpec, snap: Snapshot, passing_evictable: bool, global_excesses: tuple[CapExcess, ...] | None = None) -> None:
+        self.spec = spec
+        self.snap = snap
+        self.config = snap.config
+        self.required = required_bytes(spec, snap.config)
+        self.global_excesses = tuple(global_cap_excesses(spec, snap.state, snap.config)) if global_excesses is None else global_excesses
+        self.oracle = snap.oracle is not None
+        self.node_caps = node_caps_set(spec, snap.config)
+        # L1 among evicting nodes weighs the victims' keep value in seconds (see _evicting_rank).
+        self.idle_floor_s = snap.config.cost.idle_floor_s if snap.config.eviction == "cost" and not self.oracle else None
+        self.allowed = {None} | (PASSING_PROTECTIONS if passing_evictable else set())
+        self._elsewhere: dict[bool, list[Candidate]] = {}
+        self._caps_only: tuple[tuple[Candidate, ...] | None] | None = None  # (victims,) once known
+        self._costs: dict[tuple[Candidate, ...], tuple] = {}
+
+    def need(self, node: NodeState, device: DeviceKind) -> Need:
+        memory = self.required + margin_bytes(node, self.config) - self.snap.free(node)
+        excesses = self.global_excesses
+        if self.node_caps:
+            excesses += tuple(node_cap_excesses(self.spec, node, device, self.snap.state, self.config))
+        return Need(node.node_id, memory, excesses)
+
+    @cached_property
+    def pool(self) -> dict[str, tuple[Candidate, ...]]:
+        """The candidates that may be evicted, by node."""
+        allowed = self.allowed
+        found = {node_id: [c for c in cs if c.protection in allowed] for node_id, cs in self.snap.candidates_by_node.items()}
+        return {node_id: tuple(cs) for node_id, cs in found.items() if cs}
+
+    @cached_property
+    def keep_values(self) -> Mapping[Candidate, float]:
+        """The pool's keep values: only the `cost` strategy (and the oracle) order by them."""
+        if self.config.eviction != "cost" and not self.oracle:
+            return {}
+        return self.snap.keep_values(self.pool)
+
+    @cached_property
+    def _orders(self) -> tuple[dict[Candidate, tuple], dict[Candidate, tuple]]:
+        pool = (c for cs in self.pool.values() for c in cs)
+        return eviction_orders(pool, self.keep_values, self.config.eviction, self.spec.kind, self.oracle)
+
+    def order(self, pressure: bool) -> Callable[[Candidate], tuple]:
+        """The strategy's order of the pool (E3-E5), without memory pressure or under it."""
+        return self._orders[pressure].__getitem__
+
+    def elsewhere(self, pressure: bool) -> list[Candidate]:
+        """Victims elsewhere only ever help cluster-wide caps: sorted once, not once per node."""
+        found = self._elsewhere.get(pressure)
+        if found is None:
+            found = self._elsewhere[pressure] = sorted(self._cap_members, key=self.order(pressure))
+        return found
+
+    @cached_property
+    def _cap_members(self) -> list[Candidate]:
+        """The pool's members of cluster-wide caps."""
+        members = frozenset().union(*(e.members for e in self.global_excesses))
+        return [c for cs in self.pool.values() for c in cs if c.key in members] if members else []
+
+    def victims(self, need: Need) -> tuple[Candidate, ...] | None:
+        if _fits_as_is(need):
+            return ()  # no candidate need be weighed
+        pressure = need.memory_bytes > 0
+        if not pressure and len(need.excesses) == len(self.global_excesses):
+            # Only cluster-wide caps to relieve: the victims are the first members of those caps in
+            # the order, wherever they are, so every such node gets the same set (computed once).
+            if self._caps_only is None:
+                self._caps_only = (self._select(need, pressure),)
+            return self._caps_only[0]
+        return self._select(need, pressure)
+
+    def _select(self, need: Need, pressure: bool) -> tuple[Candidate, ...] | None:
+        key = self.order(pressure)
+        local = sorted(self.pool.get(need.node_id, ()), key=key)
+        return select_victims(local, self.elsewhere(pressure), need, key)
+
+    def rank(self, node: NodeState, victims: tuple[Candidate, ...]) -> tuple[tuple, int]:
+        """The node's place in the preference (lowest first), and what its plan leaves free."""
+        node_id = node.node_id
+        freed_here = sum(v.bytes for v in victims if v.key[0] == node_id)
+        free_after = self.snap.free(node) + freed_here - self.required
+        fetch_s = self.snap.fetch_seconds(self.spec, node)  # L1: where the model is ready soonest
+        if not victims:
+            fit = free_after if self.config.fit_preference == "pack" else -free_after
+            return (0, fetch_s, fit, node_id), free_after
+        cost = self._costs.get(victims)
+        if cost is None:
+            cost = self._costs[victims] = set_cost(victims, self.keep_values, self.config.eviction, self.oracle)
+        return (1, *_evicting_rank(cost, fetch_s, self.idle_floor_s), node_id), free_after
+
+    def best(self, eligible: list[NodeState]) -> tuple[Plan | None, list[NodeShortfall]]:
+        """The best plan over the eligible nodes; when there is none, every node's shortfall. A node
+        that fits without eviction beats any that evicts (P7): then no evicting plan is made."""
+        needs = []
+        for node in eligible:
+            device = device_for(self.spec, node)
+            assert device is not None
+            needs.append((node, device, self.need(node, device)))
+        options: list[tuple[NodeState, DeviceKind, tuple[Candidate, ...]]] = [(node, device, ()) for node, device, need in needs if _fits_as_is(need)]
+        short: list[tuple[NodeState, Need]] = []
+        if not options:
+            for node, device, need in needs:
+                victims = self.victims(need)
+                if victims is None:
+                    short.append((node, need))
+                else:
+                    options.append((node, device, victims))
+        if not options:
+            return None, [self.shortfall(node, need) for node, need in short]
+        ranked = [(*self.rank(node, victims), node, device, victims) for node, device, victims in options]
+        _, free_after, node, device, victims = min(ranked, key=lambda r: r[0])
+        return Plan(node, device, victims, free_after), []
+
+    def any_plan(self, eligible: list[NodeState]) -> bool:
+        """Whether some eligible node has a plan. Which one does not matter here, so no victims are
+        chosen: select_victims finds a set exactly when all the allowed candidates together do."""
+        for node in eligible:
+            device = device_for(self.spec, node)
+            assert device is not None
+            memory_short, unmet = self.short(node, self.need(node, device))
+            if memory_short <= 0 and not unmet:
+                return True
+        return False
+
+    @cached_property
+    def unmet_cluster_caps(self) -> tuple[CapExcess, ...]:
+        """Cluster-wide caps the pool cannot relieve: the same for every node."""
+        keys = {c.key for cs in self.pool.values() for c in cs}
+        return tuple(e for e in self.global_excesses if len(keys & e.members) < e.excess)
+
+    @cached_property
+    def cluster_blockers(self) -> tuple[tuple[Candidate, ...], dict[str, tuple[int, int]]]:
+        """The protected members of the unmet cluster-wide caps in the state's order, and where
+        each node's instances are in that tuple."""
+        members = frozenset().union(*(e.members for e in self.unmet_cluster_caps))
+        found: list[Candidate] = []
+        spans: dict[str, tuple[int, int]] = {}
+        if members:
+            for node_id, cs in self.snap.candidates_by_node.items():
+                start = len(found)
+                found.extend(c for c in cs if c.protection is not None and c.key in members)
+                spans[node_id] = (start, len(found))
+        return tuple(found), spans
+
+    def short(self, node: NodeState, need: Need) -> tuple[int, tuple[CapExcess, ...]]:
+        """The memory and the caps still short after every allowed eviction. Only this node's
+        evictions relieve its memory and its own caps."""
+        own_pool = self.pool.get(node.node_id, ())
+        memory_short = need.memory_bytes - sum(c.bytes for c in own_pool)
+        own_keys = {c.key for c in own_pool}
+        node_caps = need.excesses[len(self.global_excesses) :]
+        return memory_short, self.unmet_cluster_caps + tuple(e for e in node_caps if len(own_keys & e.members) < e.excess)
+
+    def shortfall(self, node: NodeState, need: Need) -> NodeShortfall:
+        """What is still missing after every allowed eviction, and the protected instances behind it."""
+        memory_short, unmet = self.short(node, need)
+        own = tuple(
+            c
+            for c in self.snap.candidates_by_node.get(node.node_id, ())
+            if c.protection is not None and (memory_short > 0 or any(c.key in e.members for e in unmet))
+        )
+        cluster, spans = self.cluster_blockers
+        return NodeShortfall(node, max(0, memory_short), unmet, own, cluster, spans.get(node.node_id, (0, 0)))
 
 
 def plan_placement(
@@ -87,78 +266,23 @@ def plan_placement(
     passing_evictable: bool = False,
     oracle_keep_values: Mapping[InstanceRef, float] | None = None,
 ) -> tuple[Plan | None, list[NodeShortfall], list[NodeState]]:
-    """Best plan over all eligible nodes, the shortfall of every eligible node that has none, and
-    the eligible nodes. With passing_evictable, busy/loading/young instances count as evictable:
-    that answers "would waiting help?"."""
-    eligible = [
-        n
-        for n in state.nodes
-        if n.alive and not n.draining and n.node_id not in exclude_nodes and n.instance(spec.name) is None and meets_constraints(spec, n)
-    ]
-    global_excesses = global_cap_excesses(spec, state, config)
-    oracle = oracle_keep_values is not None
-    allowed = {None} | (PASSING_PROTECTIONS if passing_evictable else set())
-    everyone = candidates(state, now, config, oracle_keep_values)
-    pool = [c for c in everyone if c.protection in allowed]
-    by_node: dict[str, list[Candidate]] = {}
-    for c in pool:
-        by_node.setdefault(c.ref.node_id, []).append(c)
-    # Victims elsewhere only ever help cluster-wide caps: sort those once, not once per node.
-    global_members = frozenset().union(*(e.members for e in global_excesses))
-    elsewhere = [c for c in pool if c.ref in global_members]
-
-    def key_for(pressure: bool):
-        return lambda c: eviction_order_key(c, config.eviction, spec.kind, pressure, oracle)
-
-    elsewhere_sorted = {p: sorted(elsewhere, key=key_for(p)) for p in (False, True)} if elsewhere else {}
-
-    plans: list[tuple[tuple, Plan]] = []
-    shortfalls: list[NodeShortfall] = []
-    for node in eligible:
-        device = device_for(spec, node)
-        assert device is not None
-        need = _need_on(spec, node, device, state, config, global_excesses)
-        pressure = need.memory_bytes > 0
-        local = sorted(by_node.get(node.node_id, []), key=key_for(pressure))
-        victims = select_victims(local, elsewhere_sorted.get(pressure, []), need, key_for(pressure))
-        if victims is None:
-            shortfalls.append(_shortfall(node, need, _relevant(pool, need), everyone))
-            continue
-        freed_here = sum(v.inst.bytes for v in victims if v.ref.node_id == node.node_id)
-        free_after = free_bytes(node) + freed_here - required_bytes(spec, config)
-        plan = Plan(node, device, victims, free_after)
-        fetch_s = fetch_seconds(spec, node, state, config)  # L1: where the model is ready soonest
-        if not victims:
-            fit = free_after if config.fit_preference == "pack" else -free_after
-            rank: tuple = (0, fetch_s, fit, node.node_id)
-        else:
-            rank = (1, *_evicting_rank(set_cost(victims, config.eviction, oracle), fetch_s, config, oracle), node.node_id)
-        plans.append((rank, plan))
-    best = min(plans, key=lambda p: p[0])[1] if plans else None
-    return best, shortfalls, eligible
+    """Best plan over all eligible nodes; when there is none, the shortfall of every eligible node
+    (empty when a plan was found); and the eligible nodes. With passing_evictable, busy/loading/young
+    instances count as evictable: that answers "would waiting help?"."""
+    eligible = _eligible(spec, state, exclude_nodes)
+    plan, shortfalls = _Planner(spec, Snapshot(state, now, config, oracle_keep_values), passing_evictable).best(eligible)
+    return plan, shortfalls, eligible
 
 
-def _evicting_rank(cost: tuple, fetch_s: float, config: PolicyConfig, oracle: bool) -> tuple:
+def _evicting_rank(cost: tuple, fetch_s: float, idle_floor_s: float | None) -> tuple:
     """L1 among evicting nodes. With the `cost` strategy both sides are seconds of loading: the set's
     keep value (expected reload seconds per second) over `idle_floor_s` is what the victims are
     expected to cost in reloads, the fetch what this request waits for the weights; the node with
-    the least of both wins. Other strategies order sets in their own terms: fetch time breaks ties."""
-    if config.eviction == "cost" and not oracle:
-        return (cost[0], cost[1] * config.cost.idle_floor_s + fetch_s, *cost[2:])
+    the least of both wins. Other strategies order sets in their own terms: fetch time breaks ties.
+    idle_floor_s: the config's, under the `cost` strategy without the oracle; None otherwise."""
+    if idle_floor_s is not None:
+        return (cost[0], cost[1] * idle_floor_s + fetch_s, *cost[2:])
     return (*cost, fetch_s)
-
-
-def _shortfall(node: NodeState, need: Need, usable: list[Candidate], everyone: list[Candidate]) -> NodeShortfall:
-    """What is still missing after every allowed eviction, and the protected instances behind it."""
-    memory_short = need.memory_bytes - sum(c.inst.bytes for c in usable if c.ref.node_id == node.node_id)
-    refs = {c.ref for c in usable}
-    unmet = tuple(e for e in need.excesses if len(refs & e.members) < e.excess)
-    blockers = tuple(
-        c
-        for c in everyone
-        if c.protection is not None and ((memory_short > 0 and c.ref.node_id == node.node_id) or any(c.ref in e.members for e in unmet))
-    )
-    return NodeShortfall(node, max(0, memory_short), unmet, blockers)
 
 
 def _need_text(spec: ModelSpec, config: PolicyConfig) -> str:
@@ -178,16 +302,17 @@ _PROTECTION_WORDS = {
 }
 
 
-def _shortfall_text(s: NodeShortfall) -> str:
+def _shortfall_text(s: NodeShortfall, free: int) -> str:
     by_protection: dict[str, list[Candidate]] = {}
     for b in s.blockers:
         by_protection.setdefault(b.protection or "", []).append(b)
+    here = s.node.node_id
+    # model@node as str(InstanceRef) writes it, without building one per blocker
+    names = {prot: [b.key[1] if b.key[0] == here else f"{b.key[1]}@{b.key[0]}" for b in bs] for prot, bs in by_protection.items()}
     held = "; ".join(
-        f"{_PROTECTION_WORDS[prot]} {', '.join(b.ref.model if b.ref.node_id == s.node.node_id else str(b.ref) for b in bs)} "
-        f"hold {gib(sum(b.inst.bytes for b in bs))}"
-        for prot, bs in sorted(by_protection.items())
+        f"{_PROTECTION_WORDS[prot]} {', '.join(names[prot])} hold {gib(sum(b.bytes for b in bs))}" for prot, bs in sorted(by_protection.items())
     )
-    parts = [f"on {s.node.node_id}: {gib(free_bytes(s.node))} free of {gib(s.node.usable_bytes)} usable"]
+    parts = [f"on {here}: {gib(free)} free of {gib(s.node.usable_bytes)} usable"]
     if s.memory_short_bytes > 0:
         parts.append(f"{gib(s.memory_short_bytes)} short after every allowed eviction")
     if held:
@@ -197,24 +322,38 @@ def _shortfall_text(s: NodeShortfall) -> str:
     return ", ".join(parts)
 
 
+_BLOCKERS = TypeAdapter(tuple[Blocker, ...])
+
+
 def blockers_of(shortfalls: list[NodeShortfall]) -> tuple[Blocker, ...]:
-    seen: dict[InstanceRef, Blocker] = {}
+    """Every protected instance the shortfalls name, once, in the order they first name it."""
+    seen: dict[RefKey, Candidate] = {}
+    taken: list[tuple[Candidate, ...]] = []
     for s in shortfalls:
-        for c in s.blockers:
-            assert c.protection is not None
-            seen.setdefault(c.ref, Blocker(instance=c.ref, protection=c.protection, bytes=c.inst.bytes))
-    return tuple(seen.values())
+        if any(s.cluster_blockers is t for t in taken):
+            named = s.own_blockers  # what else it names is in a cluster-wide tuple already taken
+        else:
+            named = s.blockers
+            taken.append(s.cluster_blockers)
+        for c in named:
+            seen.setdefault(c.key, c)
+    # Validated in one call: at scale a refusal names a thousand blockers, and building the models
+    # one at a time was most of its cost.
+    return _BLOCKERS.validate_python(
+        [{"instance": {"node_id": node_id, "model": model}, "protection": c.protection, "bytes": c.bytes} for (node_id, model), c in seen.items()]
+    )
 
 
-def _retry_after(shortfall_blockers: tuple[Blocker, ...], state: ClusterState, now: float, config: PolicyConfig) -> float:
+def _retry_after(shortfall_blockers: tuple[Blocker, ...], snap: Snapshot) -> float:
     """Soonest a passing protection may end: a young instance's remaining age, else the poll period."""
+    config = snap.config
     waits = [config.retry_poll_s]
     for b in shortfall_blockers:
         if b.protection == "young":
-            node = state.node(b.instance.node_id)
+            node = snap.nodes.get(b.instance.node_id)
             inst = node.instance(b.instance.model) if node else None
             if inst is not None:
-                waits.append(max(0.1, config.min_residency_s - (now - inst.loaded_at)))
+                waits.append(max(0.1, config.min_residency_s - (snap.now - inst.loaded_at)))
     return min(waits)
 
 
@@ -238,12 +377,13 @@ def ensure(
     if spec is None:
         return Reject(model=model, code="unknown_model", message=f"model {model!r} is not in the registry")
 
-    ready = [(n, i) for n in state.nodes if n.alive for i in n.instances if i.model == model and i.status == "ready"]
+    copies = [(n, i) for n in state.nodes if n.alive for i in n.instances if i.model == model]
+    ready = [(n, i) for n, i in copies if i.status == "ready"]
     if ready:
         node, _ = min(ready, key=lambda p: (p[1].in_flight, p[0].node_id))
         return Use(instance=InstanceRef(node_id=node.node_id, model=model))
 
-    loading = [(n, i) for n in state.nodes if n.alive for i in n.instances if i.model == model and i.status == "loading"]
+    loading = [(n, i) for n, i in copies if i.status == "loading"]
     if loading:
         node, inst = loading[0]
         expected = spec.load_seconds_estimate or estimated_load_seconds(inst.bytes, config)
@@ -260,13 +400,15 @@ def ensure(
     if mark is not None and backoff_left(mark, now, config) > 0:
         return reject_marked(mark, now, config)
 
-    plan, shortfalls, eligible = plan_placement(spec, state, now, config, exclude_nodes=exclude_nodes, oracle_keep_values=oracle_keep_values)
+    planner = _Planner(spec, Snapshot(state, now, config, oracle_keep_values), passing_evictable=False)
+    eligible = _eligible(spec, state, exclude_nodes, frozenset(n.node_id for n, _ in copies))
+    plan, shortfalls = planner.best(eligible)
     if plan is not None:
         return place_from_plan(spec, plan, config)
-    draining = [(n, i) for n in state.nodes if n.alive for i in n.instances if i.model == model and i.status == "draining"]
+    draining = [(n, i) for n, i in copies if i.status == "draining"]
     if draining:  # W1: drained for a swap, it is gone once what runs on it has ended: wait for that
         return _behind_drain(model, draining[0][0], draining[0][1], waited_s, config)
-    return _refuse(spec, state, now, config, shortfalls, eligible, waited_s, exclude_nodes)
+    return _refuse(planner, shortfalls, eligible, waited_s)
 
 
 def _behind_drain(model: str, node: NodeState, inst: InstanceState, waited_s: float, config: PolicyConfig) -> Wait | Reject:
@@ -290,16 +432,8 @@ def place_from_plan(spec: ModelSpec, plan: Plan, config: PolicyConfig) -> Place:
     )
 
 
-def _refuse(
-    spec: ModelSpec,
-    state: ClusterState,
-    now: float,
-    config: PolicyConfig,
-    shortfalls: list[NodeShortfall],
-    eligible: list[NodeState],
-    waited_s: float,
-    exclude_nodes: frozenset[str],
-) -> Wait | Reject:
+def _refuse(planner: _Planner, shortfalls: list[NodeShortfall], eligible: list[NodeState], waited_s: float) -> Wait | Reject:
+    spec, snap, config = planner.spec, planner.snap, planner.config
     if not eligible:
         constraints = []
         if spec.allowed_nodes is not None:
@@ -315,7 +449,7 @@ def _refuse(
             + (f" ({'; '.join(constraints)})" if constraints else ""),
         )
     need = required_bytes(spec, config)
-    capacities = {n.node_id: ever_available_bytes(n, config) for n in eligible}
+    capacities = {n.node_id: ever_available_bytes(n, config, snap.free(n)) for n in eligible}
     if all(need > capacities[n.node_id] for n in eligible):
         largest = max(eligible, key=lambda n: capacities[n.node_id])
         return Reject(
@@ -325,20 +459,22 @@ def _refuse(
             f"{gib(max(0, capacities[largest.node_id]))} after its safety margin",
         )
 
-    waiting_plan, _, _ = plan_placement(spec, state, now, config, exclude_nodes=exclude_nodes, passing_evictable=True)
+    # Would waiting help? Some plan exists once the passing protections end (which plan, whatever
+    # the victims' order, does not matter here).
+    waiting_helps = _Planner(spec, snap, passing_evictable=True, global_excesses=planner.global_excesses).any_plan(eligible)
     ordered = sorted(shortfalls, key=lambda s: -capacities[s.node.node_id])
-    detail = "; ".join(_shortfall_text(s) for s in ordered[:3])
+    detail = "; ".join(_shortfall_text(s, snap.free(s.node)) for s in ordered[:3])
     if len(ordered) > 3:
         detail += f"; and {len(ordered) - 3} more nodes"
     blockers = blockers_of(shortfalls)
-    if waiting_plan is None:
+    if not waiting_helps:
         return Reject(
             model=spec.name,
             code="blocked",
             message=f"cannot place: {_need_text(spec, config)}; {detail}",
             blockers=blockers,
         )
-    retry_after = _retry_after(blockers, state, now, config)
+    retry_after = _retry_after(blockers, snap)
     message = f"model {spec.name} must wait for busy, loading or young instances: {_need_text(spec, config)}; {detail}"
     if config.contention == "wait" and waited_s < config.wait_timeout_s:
         return Wait(model=spec.name, code="busy", message=message, blockers=blockers, retry_after_s=retry_after)
@@ -370,8 +506,9 @@ def retry_after_failure(failure: LoadFailure, state: ClusterState, now: float, c
     if node is not None and node.alive and not node.draining and meets_constraints(spec, node):
         device = device_for(spec, node)
         assert device is not None
-        more = tuple(c for c in candidates(state, now, config) if c.ref.node_id == node.node_id and c.protection is None)
-        need = _need_on(spec, node, device, state, config, global_cap_excesses(spec, state, config))
+        planner = _Planner(spec, Snapshot(state, now, config), passing_evictable=False)
+        more = tuple(c for c in planner.snap.candidates_by_node.get(node.node_id, ()) if c.protection is None)
+        need = planner.need(node, device)
         if more and need.met_by(more):
             return Place(
                 model=spec.name,

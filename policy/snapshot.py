@@ -1,0 +1,90 @@
+"""One decision's reads of a ClusterState, each worked out once.
+
+ensure() asks the same questions of one state for every node it weighs, and may plan twice (the
+second time to learn whether waiting would help, P8): how much is free on a node, how many ready
+copies a model has, whether some store holds its weights, every instance seen as a possible
+victim. Asked again each time, they were most of what a decision cost at 100 nodes x 1,000 models
+(bench/residency/scale.py). A Snapshot lives for one call; the policy keeps nothing between calls."""
+
+from collections.abc import Iterable, Mapping
+from functools import cached_property
+
+from policy.cluster_state import ClusterState, InstanceRef, NodeState, RefKey
+from policy.config import PolicyConfig
+from policy.eviction import Candidate, keep_valuer, protection_of, ready_copies
+from policy.locality import fetch_seconds, stored_anywhere
+from policy.memory import free_bytes
+from policy.specs import ModelSpec
+
+
+class Snapshot:
+    """`state` at `now` under `config`; nodes are asked about by the state's own NodeState objects.
+    oracle_keep_values: replaces every keep value (the simulator's offline reference)."""
+
+    def __init__(self, state: ClusterState, now: float, config: PolicyConfig, oracle_keep_values: Mapping[InstanceRef, float] | None = None) -> None:
+        self.state = state
+        self.now = now
+        self.config = config
+        self.oracle: dict[RefKey, float] | None = (
+            None if oracle_keep_values is None else {(r.node_id, r.model): v for r, v in oracle_keep_values.items()}
+        )
+        self._free: dict[str, int] = {}
+        self._keep_values: dict[Candidate, float] = {}
+
+    def free(self, node: NodeState) -> int:
+        """memory.free_bytes, once per node."""
+        found = self._free.get(node.node_id)
+        if found is None:
+            found = self._free[node.node_id] = free_bytes(node)
+        return found
+
+    @cached_property
+    def nodes(self) -> dict[str, NodeState]:
+        return {n.node_id: n for n in self.state.nodes}
+
+    @cached_property
+    def stored(self) -> frozenset[str]:
+        """Models some alive node's store holds: asked only when an instance's own store lacks them."""
+        return stored_anywhere(self.state)
+
+    @cached_property
+    def ready_copies(self) -> dict[str, int]:
+        """Asked only for models with min_copies."""
+        return ready_copies(self.state)
+
+    def fetch_seconds(self, spec: ModelSpec, node: NodeState) -> float:
+        """locality.fetch_seconds for one of the state's nodes, without a walk over every node."""
+        return fetch_seconds(spec, node, self.state, self.config, self.stored)
+
+    def keep_values(self, by_node: Mapping[str, Iterable[Candidate]]) -> dict[Candidate, float]:
+        """Keep values (E3, or the oracle's) by candidate, these among them (by node): each worked
+        out once, and only for candidates an eviction order weighs."""
+        values, oracle, keep_value = self._keep_values, self.oracle, keep_valuer(self.now, self.config)
+        for node_id, candidates in by_node.items():
+            node = self.nodes[node_id]
+            for c in candidates:
+                if c in values:
+                    continue
+                if oracle is not None:
+                    values[c] = oracle.get(c.key, 0.0)
+                else:
+                    values[c] = keep_value(c.inst, c.spec, self.fetch_seconds(c.spec, node))
+        return values
+
+    @cached_property
+    def candidates_by_node(self) -> dict[str, tuple[Candidate, ...]]:
+        """Every instance on an alive node, with its protection, by node in the state's order, each
+        node's instances in its order."""
+        now, config, catalog = self.now, self.config, self.state.catalog
+        by_node = {}
+        for node in self.state.nodes:
+            if not node.alive:
+                continue
+            node_id, found = node.node_id, []
+            for inst in node.instances:
+                model = inst.model
+                spec = catalog[model]
+                copies = self.ready_copies.get(model, 0) if spec.min_copies > 0 else 0
+                found.append(Candidate((node_id, model), inst, spec, protection_of(inst, spec, copies, now, config)))
+            by_node[node_id] = tuple(found)
+        return by_node
