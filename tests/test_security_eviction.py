@@ -72,14 +72,24 @@ class Watch(threading.Thread):
         super().__init__(daemon=True)
         self.a_name, self.a_pid = a_name, a_pid
         self.stop = threading.Event()
+        self.stopped_at = float("inf")  # the last sample begins after this (the caller's `finish`)
         self.samples: list[tuple[float, bool, bool, bool]] = []  # (t, a listed, a's process alive, b listed)
 
+    def finish(self) -> None:
+        """Stop after one more sample taken from now on: a GCS call slow under load must not end
+        the watch before it has seen the state the caller's action left."""
+        self.stopped_at = time.monotonic()
+        self.stop.set()
+
     def run(self) -> None:
-        while not self.stop.is_set():
+        while True:
+            began = time.monotonic()
             names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
             alive = psutil.pid_exists(self.a_pid) and psutil.Process(self.a_pid).status() != psutil.STATUS_ZOMBIE
             b_listed = any((p := parse_actor_name(n)) is not None and p[0] == "evict-b" for n in names)
             self.samples.append((time.monotonic(), self.a_name in names, alive, b_listed))
+            if self.stop.is_set() and began > self.stopped_at:
+                return
             time.sleep(0.005)
 
 
@@ -94,7 +104,7 @@ def test_an_eviction_stops_the_victim_before_the_new_model_loads(orchard):
     try:
         ask(orchard, "evict-b")  # A is idle: evicted for B
     finally:
-        watch.stop.set()
+        watch.finish()
         watch.join(10)
 
     # The log: evicted(A) ... stopped(A) ... loading(B) ... loaded(B), in that order and time.
