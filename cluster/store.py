@@ -38,9 +38,11 @@ ENV_STORE = "ORCHARD_STORE"
 MANIFEST = ".orchard-manifest.json"
 PARTIAL = ".partial"
 CHUNK_BYTES = 8 * 1024 * 1024  # one read or write (a copy keeps a few in flight), never a whole file in memory
-RECEIVE_BYTES = 4 * 1024 * 1024  # one buffer of the ring a stream is received into, written from and hashed from
-RECEIVE_DEPTH = 4  # buffers of the ring: one being received into while the hash thread reads the others
-HASH_BYTES = 1024 * 1024  # received bytes hashed in one job: a job's cost is noise, and the bytes are still in the cache
+# A stream is received into a ring of RECEIVE_DEPTH buffers of RECEIVE_BYTES: one being received into
+# and written from while the hash thread reads the others. Small on purpose: on the 2-core VM a ring of
+# 4 x 4 MiB made every write() and recv() copy dearer than one of 4 x 1 MiB (bench.fetch).
+RECEIVE_BYTES = 1024 * 1024
+RECEIVE_DEPTH = 4
 
 
 def default_root() -> Path:
@@ -365,20 +367,15 @@ class Store:
         return found
 
 
-def _update(sha, pieces: list[memoryview]) -> None:
-    for piece in pieces:
-        sha.update(piece)
-
-
 class _Receiving:
     """One `Store.receive`: its hash thread, its ring of receive buffers, its byte counts.
 
     sha256 runs on a thread of its own, in the order the bytes were written, so that hashing overlaps
     receiving and writing what comes next (hashlib releases the GIL; one core hashes 1.2-1.7 GB/s,
-    about what a stream moves). A stream is received into a ring of RECEIVE_DEPTH buffers, piece by
-    piece as the socket gives them; each piece is written at once, and hashed in jobs of HASH_BYTES
-    while it is still in the cache. A buffer is handed out again only once the last job that read it
-    is done; chunks that come as bytes (the Ray path) are hashed one job each, RECEIVE_DEPTH at most
+    about what a stream moves). A stream is received into the ring's buffers piece by piece as the
+    socket gives them; each piece is written at once, and a buffer's bytes are hashed in one job
+    once it is full or its file ends. A buffer is handed out again only once the job that read it is
+    done; chunks that come as bytes (the Ray path) are hashed one job each, RECEIVE_DEPTH at most
     waiting."""
 
     def __init__(self, folder: str, progress: Callable[[int], None]):
@@ -390,9 +387,7 @@ class _Receiving:
         self._ring: list[bytearray] = []
         self._busy: list[Future | None] = []  # per buffer of the ring, the last job that reads it
         self._turn = -1
-        self._batch: list[memoryview] = []  # received pieces of the current buffer not yet given to the hash thread
-        self._batch_sha = None
-        self._batch_bytes = 0
+        self._batch: tuple = ()  # (sha, buffer, start, end): received bytes of the current buffer not yet given to the hash thread
         self._jobs: deque[Future] = deque()  # jobs hashing chunks that came as bytes
         self._open: list[IncomingFile] = []
         self._checks: list[IncomingFile] = []
@@ -423,20 +418,20 @@ class _Receiving:
             reading.result()
         return memoryview(self._ring[self._turn])
 
-    def hash_piece(self, sha, piece: memoryview) -> None:
-        """A piece of the current buffer, hashed with the pieces after it (HASH_BYTES a job)."""
-        if self._batch_sha is not sha:
+    def hash_piece(self, sha, buffer: memoryview, start: int, end: int) -> None:
+        """Bytes start:end of the current buffer, hashed with the rest of the buffer in one job (one
+        call that releases the GIL once, not one per piece the socket gave)."""
+        if self._batch and self._batch[0] is sha and self._batch[1] is buffer and self._batch[3] == start:
+            start = self._batch[2]
+        else:
             self._flush()
-        self._batch_sha = sha
-        self._batch.append(piece)
-        self._batch_bytes += len(piece)
-        if self._batch_bytes >= HASH_BYTES:
-            self._flush()
+        self._batch = (sha, buffer, start, end)
 
     def _flush(self) -> None:
         if self._batch:
-            self._busy[self._turn] = self._pool.submit(_update, self._batch_sha, self._batch)
-            self._batch, self._batch_sha, self._batch_bytes = [], None, 0
+            sha, buffer, start, end = self._batch
+            self._busy[self._turn] = self._pool.submit(sha.update, buffer[start:end])
+            self._batch = ()
 
     def hash_chunk(self, sha, chunk: bytes) -> None:
         self._flush()
@@ -469,8 +464,8 @@ class _Receiving:
 class IncomingFile:
     """One file of a copy: written under .partial from `offset` on, hashed as its bytes arrive and
     verified against the manifest's sha256 once its last byte is in. A transport fills it with
-    `write(chunk)`, or without a copy with `buffer()` (receive into it) and `commit(piece)` for each
-    piece of that buffer the socket gives, in order."""
+    `write(chunk)`, or without a copy with `buffer()` (receive into it) and `commit(n)` for each piece
+    of that buffer the socket gives, in order."""
 
     def __init__(self, expected: StoredFile, target: Path, receiving: _Receiving):
         self.expected = expected
@@ -484,6 +479,8 @@ class IncomingFile:
         self._sha = hashlib.sha256()
         self._out: BinaryIO | None = None
         self._digest: Future | None = None
+        self._buffer = memoryview(b"")  # the last buffer handed out, and how much of it is received
+        self._filled = 0
 
     @property
     def path(self) -> str:
@@ -505,16 +502,19 @@ class IncomingFile:
         return self._out
 
     def buffer(self) -> memoryview:
-        """A buffer to receive this file's next bytes into: at most `missing` bytes."""
+        """A buffer to receive this file's next bytes into, at most `missing`: receive into it in order,
+        `commit(n)` after each piece."""
         self._opened()
-        view = self._receiving.buffer()
-        return view[: min(len(view), self.missing)]
+        self._buffer = self._receiving.buffer()[: self.missing]
+        self._filled = 0
+        return self._buffer
 
-    def commit(self, piece: memoryview) -> None:
-        """The next bytes received into `buffer()`'s view: written now, hashed soon after."""
-        self._write(piece)
-        self._receiving.hash_piece(self._sha, piece)
-        self._advance(len(piece))
+    def commit(self, n: int) -> None:
+        """The next `n` bytes of the buffer are received: written now, hashed soon after."""
+        start, self._filled = self._filled, self._filled + n
+        self._write(self._buffer[start : self._filled])
+        self._receiving.hash_piece(self._sha, self._buffer, start, self._filled)
+        self._advance(n)
 
     def write(self, chunk: bytes) -> None:
         self._write(chunk)

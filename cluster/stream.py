@@ -235,7 +235,7 @@ def receive_stream(offer: StreamOffer, folder: str, files: list[IncomingFile], s
                         raise StreamBroken(f"the stream broke at {f.path} byte {f.offset} of {f.expected.size}: {e}") from e
                     if not n:
                         raise StreamBroken(f"the source closed the stream at {f.path} byte {f.offset} of {f.expected.size}")
-                    f.commit(view[got : got + n])
+                    f.commit(n)
                     got += n
                 step(got)
 
