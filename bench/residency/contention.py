@@ -51,6 +51,7 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from bench.report import publish  # noqa: E402
+from bench.sse import Chunks  # noqa: E402
 from deployments.models import prepare  # noqa: E402
 from policy.cluster_state import NodeState  # noqa: E402
 from policy.config import GIB, MIB, PolicyConfig  # noqa: E402
@@ -148,14 +149,8 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, client: int,
                 except (ValueError, KeyError, TypeError):
                     status = str(response.status)
             else:
-                done = False
-                async for line in response.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    if line.startswith(b"data: [DONE]"):
-                        done = True
-                        break
-                    chunk = json.loads(line[6:])
+                chunks = Chunks(response.content)
+                async for chunk in chunks:
                     if "error" in chunk:
                         status = f"stream:{chunk['error'].get('code')}"
                         break
@@ -163,7 +158,7 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, client: int,
                         first = time.monotonic() - started
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
-                if status == "200" and not done:
+                if status == "200" and not chunks.done:
                     status = "stream:no_done"
     except (TimeoutError, aiohttp.ClientError) as e:
         status = f"client:{type(e).__name__}"

@@ -31,6 +31,7 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from bench.engine.share import Bare, messages  # noqa: E402  (the same prompts on every side)
+from bench.sse import Chunks  # noqa: E402
 from cluster.model_servers import find_model_server  # noqa: E402
 from deployments.engines.llm import LLMEngine  # noqa: E402
 from deployments.engines.options import LLMEngineOptions  # noqa: E402
@@ -64,27 +65,23 @@ class SSEClient:
             "stream_options": {"include_usage": True},
         }
         started = time.perf_counter()
-        first, tokens, done = None, None, False
+        first, tokens = None, None
+        chunks: Chunks | None = None
         async with self.session.post(self.url, json=body) as response:
             if response.status != 200:
                 raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
             timing = dict(part.strip().split(";dur=") for part in response.headers.get("Server-Timing", "").split(",") if ";dur=" in part)
             if {"app", "lease", "first-delta"} <= timing.keys():
                 self.timings.append((float(timing["app"]), float(timing["lease"]), float(timing["first-delta"])))
-            async for line in response.content:
-                if not line.startswith(b"data: "):
-                    continue
-                if line.startswith(b"data: [DONE]"):
-                    done = True
-                    continue
-                chunk = json.loads(line[6:])
+            chunks = Chunks(response.content)
+            async for chunk in chunks:
                 if "error" in chunk:
                     raise RuntimeError(f"stream failed: {chunk['error']}")
                 if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                     first = time.perf_counter() - started
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
-        if not done or tokens is None:
+        if chunks is None or not chunks.done or tokens is None:
             raise RuntimeError("the stream ended without usage and [DONE]")
         return tokens, first or 0.0
 
