@@ -52,9 +52,6 @@ class RayEffects:
         self.stores: dict[str, dict] = {}  # Orchard node id -> its store's last report (NodeReport.store)
         self.record: Callable[..., None] = lambda kind, **fields: None  # the controller's, for events while working
 
-    def now(self) -> float:
-        return time.monotonic()
-
     def want_report(self, node_id: str) -> None:
         """The controller waits for a report of `node_id` (X1): the watcher's next round starts now."""
         self.report_wanted.set()
