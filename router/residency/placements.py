@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from deployments.wire.failure import OrchardError
-from policy import InstanceRef, LoadFailure, Place, StoreRoom, fetch_source, plan_background_copies, retry_after_failure
+from policy import InstanceRef, LoadFailure, LoadFailureReason, Place, StoreRoom, fetch_source, plan_background_copies, retry_after_failure
 from policy.memory import gib
 from policy.transitions import apply_place, mark_loaded, mark_stored, remove_instance
 from router.residency.clock import Timer
@@ -110,31 +110,42 @@ class Placements:
             asked = (
                 f"{copy.demand:.1f} requests, counted with a {config.demand_half_life_s / 60:g} min half-life" if copy.demand else "not asked for yet"
             )
-            self._copies[(copy.model, copy.node_id)] = self.loop._spawn(self._run_copy(copy.model, copy.node_id, f"background copy, L4: {asked}"))
+            self._copies[(copy.model, copy.node_id)] = self.loop._spawn(
+                self._fetch(copy.model, copy.node_id, "background", f"background copy, L4: {asked}")
+            )
 
     async def copy(self, model: str, node_id: str, purpose: str) -> None:
         """A pull (or any copy a caller waits for): joins one already under way to the same node."""
         task = self._copies.get((model, node_id))
         if task is None:
-            task = self._copies[(model, node_id)] = self.loop._spawn(self._run_copy(model, node_id, None))
+            task = self._copies[(model, node_id)] = self.loop._spawn(self._fetch(model, node_id, "pull"))
         failure = await asyncio.shield(task)
         if failure is not None:
             raise OrchardError("fetch_failed", failure, retry_after_s=1)
 
-    async def _run_copy(self, model: str, node_id: str, background: str | None) -> str | None:
-        purpose: Literal["background", "pull"] = "pull" if background is None else "background"
+    async def _fetch(
+        self, model: str, node_id: str, purpose: Literal["placement", "background", "pull"], background: str | None = None
+    ) -> str | None:
+        """The one copy path: the weights into the node's store, for a placement (L1), in the
+        background (L4, `background` its reason) or for an operator's pull; the outcome back to the
+        loop as FetchDone. Returns the failure's message, or None. A placement's fetch nobody waits
+        for any more is cancelled (the event is recorded): nothing to undo."""
+        failure: LoadFailureReason | None = None
+        message = ""
         try:
             await self.loop.effects.fetch_weights(model, node_id, background=background)
+        except asyncio.CancelledError:
+            if purpose != "placement":
+                raise
+            failure, message = "error", "cancelled"
         except LoadError as e:
-            self.loop.apply(FetchDone(model=model, node_id=node_id, purpose=purpose, failure=e.reason, message=e.message))
-            return e.message
+            failure, message = e.reason, e.message
         except Exception as e:
-            self.loop.apply(FetchDone(model=model, node_id=node_id, purpose=purpose, failure="error", message=f"{type(e).__name__}: {e}"))
-            return f"{type(e).__name__}: {e}"
+            failure, message = "error", f"{type(e).__name__}: {e}"
         finally:
-            self._copies.pop((model, node_id), None)
-        self.loop.apply(FetchDone(model=model, node_id=node_id, purpose=purpose))
-        return None
+            (self.for_requests if purpose == "placement" else self._copies).pop((model, node_id), None)
+        self.loop.apply(FetchDone(model=model, node_id=node_id, purpose=purpose, failure=failure, message=message))
+        return message if failure is not None else None
 
     def stop_done(self, done: StopDone) -> None:
         self._stops.pop(done.stop_id, None)
@@ -222,7 +233,7 @@ class Placements:
         if place.evict and node is not None and fetch_source(self.loop.state.catalog[place.model], node, self.loop.state) is not None:
             if (place.model, place.node_id) not in self.prefetches:
                 self.prefetches.add((place.model, place.node_id))
-                task = self.loop._spawn(self._run_fetch(place.model, place.node_id))
+                task = self.loop._spawn(self._fetch(place.model, place.node_id, "placement"))
                 if for_requests:
                     self.for_requests[(place.model, place.node_id)] = task
             return False
@@ -305,20 +316,6 @@ class Placements:
             self.carry_out(retry, failed.attempt + 1, f"retrying {place.model}: {retry.reason}", f"evicted to retry {place.model}")
         else:  # P9/P10: not retried, nothing evicted; requests are refused until the back-off ends
             self.loop.mark_failed(failure)
-
-    async def _run_fetch(self, model: str, node_id: str) -> None:
-        try:
-            await self.loop.effects.fetch_weights(model, node_id)
-        except asyncio.CancelledError:  # nobody waits for it (the event is recorded): nothing to undo
-            self.loop.apply(FetchDone(model=model, node_id=node_id, failure="error", message="cancelled"))
-        except LoadError as e:
-            self.loop.apply(FetchDone(model=model, node_id=node_id, failure=e.reason, message=e.message))
-        except Exception as e:
-            self.loop.apply(FetchDone(model=model, node_id=node_id, failure="error", message=f"{type(e).__name__}: {e}"))
-        else:
-            self.loop.apply(FetchDone(model=model, node_id=node_id))
-        finally:
-            self.for_requests.pop((model, node_id), None)
 
     def fetch_done(self, done: FetchDone) -> None:
         if done.purpose == "background":
