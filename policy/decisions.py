@@ -45,6 +45,8 @@ RejectCode = Literal[
     "blocked",  # pinned models or caps stand in the way; waiting cannot help
     "busy",  # busy/young/loading instances stand in the way and we do not (or no longer) wait
     "load_failed",
+    "no_node",  # an operator's load on a node that is not there or not alive (P11)
+    "max_copies",  # an operator's load of another copy beyond max_copies (P11)
 ]
 
 

@@ -281,6 +281,38 @@ def test_an_operator_load_past_max_copies_is_a_409_naming_the_limit():
     assert "already has 1 copies (max_copies=1)" in err.message
 
 
+def test_what_if_answers_as_a_request_or_a_load_would_and_changes_nothing():
+    """The policy's answer for a model now (P11 for a named node), the same decision the loop takes,
+    with nothing started, stopped or recorded."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=3), spec("b", gb=3), spec("c", gb=2)], nodes=(("n1", 4), ("n2", 4)))
+        c.release((await c.acquire("a")).lease_id)
+        c.release((await c.acquire("b")).lease_id)
+        fx.clock.advance(5)
+        before = (c.state, len(c.events()), list(fx.started), list(fx.stopped))
+        a_at = next(n.node_id for n in c.state.nodes if n.instance("a") is not None)
+        answers = {
+            "c": c.what_if("c"),
+            "c on n1": c.what_if("c", "n1"),
+            "a on its node": c.what_if("a", a_at),
+            "a on the other": c.what_if("a", "n2" if a_at == "n1" else "n1"),
+            "c on n9": c.what_if("c", "n9"),
+            "zzz": c.what_if("zzz"),
+        }
+        return c, fx, before, answers
+
+    c, fx, before, answers = run(scenario())
+    assert (c.state, len(c.events()), fx.started, fx.stopped) == before
+    assert answers["c"].decision == "place" and len(answers["c"].evict) == 1
+    assert answers["c on n1"].decision == "place" and answers["c on n1"].node_id == "n1"
+    assert [r.node_id for r in answers["c on n1"].evict] == ["n1"]
+    assert answers["a on its node"].decision == "use"
+    assert (answers["a on the other"].decision, answers["a on the other"].code) == ("reject", "max_copies")
+    assert (answers["c on n9"].decision, answers["c on n9"].code) == ("reject", "no_node")
+    assert (answers["zzz"].decision, answers["zzz"].code) == ("reject", "unknown_model")
+
+
 def test_forgotten_leases_expire():
     async def scenario():
         c, fx = make([spec("a", gb=3)])

@@ -41,7 +41,7 @@ from policy.decisions import Decision
 from policy.eviction import ready_copies
 from policy.failures import reject_marked
 from policy.memory import gib
-from policy.placement import blockers_of, place_from_plan, plan_placement
+from policy.on_node import place_on
 from policy.swap import Drain, SwapAsk, pick_swap
 from policy.transitions import (
     apply_place,
@@ -362,45 +362,44 @@ class ResidencyController:
         return True
 
     def _decide_on_node(self, ask: _Ask, now: float) -> bool:
-        """An operator's load on one node: an extra copy there, within max_copies."""
+        """An operator's load on one node (P11): an extra copy there, within max_copies."""
         model, node_id = ask.model, ask.node_id
         assert node_id is not None
-        spec = self._spec(model)
-        node = self.state.node(node_id)
-        if node is None or not node.alive:
-            raise OrchardError("node_not_found", f"no alive node {node_id!r}")
-        inst = node.instance(model)
-        if inst is not None:
-            if inst.status == "ready":
-                ask.future.set_result(InstanceRef(node_id=node_id, model=model))
-                return True
-            return False  # loading: its LoadDone decides again
-        if (model, node_id) in self.placements.prefetches:
-            return False
+        decision = place_on(model, node_id, self.state, now, self.config)
+        if isinstance(decision, Use):
+            ask.future.set_result(decision.instance)
+            return True
+        if isinstance(decision, Wait) or (model, node_id) in self.placements.prefetches:
+            return False  # loading there (its LoadDone decides again), or its weights arrive first
+        if isinstance(decision, Reject) and decision.code in ("unknown_model", "no_node"):
+            raise _error_for(decision)
         mark = self.state.failed.get(model)
         if mark is not None and mark.at >= ask.started:
             raise _error_for(reject_marked(mark, now, self.config))
-        if ask.placed and model not in node.stored:
+        node = self.state.node(node_id)
+        if ask.placed and node is not None and model not in node.stored:
             raise OrchardError("model_unloaded", f"model {model} left {node_id} before it was ready")
         if (model, node_id) in self._removing:
             raise OrchardError("files_in_use", f"the files of {model} are being removed from {node_id}'s store: load it there after", "node")
-        copies = sum(1 for n in self.state.nodes if n.alive and n.instance(model) is not None)
-        if copies >= spec.max_copies:
-            raise OrchardError("model_already_loaded", f"model {model} already has {copies} copies (max_copies={spec.max_copies}): unload it first")
-        others = frozenset(n.node_id for n in self.state.nodes if n.node_id != node_id)
-        plan, shortfalls, eligible = plan_placement(spec, self.state, now, self.config, exclude_nodes=others)
-        if plan is None:
-            if (
-                any(self.leases.revoke_idle(b.instance) for b in blockers_of(shortfalls) if b.protection == "busy")
-                and now - ask.started < self.revoke_grace_s
-            ):
-                self._schedule(self.config.retry_poll_s)  # idle standing leases in the way come back
-                return False
-            why = "its constraints exclude it" if not eligible else "it does not fit even after every allowed eviction, or a cap forbids it"
-            self._record("rejected", model=model, node_id=node_id, reason=why)
-            raise OrchardError("model_blocked", f"cannot place model {model} on {node_id}: {why}")
-        ask.placed = self.placements.begin(place_from_plan(spec, plan, self.config))
-        return False
+        if isinstance(decision, Place):
+            ask.placed = self.placements.begin(decision)
+            return False
+        assert isinstance(decision, Reject)
+        revoking = any(self.leases.revoke_idle(b.instance) for b in decision.blockers if b.protection == "busy")
+        if decision.code == "blocked" and revoking and now - ask.started < self.revoke_grace_s:
+            self._schedule(self.config.retry_poll_s)  # idle standing leases in the way come back
+            return False
+        if decision.code == "blocked":
+            self._record("rejected", model=model, node_id=node_id, reason=decision.message)
+        raise _error_for(decision)
+
+    def what_if(self, model: str, node_id: str | None = None) -> Decision:
+        """What a request for `model` (or an operator's load of it on `node_id`) would be answered now,
+        decided as `_decide` decides, without doing any of it."""
+        now = self.clock.now()
+        if node_id is not None:
+            return place_on(model, node_id, self.state, now, self.config)
+        return ensure(model, self.state, now, self.config, exclude_nodes=self._removing_on(model))
 
     def _waiting_for_fetch(self, ask: _Ask, place: Place, now: float) -> bool:
         """A request whose placement waits for the weights to arrive first: as `contention` says, a
@@ -717,6 +716,10 @@ class ResidencyController:
 def _error_for(reject: Reject) -> OrchardError:
     if reject.code == "unknown_model":
         return OrchardError("model_not_found", reject.message, "model")
+    if reject.code == "no_node":
+        return OrchardError("node_not_found", reject.message)
+    if reject.code == "max_copies":
+        return OrchardError("model_already_loaded", reject.message)
     return OrchardError(f"model_{reject.code}", reject.message, retry_after_s=reject.retry_after_s)
 
 

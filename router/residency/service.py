@@ -20,7 +20,7 @@ from cluster.ray_api import on_head
 from deployments.wire.failure import OrchardError
 from deployments.wire.leases import Grant, Refusal, RoutesView, UsageReport
 from deployments.wire.reports import HealthReport, MemoryReport
-from policy import InstanceRef, PolicyConfig, StoreRoom
+from policy import Decision, InstanceRef, PolicyConfig, StoreRoom
 from policy.failures import backoff_left
 from router import metrics
 from router.residency.controller import ResidencyController
@@ -420,6 +420,10 @@ class ResidencyService:
                 }
             out.append(model)
         return out
+
+    async def what_if(self, model: str, node_id: str | None = None) -> Decision:
+        """The policy's answer for `model` now (anywhere, or loaded on `node_id`), carried out nowhere."""
+        return self.controller.what_if(model, node_id)
 
     async def cluster(self) -> dict[str, Any]:
         state = self.controller.state
