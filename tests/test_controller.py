@@ -313,6 +313,26 @@ def test_what_if_answers_as_a_request_or_a_load_would_and_changes_nothing():
     assert (answers["zzz"].decision, answers["zzz"].code) == ("reject", "unknown_model")
 
 
+def test_next_events_answers_at_once_waits_for_the_next_or_times_out_empty():
+    async def scenario():
+        c, fx = make([spec("a", gb=3)])
+        last = c.events()[-1].seq
+        at_once = await c.next_events(0)
+        waiter = asyncio.create_task(c.next_events(last, timeout_s=60))
+        await fx.run_for(1)
+        waited_before = waiter.done()
+        c.release((await c.acquire("a")).lease_id)
+        woken = await waiter
+        start = fx.clock.now()
+        empty = await c.next_events(c.events()[-1].seq, timeout_s=3)
+        return at_once, waited_before, woken, empty, fx.clock.now() - start
+
+    at_once, waited_before, woken, empty, waited_s = run(scenario())
+    assert [e.kind for e in at_once] == ["node_up", "node_up"]
+    assert not waited_before and woken[0].kind == "placed"
+    assert empty == [] and 3 <= waited_s < 3.1
+
+
 def test_forgotten_leases_expire():
     async def scenario():
         c, fx = make([spec("a", gb=3)])

@@ -141,6 +141,7 @@ class ResidencyController:
         # standing leases in its way to be given back before it is refused.
         self.revoke_grace_s = revoke_grace_s
         self._events: deque[ClusterEvent] = deque(maxlen=max_events)
+        self._recorded = asyncio.Event()  # set (and replaced) by every event recorded: wakes next_events
         self._seq = itertools.count(1)
         self._asks: dict[str, deque[_Ask]] = {}
         self._failed_files: dict[str, str | None] = {}  # model marked failed -> its files' version then
@@ -590,6 +591,13 @@ class ResidencyController:
     def events(self, since: int = 0) -> list[ClusterEvent]:
         return [e for e in self._events if e.seq > since]
 
+    async def next_events(self, since: int, timeout_s: float = 10.0) -> list[ClusterEvent]:
+        """A watcher's long poll: the events after `since`, at once when there are any, else when the
+        next is recorded or after `timeout_s` (empty)."""
+        if not self._events or self._events[-1].seq <= since:
+            await self._until(self._recorded, timeout_s)
+        return self.events(since)
+
     @property
     def epoch(self) -> str:
         return self.leases.epoch
@@ -653,6 +661,8 @@ class ResidencyController:
         event = ClusterEvent(seq=next(self._seq), at=self.clock.now(), kind=kind, **fields)
         self._events.append(event)
         self.effects.publish(event)
+        self._recorded.set()
+        self._recorded = asyncio.Event()
         if kind in _ROUTES_CHANGE:
             self.leases.changed()
 

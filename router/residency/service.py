@@ -473,3 +473,8 @@ class ResidencyService:
 
     async def events(self, since: int = 0) -> list[dict[str, Any]]:
         return [e.model_dump() for e in self.controller.events(since)]
+
+    async def next_events(self, since: int, timeout_s: float = 10.0) -> list[ClusterEvent]:
+        """The events after `since` as soon as there are any (a long poll of at most `timeout_s`):
+        what a live view of the event log streams."""
+        return await self.controller.next_events(since, min(timeout_s, 30.0))
