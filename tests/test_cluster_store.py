@@ -160,13 +160,19 @@ def test_a_second_placement_finds_the_copy_stored(orchard):
     assert r.status_code == 409 and r.json()["error"]["code"] == "files_in_use" and "unload first" in r.json()["error"]["message"]
 
 
-def test_a_source_whose_file_went_bad_fails_the_copy_with_the_reason_and_no_folder(orchard):
-    http, stores = orchard["http"], orchard["stores"]
-    Store(stores["head"]).seal("llama-bad")  # sealed while good, then damaged in place (same size)
-    weights = stores["head"] / "llama-bad" / "model.safetensors"
+def damage(store, folder: str) -> None:
+    """Seal `folder` while it is good, then flip one byte in the middle of its weights (same size): a
+    copy of it fails its sha256 check, while the folder itself still loads."""
+    Store(store).seal(folder)
+    weights = store / folder / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
+
+
+def test_a_source_whose_file_went_bad_fails_the_copy_with_the_reason_and_no_folder(orchard):
+    http, stores = orchard["http"], orchard["stores"]
+    damage(stores["head"], "llama-bad")
     r = http.post("/v1/models/llama-bad/load", json={"node": "mac-1"})
     assert r.status_code == 503, r.text
     assert "sha256" in r.json()["error"]["message"]
@@ -286,10 +292,13 @@ def test_background_copies_bring_a_requested_model_to_the_stores_with_room(orcha
     placement there and nothing removed; mac-2, whose disk budget is over the half background copies
     may fill, gets none."""
     http, stores, args = orchard["http"], orchard["stores"], orchard["args"]
-    shutil.copytree(orchard["models_dir"] / "llama-10m", stores["head"] / "llama-warm")
+    for folder in ("llama-warm", "llama-sour"):
+        shutil.copytree(orchard["models_dir"] / "llama-10m", stores["head"] / folder)
+    damage(stores["head"], "llama-sour")  # its own damaged folder: this test needs no earlier one
     warm = args["models"][0] | {"name": "llama-warm", "path": "llama-warm"}
+    sour = args["models"][0] | {"name": "llama-sour", "path": "llama-sour"}
     policy = args["policy"] | {"background_copies": "requested", "background_copy_disk_reserve_bytes": 0}
-    serve.run(build_app(args | {"models": [*args["models"], warm], "policy": policy}), name="orchard", route_prefix="/")
+    serve.run(build_app(args | {"models": [*args["models"], warm, sour], "policy": policy}), name="orchard", route_prefix="/")
     for m in http.get("/v1/models").json()["data"]:
         if m["orchard"]["nodes"]:
             assert http.post(f"/v1/models/{m['id']}/unload").status_code == 200
@@ -306,20 +315,20 @@ def test_background_copies_bring_a_requested_model_to_the_stores_with_room(orcha
     assert not any(e["kind"] == "files_removed" for e in later)
     assert not any(e["kind"] == "fetching" and e["node_id"] == "mac-2" for e in later)
 
-    # A background copy that fails: llama-bad's folder on the head was damaged after it was sealed
-    # (the test above), so its copy to mac-1 fails its checksum. The failure is an event with the
-    # reason, leaves no folder, and is not tried on that node again within background_copy_retry_s.
-    assert http.post("/v1/models/llama-warm/unload").status_code == 200  # the head has room to load llama-bad
-    for _ in range(2):  # placed on the head, which stores it: requests that give llama-bad its demand
-        orchard["client"].completions.create(model="llama-bad", prompt="Once upon a time", max_tokens=4, temperature=0)
+    # A background copy that fails: llama-sour's folder on the head was damaged after it was sealed,
+    # so its copy to mac-1 fails its checksum. The failure is an event with the reason, leaves no
+    # folder, and is not tried on that node again within background_copy_retry_s.
+    assert http.post("/v1/models/llama-warm/unload").status_code == 200  # the head has room to load llama-sour
+    for _ in range(2):  # placed on the head, which stores it: requests that give llama-sour its demand
+        orchard["client"].completions.create(model="llama-sour", prompt="Once upon a time", max_tokens=4, temperature=0)
 
-    def bad_on_mac1() -> list[dict]:
-        return [e for e in events(orchard, "llama-bad") if e["seq"] > since and e["node_id"] == "mac-1"]
+    def sour_on_mac1() -> list[dict]:
+        return [e for e in events(orchard, "llama-sour") if e["node_id"] == "mac-1"]
 
-    wait_for(lambda: any(e["kind"] == "fetch_failed" for e in bad_on_mac1()), 60, "llama-bad's background copy failing on mac-1")
+    wait_for(lambda: any(e["kind"] == "fetch_failed" for e in sour_on_mac1()), 60, "llama-sour's background copy failing on mac-1")
     time.sleep(3)  # six watcher periods: a retry, if there were one, would have started
-    tried = bad_on_mac1()
+    tried = sour_on_mac1()
     assert [e["kind"] for e in tried] == ["fetching", "fetch_failed"], tried
     assert "background copy, L4" in tried[0]["reason"] and tried[1]["reason"].startswith("checksum"), tried
-    assert not (stores["mac-1"] / "llama-bad").exists()
-    assert model(orchard, "llama-bad")["nodes"] == ["head"]  # the failed copy cost no placement
+    assert not (stores["mac-1"] / "llama-sour").exists()
+    assert model(orchard, "llama-sour")["nodes"] == ["head"]  # the failed copy cost no placement
