@@ -1,9 +1,11 @@
 """The one place Orchard reaches past Ray's public API, and the namespace its actors live in.
 
 Ray 2.60 has no public call for these: an actor's id from its handle, one actor's row of the GCS
-actor table (state, worker pid, death cause) without the dashboard's state API, and the head node's
-resource name. When Ray moves one, this module is what changes. (cluster/local.py's launcher patches
-two of Ray's private constants inside the `ray start` process it spawns; that shim says why.)"""
+actor table (state, worker pid, death cause) without the dashboard's state API, the head node's
+resource name, and the GCS key-value store with a timeout (stored Responses,
+router/protocols/responses/store.py). When Ray moves one, this module is what changes.
+(cluster/local.py's launcher patches two of Ray's private constants inside the `ray start` process
+it spawns; that shim says why.)"""
 
 from typing import Any
 
@@ -56,3 +58,28 @@ def validate_labels(labels: dict[str, str]) -> None:
     from ray._private.label_utils import validate_node_label_syntax
 
     validate_node_label_syntax(labels)
+
+
+def _gcs() -> Any:
+    """The connected worker's GCS client, the one Ray's internal_kv uses."""
+    from ray.experimental.internal_kv import internal_kv_get_gcs_client
+
+    return internal_kv_get_gcs_client()
+
+
+def kv_get(key: str, timeout_s: float) -> bytes | None:
+    """One value of Ray's GCS key-value store (Orchard's namespace), or None."""
+    return _gcs().internal_kv_get(key.encode(), NAMESPACE.encode(), timeout=timeout_s)
+
+
+def kv_put(key: str, value: bytes, timeout_s: float) -> None:
+    _gcs().internal_kv_put(key.encode(), value, True, NAMESPACE.encode(), timeout=timeout_s)
+
+
+def kv_delete(key: str, timeout_s: float) -> None:
+    _gcs().internal_kv_del(key.encode(), False, NAMESPACE.encode(), timeout=timeout_s)
+
+
+def kv_keys(prefix: str, timeout_s: float) -> list[str]:
+    """The keys under `prefix` in Orchard's namespace."""
+    return [k.decode() for k in _gcs().internal_kv_keys(prefix.encode(), NAMESPACE.encode(), timeout=timeout_s)]

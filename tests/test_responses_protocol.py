@@ -1,5 +1,5 @@
 """OpenAI Responses (router/responses_protocol.py): requests as the openai SDK sends them parse and
-translate to OpenAI chat bodies; stateful features and built-in tools are 400s naming the field;
+translate to OpenAI chat bodies; state Orchard does not keep and built-in tools are 400s naming the field;
 Response objects and SSE streams built from output events parse with the SDK's own models, keep
 the Responses event order and sequence numbers, and accumulate (responses.stream ->
 get_final_response) to the non-streaming Response. Pure Python: the SDK talks to a mock transport."""
@@ -360,12 +360,12 @@ def test_unknown_keys_are_ignored_and_listed() -> None:
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "does not store"),
-        ({"input": "x", "conversation": "conv_1"}, "conversation", "does not store"),
-        ({"input": "x", "background": True}, "background", "stateless"),
+        ({"input": "x", "previous_response_id": ""}, "previous_response_id", "at least 1"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation", "Conversations API"),
+        ({"input": "x", "background": True}, "background", "not supported"),
         ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates"),
         ({"input": "x", "top_logprobs": 3}, "top_logprobs", "logprobs"),
-        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "stateless"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "previous_response_id"),
         ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type", "not supported"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type", "file inputs"),
         ({"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "input[0].content[0].type", "audio"),
@@ -433,8 +433,8 @@ def test_bad_json_and_non_objects() -> None:
 
 def test_errors_reach_the_sdk_as_its_exceptions(server: FakeServer) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        server.client.responses.create(model="m", input="x", previous_response_id="resp_old")
-    assert e.value.param == "previous_response_id"
+        server.client.responses.create(model="m", input="x", conversation="conv_1")
+    assert e.value.param == "conversation"
 
 
 # ---- non-streaming responses ---------------------------------------------------------------------
@@ -453,7 +453,8 @@ def test_response_object_parses_with_the_sdk(server: FakeServer) -> None:
     usage = response.usage
     assert (usage.input_tokens, usage.output_tokens, usage.total_tokens, usage.input_tokens_details.cached_tokens) == (120, 30, 150, 100)
     assert response.tools[0].name == "get_weather" and response.tool_choice == "auto" and response.max_output_tokens == 50
-    assert out["store"] is False  # stateless, whatever the request said
+    assert out["store"] is True and out["previous_response_id"] is None  # stored unless store: false (the route stores it)
+    assert rp.response_object(request(store=False, previous_response_id="resp_0"), "resp_1", TOOL_TURN)["store"] is False
     assert len({o.id for o in response.output}) == 4
     server.events = TOOL_TURN
     via_sdk = server.client.responses.create(model="qwen3-4b", input="Hi", tools=[WEATHER])

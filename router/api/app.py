@@ -23,6 +23,7 @@ from router.api.ingress import Ingress
 from router.api.keys import Principal
 from router.api.request_context import RequestContext
 from router.api.routes import audio, chat, cluster, embeddings, health, messages, metrics, models, responses
+from router.protocols.responses.store import StoreSettings
 
 app = FastAPI(title="Orchard", description="Many MLX models, one OpenAI- and Anthropic-compatible URL", version="0.1.0")
 errors.install(app)
@@ -48,9 +49,11 @@ class IngressDeployment(Ingress):
         *,
         max_request_bytes: int = guard.GuardSettings().max_request_bytes,
         allowed_hosts: tuple[str, ...] = (),
+        responses_store: dict[str, Any] | None = None,
         **options: Any,
     ):
         super().__init__(residency, chunk_timeout_s, principals, **options)
+        responses.configure(StoreSettings.model_validate(responses_store or {}))
         names = {h.lower().rstrip(".") for h in allowed_hosts} | node_host_names()
         guard.configure(
             guard.GuardSettings(max_request_bytes=max_request_bytes, max_audio_bytes=self.max_audio_bytes, allowed_hosts=frozenset(names))

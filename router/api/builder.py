@@ -16,6 +16,7 @@ from policy import PolicyConfig
 from router.api.app import IngressDeployment
 from router.api.guard import is_loopback
 from router.api.keys import KeyEntry, Principal, resolve
+from router.protocols.responses.store import StoreSettings
 from router.residency.registry import from_manifest, parse_entries
 from router.residency.service import ResidencyService
 from router.serving.output.parsing import OutputConfig
@@ -73,6 +74,11 @@ class AppArgs(BaseModel):
     # A cap on each node-to-node copy of weights (bytes/s), so copies leave a shared link room for
     # serving traffic; None: as fast as the nodes go.
     fetch_max_bytes_per_s: float | None = Field(default=None, gt=0)
+    # Stored Responses (store / previous_response_id, kept in Ray's GCS key-value store): how long a
+    # response is kept (ttl_s, 24 h), the most one may hold (max_response_bytes, 8 MiB: a larger
+    # conversation to be stored is a 400) and all together (max_total_bytes, 256 MiB: the oldest
+    # are deleted first). router/protocols/responses/store.py.
+    responses_store: StoreSettings = Field(default_factory=StoreSettings)
 
 
 def _field(e: ValidationError, prefix: str) -> str:
@@ -164,4 +170,5 @@ def build_app(args: dict) -> serve.Application:
         allowed_hosts=tuple(a.allowed_hosts),
         route_linger_s=a.route_linger_s,
         gil_switch_ms=a.ingress_gil_switch_ms,
+        responses_store=a.responses_store.model_dump(),
     )

@@ -122,9 +122,9 @@ class ResponseStreamEncoder:
             "model": self.model,
             "output": _copy({"o": self.output})["o"],
             "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-            "previous_response_id": None,
+            "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
-            "store": False,
+            "store": req.store is not False,  # the route stores it unless asked not to
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": text_format},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",

@@ -1,5 +1,7 @@
 """The Responses API's request body (POST /v1/responses): input items, content parts, function tools,
-text format and reasoning config; what needs stored state is a 400 here.
+text format and reasoning config. `store` and `previous_response_id` are honoured by the route
+(router/protocols/responses/state.py, store.py); what needs state Orchard does not keep
+(conversations, item references, background responses, stored prompts) is a 400 here.
 
 Field policy follows router.protocols.openai (the chat endpoint): documented fields that do not
 change the output (user, metadata, include, truncation, service_tier, prompt_cache_key, ...) are
@@ -81,6 +83,7 @@ class InputItem(_Part):
     model made, a function_call_output, or a reasoning item (dropped: see to_chat_request)."""
 
     type: str = "message"
+    id: str | None = None  # kept in the stored conversation (input_items), else one is made
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: list[ContentPart] | None = None
     call_id: str | None = None
@@ -95,7 +98,7 @@ class InputItem(_Part):
             return v
         kind = v.get("type", "message")
         if kind == "item_reference":
-            raise _reject("item_reference needs stored responses; Orchard is stateless: send the item itself", "type")
+            raise _reject("item_reference is not supported: send the item itself, or continue a stored response with previous_response_id", "type")
         if isinstance(kind, str) and kind not in _ITEM_TYPES:
             raise _reject(
                 f"'{kind}' items are not supported (built-in tools are not available); send messages, function_call and function_call_output items",
@@ -198,8 +201,9 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     metadata: dict[str, str] | None = None  # echoed in the Response
-    # Accepted and ignored: hints, or stateful features that are off when ignored.
-    store: bool | None = None
+    store: bool | None = None  # None: true, as OpenAI's default (the route stores the response)
+    previous_response_id: str | None = Field(default=None, min_length=1)  # the route continues its conversation
+    # Accepted and ignored: hints.
     stream_options: dict[str, Any] | None = None
     include: list[str] | None = None
     truncation: str | None = None
@@ -210,7 +214,6 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     # Needs stored state or features Orchard lacks: a 400 when set.
-    previous_response_id: str | None = None
     conversation: Any = None
     background: bool | None = None
     prompt: Any = None
@@ -221,18 +224,21 @@ class ResponsesRequest(BaseModel):
     def _input(cls, v: Any) -> Any:
         return [{"type": "message", "role": "user", "content": v}] if isinstance(v, str) else v
 
-    @field_validator("previous_response_id", "conversation")
+    @field_validator("conversation")
     @classmethod
-    def _stateless(cls, v: Any) -> Any:
+    def _no_conversation(cls, v: Any) -> Any:
         if v is not None:
-            raise _reject("Orchard does not store responses or conversations; send the whole conversation in 'input'", code="unsupported_parameter")
+            raise _reject(
+                "the Conversations API is not supported; continue a stored response with previous_response_id, or send the whole conversation in 'input'",
+                code="unsupported_parameter",
+            )
         return v
 
     @field_validator("background")
     @classmethod
     def _no_background(cls, v: bool | None) -> bool | None:
         if v:
-            raise _reject("background responses need stored responses; Orchard is stateless", code="unsupported_parameter")
+            raise _reject("background responses are not supported; stream the response instead", code="unsupported_parameter")
         return v
 
     @field_validator("prompt")
