@@ -27,7 +27,8 @@ class ManifestEntry(Frozen):
     architecture: str
     source: str  # where the weights came from
     # How the router parses this model's output (router.serving.output.parsing.OutputConfig): the tool-call
-    # syntax family (hermes, llama3, mistral, mistral_v11; None: no tool calling) and the reasoning
+    # syntax family (router.serving.output.tool_parsers.FAMILIES, docs/tool-calls.md; None: no tool
+    # calling; the registry infers it from the chat template when its entry names none) and the reasoning
     # markers (None: the model does not reason; true: <think>...</think>; or {start, end, starts_inside}).
     tool_parser: str | None = None
     reasoning: bool | dict | None = None

@@ -12,6 +12,7 @@ from deployments.manifest import ManifestEntry, read_manifest
 from policy import ModelSpec
 from policy._frozen import Frozen
 from policy.specs import ModelKind
+from router.serving.output.families import infer_folder_family
 
 SPEC_FIELDS = set(ModelSpec.model_fields) - {"name", "kind", "weight_bytes", "kv_bytes_per_token"}
 
@@ -28,8 +29,9 @@ class RegistryModel(Frozen):
     hub_id: str | None = None  # e.g. mlx-community/Qwen2.5-7B-Instruct-4bit: loaded by id (give weight_bytes)
     weight_bytes: ByteSize | None = None
     kv_bytes_per_token: ByteSize | None = None
-    # Output parsing (docs/tools-and-reasoning.md). Text models without a chat template of their
-    # own for tools get Hermes-style tool prompts from the engine, so "hermes" is the default.
+    # Output parsing (docs/tools-and-reasoning.md, docs/tool-calls.md). Not given: inferred from the
+    # folder's chat template (`tool_family`); text models without a chat template of their own for
+    # tools get Hermes-style tool prompts from the engine, so "hermes" is the fallback.
     tool_parser: str | None = "hermes"
     reasoning: bool | dict | None = None
     # This model's own LLM scheduling (deployments/engines/options.py), over the app's llm_engine:
@@ -121,11 +123,20 @@ def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, M
             weights="real",
             architecture="unknown",
             source=model.hub_id or str(folder),
-            tool_parser=model.tool_parser,
+            tool_parser=tool_family(model, folder),
             reasoning=model.reasoning,
             llm_engine=model.llm_engine,
         )
     return catalog, entries
+
+
+def tool_family(model: RegistryModel, folder: Path) -> str | None:
+    """The entry's tool-call family: `tool_parser` when the entry gives it, else what the model
+    folder's chat template (and vocabulary) says (router.serving.output.families), else "hermes"
+    (a hub model, a template that names no family: the engine's Hermes-style tool prompt)."""
+    if model.kind != "llm" or "tool_parser" in model.model_fields_set or model.hub_id or not folder.is_dir():
+        return model.tool_parser
+    return infer_folder_family(folder) or model.tool_parser
 
 
 def from_manifest(models_dir: str | Path, overrides: dict[str, dict] | None = None) -> list[dict]:

@@ -28,6 +28,7 @@ from deployments.wire.failure import OrchardError
 from deployments.wire.generation import GenerationDelta, GenerationRequest, VLMRequest, WholeReply, parse_request
 from router.protocols import openai as oai
 from router.serving.lease import Lease
+from router.serving.output.families import history_messages
 from router.serving.output.parsing import OutputConfig, OutputParser
 from router.serving.output.tool_grammar import forced_call_grammar
 from router.serving.stream_mux import StreamMux, Unavailable
@@ -60,13 +61,15 @@ def prepare(lease: Lease, body: ChatOrCompletion, *, allow_remote_images: bool) 
             raise OrchardError("model_not_supported", f"model {model} is a {lease.kind} model: use chat completions", "model")
         return parse_request(GenerationRequest, oai.generation_fields(body)), None
     config = OutputConfig(tool_parser=lease.tool_parser, reasoning=lease.reasoning)
-    parser = OutputParser(config, tools=body.uses_tools)
+    parser = OutputParser(config, tools=body.uses_tools, tool_specs=[t.as_dict() for t in body.tools or ()] if body.uses_tools else None)
     if lease.kind == "vlm":
         oai.check_image_urls(body, allow_remote=allow_remote_images)
         return parse_request(VLMRequest, oai.to_vlm_request(body)), parser
     if body.has_images():
         raise OrchardError("unsupported_content", f"model {model} takes no images; use a vision model", "messages")
     generation = oai.generation_fields(body)
+    if generation.get("messages"):  # past calls in the shape the model's template renders (families.py)
+        generation["messages"] = history_messages(config.tool_parser, generation["messages"])
     if body.uses_tools:  # forced_tool is None unless uses_tools
         if config.tool_parser is None:
             raise OrchardError("tools_not_supported", f"model {model} has no tool-call parser configured (registry: tool_parser)", "tools")

@@ -3,7 +3,9 @@
 The engine streams delta dicts (text, token_ids, finish_reason, usage, error, error_code,
 stop_sequence); every protocol consumes the same OutputEvents (router/output_events.py), so the
 chain runs once per generation whatever the protocol. Reasoning is split first: a call a model
-drafts while thinking is reasoning, not a call.
+drafts while thinking is reasoning, not a call. gpt-oss (family "harmony") says both in one syntax,
+its channels: one parser (router.serving.output.harmony) splits reasoning, text and calls, and it
+runs whether or not the request enabled tools, since its answer is in a channel too.
 
 Finish rules: exactly one Finish, always the last event, emitted with the delta that carries
 finish_reason (or by `close()` when the stream ends without one). Everything a parser still holds
@@ -19,14 +21,15 @@ from typing import Any, get_args
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from router.protocols.events import Finish, FinishReason, OutputEvent, ReasoningDelta, TextDelta
+from router.serving.output.harmony import HarmonyParser
 from router.serving.output.reasoning import ReasoningConfig, ReasoningSplitter
-from router.serving.output.tool_parsers import PARSERS, IdFactory, ToolParser, UnknownToolParser, get_parser
+from router.serving.output.tool_parsers import ALIASES, FAMILIES, IdFactory, ToolParser, UnknownToolParser, get_parser
 
 
 class OutputConfig(BaseModel):
     """How one model's output is parsed: the registry's `tool_parser` (a family in
-    router.serving.output.tool_parsers.PARSERS, or None) and `reasoning` (markers, or None for a model that does
-    not reason; `true` means the default `<think>` markers)."""
+    router.serving.output.tool_parsers.FAMILIES, or None) and `reasoning` (markers, or None for a model that does
+    not reason; `true` means the default `<think>` markers; harmony has its own and ignores them)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -36,9 +39,9 @@ class OutputConfig(BaseModel):
     @field_validator("tool_parser")
     @classmethod
     def _known(cls, v: str | None) -> str | None:
-        if v is not None and v not in PARSERS:
+        if v is not None and ALIASES.get(v, v) not in FAMILIES:
             raise ValueError(str(UnknownToolParser(v)))
-        return v
+        return ALIASES.get(v, v) if v is not None else None
 
     @field_validator("reasoning", mode="before")
     @classmethod
@@ -81,12 +84,21 @@ def _coalesce(events: list[OutputEvent]) -> list[OutputEvent]:
 class OutputParser:
     """One generation's parser chain. `feed(delta)` per engine delta (a dict or the engine's Delta
     model); `tools` says whether this request enabled tools (see `tools_enabled`): without it the
-    model's tool syntax is plain text."""
+    model's tool syntax is plain text. `tool_specs` are the request's tools (OpenAI shape), which
+    some families' parsers read to type argument values (qwen3_coder, glm47, minimax_m2)."""
 
-    def __init__(self, config: OutputConfig | None = None, *, tools: bool = False, new_id: IdFactory | None = None):
+    def __init__(
+        self, config: OutputConfig | None = None, *, tools: bool = False, tool_specs: list[dict] | None = None, new_id: IdFactory | None = None
+    ):
         config = config or OutputConfig()
-        self._reasoning = ReasoningSplitter(config.reasoning) if config.reasoning else None
-        self._tools: ToolParser | None = get_parser(config.tool_parser, new_id) if tools and config.tool_parser else None
+        self._tools: ToolParser | None = None
+        if config.tool_parser == "harmony":  # reasoning, text and calls in one syntax
+            self._reasoning = None
+            self._tools = HarmonyParser(new_id, tool_specs, calls=tools)
+        else:
+            self._reasoning = ReasoningSplitter(config.reasoning) if config.reasoning else None
+            if tools and config.tool_parser:
+                self._tools = get_parser(config.tool_parser, new_id, tool_specs)
         self.finished = False
 
     @property

@@ -25,7 +25,7 @@ import re
 from collections.abc import Callable, Mapping
 
 from router.serving.output.reasoning import ReasoningConfig
-from router.serving.output.tool_parsers import SYNTAX, MistralParser, UnknownToolParser
+from router.serving.output.tool_parsers import FAMILIES, SYNTAX, MistralParser, UnknownToolParser
 
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -68,6 +68,10 @@ def forced_call_grammar(
     so without the map the model must spell the marker out of ordinary tokens; with it the grammar
     admits the marker's own token too. Either way the detokenized text is the same."""
     if family not in SYNTAX:
+        if family in FAMILIES:  # parsed, but no grammar writes its syntax yet (docs/tool-calls.md)
+            raise ValueError(
+                f"a forced call (tool_choice 'required' or a named function) is not available for the {family} family; forcible: {', '.join(sorted(SYNTAX))}"
+            )
         raise UnknownToolParser(family)
     functions = dict(tool_function(t) for t in tools)
     if not functions:

@@ -25,16 +25,34 @@ Families (the registry's `tool_parser` field names one):
 - "mistral" (Mistral 7B v0.3, Mixtral, Nemo): `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`;
   the parser also reads the newer `[TOOL_CALLS]name[ARGS]{...}` form.
 - "mistral_v11" (Mistral Small 3.2, Magistral, Devstral: tokenizer v11+): the same parser, but calls
-  are rendered (and forced) as `[TOOL_CALLS]name[ARGS]{...}`."""
+  are rendered (and forced) as `[TOOL_CALLS]name[ARGS]{...}`.
+- "deepseek" (DeepSeek V3, V3.1, R1): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}
+  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>` (V3 / R1 write `function<｜tool▁sep｜>name` and the arguments
+  in a ```json fence); no library reads it, so it is read here.
+- mlx-lm's families (`mlx_lm.tool_parsers`): qwen3_coder (Qwen3-Coder, Qwen3.5+ `<function=...>` XML),
+  glm47 and laguna (GLM 4.5-4.7 `<arg_key>` / `<arg_value>`), gemma4, function_gemma, kimi_k2, kimi_k3,
+  minimax_m2, longcat, minicpm5, muse_spark, pythonic (LFM2 `[f(a=1)]`). Orchard finds the region
+  between the family's markers in the stream (`RegionParser`); mlx-lm's `parse_tool_call` turns the
+  complete region into calls, with the request's tool schemas for the parsers that type values by them.
+- "harmony" (gpt-oss): channels, not call markers; router.serving.output.harmony.
+
+A region-marked call is complete when its end marker arrives: one cut off before it (max_tokens)
+is text. mlx-lm's "json_tools" is the Hermes syntax, read by "hermes"; "mistral" is Orchard's own
+parser (mlx-lm's reads the same two forms, but needs the whole output to find where a call ends)."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import re
 import secrets
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from types import ModuleType
+from typing import Any, ClassVar
 
 from router.protocols.events import OutputEvent, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 
@@ -48,7 +66,7 @@ def new_call_id() -> str:
 
 class UnknownToolParser(ValueError):
     def __init__(self, family: str):
-        super().__init__(f"unknown tool_parser {family!r}; known: {', '.join(sorted(PARSERS))}")
+        super().__init__(f"unknown tool_parser {family!r}; known: {', '.join(FAMILIES)}")
         self.family = family
 
 
@@ -130,8 +148,9 @@ class ToolParser:
 
     family = ""
 
-    def __init__(self, new_id: IdFactory | None = None):
+    def __init__(self, new_id: IdFactory | None = None, tools: list[dict] | None = None):
         self._new_id = new_id or new_call_id
+        self._tools = tools  # the request's tools (OpenAI shape): some families type argument values by them
         self._buf = ""
         self._out: list[OutputEvent] = []
         self._ws = ""  # whitespace held at the end of a text run
@@ -199,8 +218,8 @@ class _MarkedParser(ToolParser):
 
     marker = ""
 
-    def __init__(self, new_id: IdFactory | None = None):
-        super().__init__(new_id)
+    def __init__(self, new_id: IdFactory | None = None, tools: list[dict] | None = None):
+        super().__init__(new_id, tools)
         self._in_call = False
 
     def _step(self, final: bool) -> None:
@@ -332,8 +351,8 @@ class Llama3Parser(ToolParser):
     family = "llama3"
     tag = "<|python_tag|>"
 
-    def __init__(self, new_id: IdFactory | None = None):
-        super().__init__(new_id)
+    def __init__(self, new_id: IdFactory | None = None, tools: list[dict] | None = None):
+        super().__init__(new_id, tools)
         self._mode = "start"  # start | calls | text
         self._raw = ""  # consumed but not yet emitted (whitespace, the tag, a `;`), text if no call follows
 
@@ -376,6 +395,143 @@ class Llama3Parser(ToolParser):
         return super().finish()
 
 
+# ---- region-marked families: the call text between two markers, read whole ------------------------
+
+_NAME = re.compile(r"[A-Za-z0-9_.:\-]+")
+
+# (name, arguments). A model's own call id (Kimi's "functions.f:0") is not kept: it restarts each
+# turn, and clients key results by id, so every call gets a fresh one.
+ParsedCall = tuple[str, dict]
+
+
+def _checked(found: Any) -> list[ParsedCall] | None:
+    """A parse function's answer (a call dict, or a list of them) as calls, or None when any of
+    them lacks a usable name or object arguments (the region is then text)."""
+    items = found if isinstance(found, list) else [found]
+    calls: list[ParsedCall] = []
+    for item in items:
+        if not isinstance(item, dict):
+            return None
+        name, args = item.get("name"), item.get("arguments", {})
+        if isinstance(args, str):
+            args = _load(args) if args.strip() else {}
+        if not isinstance(name, str) or not _NAME.fullmatch(name.strip()) or not isinstance(args, dict):
+            return None
+        calls.append((name.strip(), args))
+    return calls or None
+
+
+class RegionParser(_MarkedParser):
+    """A family whose calls sit between `marker` and `close`: text until the marker (held only while
+    a tail may still become it), then the region is buffered until `close` arrives and read whole by
+    `parse_region`. A region that does not read as calls, or that the output ends inside, is text,
+    markers included. Several calls may share one region (Kimi's section, LFM2's list)."""
+
+    close = ""
+
+    def parse_region(self, region: str) -> list[ParsedCall] | None:
+        raise NotImplementedError
+
+    def _call_text(self, final: bool) -> int | None:
+        j = self._buf.find(self.close)
+        if j < 0:
+            return None  # undecided; at the end, _MarkedParser makes the marker and the rest text
+        region = self._buf[:j]
+        calls = self.parse_region(region)
+        if calls:
+            for name, args in calls:
+                self._call(name, args)
+        else:
+            self._text(self.marker + region + self.close)
+        self._buf = self._buf[j + len(self.close) :]
+        return j
+
+
+_MLX_PARSERS = "_orchard_mlx_lm_tool_parsers"
+
+
+def mlx_parser_module(module: str) -> ModuleType:
+    """mlx-lm's parser module `mlx_lm.tool_parsers.<module>`. Where mlx_lm is not imported yet (the
+    ingress), its tool_parsers folder is loaded as a package of its own: importing `mlx_lm` itself
+    would pull in MLX and transformers (seconds), and these modules need only `regex` and each other."""
+    if "mlx_lm" in sys.modules:
+        return importlib.import_module(f"mlx_lm.tool_parsers.{module}")
+    if _MLX_PARSERS not in sys.modules:
+        spec = importlib.util.find_spec("mlx_lm")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError("mlx-lm is not installed: its tool-call parsers come with the engines extra")
+        package = ModuleType(_MLX_PARSERS)
+        package.__path__ = [str(Path(next(iter(spec.submodule_search_locations))) / "tool_parsers")]
+        sys.modules[_MLX_PARSERS] = package
+    return importlib.import_module(f"{_MLX_PARSERS}.{module}")
+
+
+class MlxRegionParser(RegionParser):
+    """A region read by mlx-lm's parser for the family (`mlx_lm.tool_parsers.<module>`, its markers
+    and its `parse_tool_call(text, tools)`, which raises, or answers a non-call, for text that is no
+    call)."""
+
+    module = ""
+    lib: ClassVar[ModuleType]
+
+    def parse_region(self, region: str) -> list[ParsedCall] | None:
+        try:
+            found = self.lib.parse_tool_call(region.strip(), self._tools)
+        except Exception:  # the library's word that this is no call (ValueError, JSON, AST, regex misses)
+            return None
+        return _checked(found)
+
+
+class Glm47Parser(MlxRegionParser):
+    """mlx-lm's GLM reader falls back to a call named "unknown" (arguments {"raw": text}) for any
+    text in the tags: that is text here, not a call."""
+
+    def parse_region(self, region: str) -> list[ParsedCall] | None:
+        calls = super().parse_region(region)
+        if calls and any(name == "unknown" and set(args) == {"raw"} for name, args in calls):
+            return None
+        return calls
+
+
+def _mlx_family(family: str, module: str, base: type[MlxRegionParser] = MlxRegionParser) -> type[MlxRegionParser]:
+    """The parser class of an mlx-lm family, its markers read from the library module itself."""
+    lib = mlx_parser_module(module)
+    start, end = lib.tool_call_start, lib.tool_call_end
+    if not start or not end:
+        raise ValueError(f"mlx-lm family {module} has no end marker: it needs a parser of its own")
+    attrs = {"family": family, "module": module, "lib": lib, "marker": start, "close": end}
+    return type(f"{module.title().replace('_', '')}Parser", (base,), attrs)
+
+
+class DeepSeekParser(RegionParser):
+    """DeepSeek V3 / V3.1 / R1 calls: a section of `<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`
+    blocks, each `name<｜tool▁sep｜>{json}` (V3.1) or `function<｜tool▁sep｜>name` and a ```json fence
+    (V3, R1). Only whitespace may lie between the blocks."""
+
+    family = "deepseek"
+    marker = "<｜tool▁calls▁begin｜>"
+    close = "<｜tool▁calls▁end｜>"
+    call_open, call_close, sep = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    _block = re.compile(re.escape(call_open) + "(.*?)" + re.escape(call_close), re.DOTALL)
+    _fence = re.compile(r"\A(\S+)\s*```(?:json)?\s*(.*?)\s*```\s*\Z", re.DOTALL)
+
+    def parse_region(self, region: str) -> list[ParsedCall] | None:
+        if self._block.sub("", region).strip():
+            return None
+        calls: list[ParsedCall] = []
+        for body in self._block.findall(region):
+            head, sep, rest = body.partition(self.sep)
+            if not sep:
+                return None
+            fenced = self._fence.match(rest.strip()) if head.strip() == "function" else None
+            name, args_text = (fenced.group(1), fenced.group(2)) if fenced else (head.strip(), rest.strip())
+            args = _load(args_text) if args_text else {}
+            if not _NAME.fullmatch(name) or not isinstance(args, dict):
+                return None
+            calls.append((name, args))
+        return calls or None
+
+
 # ---- rendering: the text a model of each family would have written ----------------------------------
 
 
@@ -409,14 +565,40 @@ PARSERS: dict[str, type[ToolParser]] = {
     "llama3": Llama3Parser,
     "mistral": MistralParser,
     "mistral_v11": MistralParser,
+    "deepseek": DeepSeekParser,
+    "qwen3_coder": _mlx_family("qwen3_coder", "qwen3_coder"),
+    "glm47": _mlx_family("glm47", "glm47", Glm47Parser),
+    "laguna": _mlx_family("laguna", "laguna", Glm47Parser),
+    "gemma4": _mlx_family("gemma4", "gemma4"),
+    "function_gemma": _mlx_family("function_gemma", "function_gemma"),
+    "kimi_k2": _mlx_family("kimi_k2", "kimi_k2"),
+    "kimi_k3": _mlx_family("kimi_k3", "kimi_k3"),
+    "minimax_m2": _mlx_family("minimax_m2", "minimax_m2"),
+    "longcat": _mlx_family("longcat", "longcat"),
+    "minicpm5": _mlx_family("minicpm5", "minicpm5"),
+    "muse_spark": _mlx_family("muse_spark", "muse_spark"),
+    "pythonic": _mlx_family("pythonic", "pythonic"),
 }
+ALIASES = {"json_tools": "hermes"}  # mlx-lm's names for syntaxes an Orchard parser reads
+# Every family a registry entry may name: the parsers above and harmony (router.serving.output.harmony,
+# which builds on this module's ToolParser, so it is imported when asked for).
+FAMILIES: tuple[str, ...] = tuple(sorted([*PARSERS, "harmony"]))
 
 
-def get_parser(family: str, new_id: IdFactory | None = None) -> ToolParser:
-    """A fresh parser for one generation."""
+def parser_class(family: str) -> type[ToolParser]:
+    family = ALIASES.get(family, family)
+    if family == "harmony":
+        from router.serving.output.harmony import HarmonyParser
+
+        return HarmonyParser
     if family not in PARSERS:
         raise UnknownToolParser(family)
-    return PARSERS[family](new_id)
+    return PARSERS[family]
+
+
+def get_parser(family: str, new_id: IdFactory | None = None, tools: list[dict] | None = None) -> ToolParser:
+    """A fresh parser for one generation; `tools` are the request's tools (OpenAI shape)."""
+    return parser_class(family)(new_id, tools)
 
 
 def _arguments(arguments: Mapping | str | None) -> dict:

@@ -1,0 +1,183 @@
+"""Which tool-call family a model speaks, read from its chat template (and vocabulary), and the shape
+its template wants past calls in.
+
+The registry's `tool_parser` names the family when given; otherwise it is inferred here from the
+model folder's chat template, as mlx-lm does (`tokenizer_utils._infer_tool_parser`): each family's
+template writes its own call markers, so the markers it names identify it. Orchard adds what mlx-lm
+leaves out (gpt-oss's harmony, DeepSeek, Llama 3's JSON calls, Mistral's [ARGS] form) and one rule:
+a template that does not render `tools` gets the engine's Hermes-style tool prompt
+(deployments/engines/chat_format.py), so its model is read as "hermes" whatever else the template
+names. Where the template names no markers, the vocabulary may (LFM2 conversions carry
+`<|tool_call_start|>` without writing it in the template; Kimi K3's XTML tokens).
+
+Past turns: clients send a call's arguments as a JSON string (OpenAI) and tool results as "tool"
+messages; most templates want the arguments as an object (they iterate it or `tojson` it, which
+would quote a string twice), DeepSeek's concatenates them as a string, and Mistral's refuse call ids
+that are not 9 letters or digits. `history_messages` puts a request's messages in the shape the
+family's template renders correctly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Collection, Iterable
+from pathlib import Path
+from typing import Any
+
+from deployments.engines.chat_format import template_supports_tools
+
+# (family, markers that must all appear in the template), first match wins: more specific first
+# (Qwen3-Coder's `<tool_call>\n<function=` before Hermes' `<tool_call>`, Mistral's [ARGS] before
+# [TOOL_CALLS]). The strings are the calls as each template writes them.
+TEMPLATE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("harmony", ("<|channel|>", "<|message|>", "to=")),
+    ("deepseek", ("<｜tool▁calls▁begin｜>",)),
+    ("minimax_m2", ("<minimax:tool_call>",)),
+    ("gemma4", ("<|tool_call>", "<tool_call|>")),
+    ("function_gemma", ("<start_function_call>",)),
+    ("longcat", ("<longcat_tool_call>",)),
+    ("glm47", ("<arg_key>",)),
+    ("pythonic", ("<|tool_call_start|>",)),
+    ("pythonic", ("<|tool_list_start|>",)),
+    ("qwen3_coder", ("<tool_call>\\n<function=",)),
+    ("qwen3_coder", ("<tool_call>\n<function=",)),
+    ("kimi_k2", ("<|tool_calls_section_begin|>",)),
+    ("kimi_k3", ("<|open|>", "<|sep|>", "tools")),
+    ("minicpm5", ('<function name="', '<param name="')),
+    ("mistral_v11", ("[TOOL_CALLS]", "[ARGS]")),
+    ("mistral", ("[TOOL_CALLS]",)),
+    ("muse_spark", ("<atem:function_calls>",)),
+    ("hermes", ("<tool_call>",)),
+    ("llama3", ('"parameters": ', "<|start_header_id|>")),
+)
+
+VOCAB_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("kimi_k3", ("<|open|>", "<|close|>", "<|sep|>")),
+    ("pythonic", ("<|tool_call_start|>", "<|tool_call_end|>")),
+)
+
+# Families whose templates concatenate a call's arguments as a string; every other wants an object.
+ARGUMENTS_AS_STRING = frozenset({"deepseek"})
+# Families whose templates require 9-character alphanumeric call ids (Mistral's tokenizer rule).
+NINE_CHAR_IDS = frozenset({"mistral", "mistral_v11"})
+# Families whose templates write the call id where the model writes `functions.NAME:INDEX` (Kimi K2:
+# the model reads its own calls in that form, and its parser finds the name there).
+INDEXED_IDS = frozenset({"kimi_k2"})
+
+
+def _matches(text: Collection[str] | str, markers: Iterable[str]) -> bool:
+    return all(m in text for m in markers)
+
+
+def infer_family(template: str | dict | list | None, vocab: Collection[str] = ()) -> str | None:
+    """The tool-call family a chat template (a string, or a tokenizer's named templates) and its
+    vocabulary say, or None when neither names one. A template that does not render tools is read
+    as "hermes": the engine prompts its model with Hermes-style tools."""
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default")
+    if isinstance(template, str) and template:
+        if not template_supports_tools(template):
+            return "hermes"
+        for family, markers in TEMPLATE_RULES:
+            if _matches(template, markers):
+                return family
+    for family, markers in VOCAB_RULES:
+        if _matches(vocab, markers):
+            return family
+    return None
+
+
+def folder_template(folder: str | Path) -> str | dict | list | None:
+    """The chat template a model folder carries: chat_template.jinja, chat_template.json, or
+    tokenizer_config.json's `chat_template` (as transformers looks for them)."""
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = folder / name
+        if path.is_file():
+            try:
+                found = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+            except (ValueError, AttributeError):
+                continue
+            if found:
+                return found
+    return None
+
+
+def folder_vocab(folder: str | Path) -> set[str]:
+    """The added (special) tokens of a model folder's tokenizer.json: where tool-call tokens live."""
+    path = Path(folder) / "tokenizer.json"
+    try:
+        added = json.loads(path.read_text(encoding="utf-8")).get("added_tokens") or []
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {t["content"] for t in added if isinstance(t, dict) and isinstance(t.get("content"), str)}
+
+
+def infer_folder_family(folder: str | Path) -> str | None:
+    """`infer_family` for a model folder (None when it has no template and no telling tokens)."""
+    template = folder_template(folder)
+    family = infer_family(template)
+    if family is None:
+        family = infer_family(None, folder_vocab(folder))
+    return family
+
+
+def _nine(call_id: str) -> str:
+    """A 9-character alphanumeric id for any call id, the same each time (Mistral's templates)."""
+    if len(call_id) == 9 and call_id.isalnum():
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
+def _arguments(arguments: Any, as_string: bool) -> Any:
+    if as_string:
+        return arguments if isinstance(arguments, str) else json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+    if isinstance(arguments, str):
+        try:
+            loaded = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            return arguments  # not JSON: left as the client sent it
+        return loaded if isinstance(loaded, dict) else arguments
+    return {} if arguments is None else arguments
+
+
+def history_messages(family: str | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` (OpenAI chat shape) as `family`'s chat template renders them: each past call's
+    arguments an object (a string for DeepSeek); call ids 9 alphanumerics for Mistral, and
+    `functions.NAME:INDEX` for Kimi K2 (numbered through the conversation), with the results'
+    tool_call_id mapped the same way. Other fields are kept; the input is not changed."""
+    if family is None:
+        return messages
+    as_string = family in ARGUMENTS_AS_STRING
+    ids: dict[str, str] = {}  # the client's call id -> the one the template gets
+
+    def new_id(old: str, name: Any) -> str:
+        if family in NINE_CHAR_IDS:
+            return _nine(old)
+        if family in INDEXED_IDS:
+            return f"functions.{name}:{len(ids)}"
+        return old
+
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            shaped = []
+            for call in calls:
+                call = dict(call)
+                function = dict(call.get("function") or {})
+                function["arguments"] = _arguments(function.get("arguments"), as_string)
+                call["function"] = function
+                old = call.get("id")
+                if isinstance(old, str):
+                    ids[old] = call["id"] = new_id(old, function.get("name"))
+                shaped.append(call)
+            message = {**message, "tool_calls": shaped}
+        if message.get("role") == "tool" and message.get("tool_call_id") in ids:
+            message = {**message, "tool_call_id": ids[message["tool_call_id"]]}
+        out.append(message)
+    return out

@@ -1,0 +1,1 @@
+"""Operator tools: `python -m router.tools parse` (docs/tool-calls.md)."""
