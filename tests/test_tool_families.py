@@ -16,7 +16,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from router.protocols import anthropic as anth, openai as oai, responses as resp
 from router.protocols.events import ReasoningDelta, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
-from router.serving.output.families import folder_template, history_messages, infer_family, infer_folder_family
+from router.serving.output.families import folder_template, history_messages, infer_family, infer_folder_family, infer_reasoning
 from router.serving.output.parsing import OutputConfig, OutputParser
 from router.serving.output.tool_parsers import FAMILIES, PARSERS, UnknownToolParser, get_parser
 from router.serving.renderers import AnthropicRenderer, OpenAIRenderer, ResponsesRenderer
@@ -472,6 +472,34 @@ def test_the_registry_infers_the_family_from_the_folder_and_the_entry_overrides_
         "off": None,
         "hub": "hermes",
     }
+    assert entries["qwen3"].reasoning == {"starts_inside": False} and entries["gpt-oss"].reasoning is None
+
+
+@pytest.mark.parametrize(
+    "name,reasoning",
+    [
+        ("hermes", {"starts_inside": False}),  # Qwen3 writes <think> itself
+        ("glm47", {"starts_inside": False}),
+        ("kimi_k2", {"starts_inside": False}),
+        ("minimax_m2", {"starts_inside": True}),  # its generation prompt opens the block
+        ("llama3", None),
+        ("harmony", None),  # channels: the harmony parser's own
+        ("qwen3_coder", None),
+    ],
+)
+def test_think_blocks_are_inferred_from_the_template(name, reasoning):
+    assert infer_reasoning(BY_NAME[name].text()) == reasoning
+
+
+def test_an_inferred_reasoning_splits_minimax_thinking_from_its_call():
+    """MiniMax M2's prompt ends inside <think>: the output is reasoning until </think>, then the call."""
+    family = BY_NAME["minimax_m2"]
+    output = "The user wants Paris.\n</think>\n\n" + family.call
+    config = OutputConfig(tool_parser="minimax_m2", reasoning=infer_reasoning(family.text()))
+    for i in range(len(output) + 1):
+        p = OutputParser(config, tools=True, tool_specs=TOOLS, new_id=counter_ids())
+        events = p.feed({"text": output[:i]}) + p.feed({"text": output[i:], "finish_reason": "stop"})
+        assert summary(events[:-1]) == [("reasoning", "The user wants Paris."), ("call", "get_weather", ARGS)], i
 
 
 # ---- python -m router.tools parse ---------------------------------------------------------------------

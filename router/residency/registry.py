@@ -12,7 +12,7 @@ from deployments.manifest import ManifestEntry, read_manifest
 from policy import ModelSpec
 from policy._frozen import Frozen
 from policy.specs import ModelKind
-from router.serving.output.families import infer_folder_family
+from router.serving.output.families import folder_template, infer_folder_family, infer_reasoning
 
 SPEC_FIELDS = set(ModelSpec.model_fields) - {"name", "kind", "weight_bytes", "kv_bytes_per_token"}
 
@@ -124,7 +124,7 @@ def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, M
             architecture="unknown",
             source=model.hub_id or str(folder),
             tool_parser=tool_family(model, folder),
-            reasoning=model.reasoning,
+            reasoning=reasoning_of(model, folder),
             llm_engine=model.llm_engine,
         )
     return catalog, entries
@@ -137,6 +137,14 @@ def tool_family(model: RegistryModel, folder: Path) -> str | None:
     if model.kind != "llm" or "tool_parser" in model.model_fields_set or model.hub_id or not folder.is_dir():
         return model.tool_parser
     return infer_folder_family(folder) or model.tool_parser
+
+
+def reasoning_of(model: RegistryModel, folder: Path) -> bool | dict | None:
+    """The entry's `reasoning` when it gives it, else the `<think>` blocks the folder's chat
+    template writes (router.serving.output.families.infer_reasoning), else none."""
+    if model.kind not in ("llm", "vlm") or "reasoning" in model.model_fields_set or model.hub_id or not folder.is_dir():
+        return model.reasoning
+    return infer_reasoning(folder_template(folder))
 
 
 def from_manifest(models_dir: str | Path, overrides: dict[str, dict] | None = None) -> list[dict]:

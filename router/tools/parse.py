@@ -3,7 +3,7 @@
 When a client says "the tool call came back as text", the operator pastes the model's raw output
 (the text the engine generated, special tokens included) into this command, with the family
 (`--family F`) or the model (`--model M`: a model folder, or a name served by ray-config.yaml, whose
-family is found as serving finds it: the registry's `tool_parser`, else the chat template), and sees
+family and think blocks are found as serving finds them: the registry entry, else the chat template), and sees
 the calls, the reasoning and the remaining text as JSON, parsed by the same chain the ingress runs.
 `markers` lists the family's call markers that ended up in the text: a call that did not parse."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from router.protocols.events import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
-from router.serving.output.families import infer_folder_family
+from router.serving.output.families import folder_template, infer_folder_family, infer_reasoning
 from router.serving.output.parsing import OutputConfig, OutputParser
 from router.serving.output.reasoning import ReasoningConfig
 from router.serving.output.tool_parsers import FAMILIES, PARSERS, UnknownToolParser
@@ -56,9 +56,10 @@ def resolve(family: str | None, model: str | None, config: Path) -> tuple[str | 
         return family, None, "--family"
     assert model is not None
     folder = Path(model)
-    if folder.is_dir():
+    if folder.is_dir():  # as the registry reads a folder (router/residency/registry.py)
         found = infer_folder_family(folder)
-        return (found or DEFAULT_FAMILY), None, (f"chat template of {folder}" if found else f"{folder} names no family: serving's default")
+        reasoning = infer_reasoning(folder_template(folder))
+        return (found or DEFAULT_FAMILY), reasoning, (f"chat template of {folder}" if found else f"{folder} names no family: serving's default")
     return served_model(model, config)
 
 

@@ -126,6 +126,50 @@ def infer_folder_family(folder: str | Path) -> str | None:
     return family
 
 
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def generation_prompt(template: str) -> str | None:
+    """What the template writes after one user message when asked for the assistant's turn, or
+    None when it does not render here (rendered as transformers does: a sandbox, trimmed blocks)."""
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    try:
+        compiled = env.from_string(template)
+        messages = [{"role": "user", "content": "Hi"}]
+        with_prompt = compiled.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        without = compiled.render(messages=messages, add_generation_prompt=False, bos_token="", eos_token="")
+    except Exception:  # a template this sandbox cannot render: no inference from it
+        return None
+    return with_prompt[len(without) :] if with_prompt.startswith(without) else with_prompt
+
+
+def infer_reasoning(template: str | dict | list | None) -> dict | None:
+    """The registry's `reasoning` a chat template implies: `<think>` blocks when it writes
+    `</think>` (Qwen3, GLM, Kimi K2 Thinking, MiniMax M2, DeepSeek), opened already in the prompt
+    (`starts_inside`) when its generation prompt ends with `<think>` (MiniMax M2); None when it knows
+    no think blocks. gpt-oss's channels are the harmony parser's own."""
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    if isinstance(template, dict):
+        template = template.get("default") or template.get("tool_use")
+    if not isinstance(template, str) or THINK_END not in template:
+        return None
+    prompt = generation_prompt(template)
+    return {"starts_inside": prompt is not None and prompt.rstrip().endswith(THINK_START)}
+
+
 def _nine(call_id: str) -> str:
     """A 9-character alphanumeric id for any call id, the same each time (Mistral's templates)."""
     if len(call_id) == 9 and call_id.isalnum():
