@@ -542,3 +542,38 @@ def test_a_forced_call_for_a_family_without_a_grammar_is_a_clear_error():
 
     with pytest.raises(ValueError, match="not available for the harmony family; forcible: hermes, llama3, mistral, mistral_v11"):
         forced_call_grammar("harmony", TOOLS, "required")
+
+
+# ---- any mix of a family's own fragments: chunking never changes the result, and nothing is lost ------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+def fragments(name: str) -> list[str]:
+    """The family's markers, pieces of its call text, and plain words: what a property test mixes."""
+    call = BY_NAME[name].call if name in BY_NAME else WRITTEN[name]
+    cls = PARSERS.get(name)
+    markers = [m for m in (getattr(cls, "marker", ""), getattr(cls, "close", "")) if m]
+    if name == "harmony":
+        markers = ["<|channel|>", "<|message|>", "<|end|>", "<|start|>", "analysis", "final", " to=functions.f", "commentary"]
+    third = max(1, len(call) // 3)
+    return [*markers, call, call[:third], call[third : 2 * third], call[2 * third :], "words ", "\n", " ", "{", '"', "}"]
+
+
+@pytest.mark.parametrize("name", sorted({*PARSERS, "harmony"} - {"hermes", "llama3", "mistral", "mistral_v11"}))  # those four: test_tool_parsers
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_mix_of_a_familys_fragments_is_chunking_independent_and_lossless(name, data):
+    pieces = data.draw(st.lists(st.sampled_from(fragments(name)), max_size=10))
+    out = "".join(pieces)
+
+    def run(chunks):
+        p = get_parser(name, counter_ids(), TOOLS)
+        events = [e for c in chunks for e in p.feed(c)] + p.finish()
+        return summary(events)
+
+    whole = run([out])
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(out) - 1)), max_size=8)))
+    assert run([out[i:j] for i, j in zip([0, *cuts], [*cuts, len(out)], strict=True)]) == whole
+    if name != "harmony" and not any(kind == "call" for kind, *_ in whole):
+        assert "".join(t for _, t in whole) == out  # no call: every character comes back
