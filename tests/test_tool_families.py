@@ -577,3 +577,27 @@ def test_any_mix_of_a_familys_fragments_is_chunking_independent_and_lossless(nam
     assert run([out[i:j] for i, j in zip([0, *cuts], [*cuts, len(out)], strict=True)]) == whole
     if name != "harmony" and not any(kind == "call" for kind, *_ in whole):
         assert "".join(t for _, t in whole) == out  # no call: every character comes back
+
+
+# ---- the ingress's request preparation: what the engine is sent ----------------------------------------
+
+
+def prepared(family: str, body: dict):
+    from deployments.wire.leases import Grant, LeaseRecord
+    from router.serving.generation import prepare
+    from router.serving.lease import Lease
+
+    grant = Grant(lease=LeaseRecord(lease_id="l", model="m", node_id="n", acquired_at=0, loaded_at=0), kind="llm", tool_parser=family, epoch="e")
+    return prepare(Lease(None, grant), oai.ChatCompletionRequest.model_validate(body), allow_remote_images=False)  # type: ignore[arg-type]
+
+
+def test_the_engine_gets_past_calls_in_the_familys_shape_and_the_parser_gets_the_tools():
+    body = {"model": "m", "messages": CONVERSATION, "tools": TOOLS}
+    request, parser = prepared("qwen3_coder", body)
+    assert request.messages[2]["tool_calls"][0]["function"]["arguments"] == ARGS
+    events = parser.feed({"text": BY_NAME["qwen3_coder"].call, "finish_reason": "stop"})
+    assert summary(events[:-1]) == [("call", "get_weather", ARGS)]  # days typed by the request's schema
+    request, _ = prepared("mistral_v11", body)
+    assert render_jinja_template([request.messages], tools=TOOLS, chat_template=BY_NAME["mistral_v11"].text(), bos_token="<s>", eos_token="</s>")
+    request, _ = prepared("deepseek", body)
+    assert request.messages[2]["tool_calls"][0]["function"]["arguments"] == json.dumps(ARGS)
