@@ -493,9 +493,20 @@ class Glm47Parser(MlxRegionParser):
         return calls
 
 
+class MissingLibrary(MlxRegionParser):
+    """An mlx-lm family where mlx-lm is not installed (a router without the engines extra): the
+    family is known, and asking for its parser says what is missing."""
+
+    def __init__(self, new_id: IdFactory | None = None, tools: list[dict] | None = None):
+        raise RuntimeError(f"the {self.family} tool-call family is read by mlx-lm's parser: install the engines extra (mlx-lm)")
+
+
 def _mlx_family(family: str, module: str, base: type[MlxRegionParser] = MlxRegionParser) -> type[MlxRegionParser]:
     """The parser class of an mlx-lm family, its markers read from the library module itself."""
-    lib = mlx_parser_module(module)
+    try:
+        lib = mlx_parser_module(module)
+    except (ImportError, RuntimeError):
+        return type(f"Missing{module.title().replace('_', '')}Parser", (MissingLibrary,), {"family": family, "module": module})
     start, end = lib.tool_call_start, lib.tool_call_end
     if not start or not end:
         raise ValueError(f"mlx-lm family {module} has no end marker: it needs a parser of its own")
