@@ -245,6 +245,10 @@ def test_inference_reads_a_model_folder_and_its_vocabulary(tmp_path):
     (lfm / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"content": "<|tool_call_start|>"}, {"content": "<|tool_call_end|>"}]}))
     assert infer_folder_family(lfm) == "pythonic"
     assert infer_folder_family(tmp_path) is None  # nothing to read
+    declared = tmp_path / "laguna"  # a conversion that names its family, as mlx-lm reads it first
+    declared.mkdir()
+    (declared / "tokenizer_config.json").write_text(json.dumps({"tool_parser_type": "laguna", "chat_template": BY_NAME["hermes"].text()}))
+    assert infer_folder_family(declared) == "laguna"
 
 
 def test_every_family_inference_can_name_has_a_parser():

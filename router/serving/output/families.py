@@ -8,7 +8,9 @@ leaves out (gpt-oss's harmony, DeepSeek, Llama 3's JSON calls, Mistral's [ARGS] 
 a template that does not render `tools` gets the engine's Hermes-style tool prompt
 (deployments/engines/chat_format.py), so its model is read as "hermes" whatever else the template
 names. Where the template names no markers, the vocabulary may (LFM2 conversions carry
-`<|tool_call_start|>` without writing it in the template; Kimi K3's XTML tokens).
+`<|tool_call_start|>` without writing it in the template; Kimi K3's XTML tokens). A checkpoint that
+declares its family (tokenizer_config.json `tool_parser_type`, as mlx-lm conversions may) is taken
+at its word.
 
 Past turns: clients send a call's arguments as a JSON string (OpenAI) and tool results as "tool"
 messages; most templates want the arguments as an object (they iterate it or `tojson` it, which
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from deployments.engines.chat_format import template_supports_tools
+from router.serving.output.tool_parsers import ALIASES, FAMILIES
 
 # (family, markers that must all appear in the template), first match wins: more specific first
 # (Qwen3-Coder's `<tool_call>\n<function=` before Hermes' `<tool_call>`, Mistral's [ARGS] before
@@ -117,8 +120,22 @@ def folder_vocab(folder: str | Path) -> set[str]:
     return {t["content"] for t in added if isinstance(t, dict) and isinstance(t.get("content"), str)}
 
 
+def declared_family(folder: str | Path) -> str | None:
+    """The family a converted checkpoint declares in tokenizer_config.json (`tool_parser_type`,
+    which mlx-lm reads before inferring), when it is one Orchard knows."""
+    try:
+        declared = json.loads((Path(folder) / "tokenizer_config.json").read_text(encoding="utf-8")).get("tool_parser_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    declared = ALIASES.get(declared, declared) if isinstance(declared, str) else None
+    return declared if declared in FAMILIES else None
+
+
 def infer_folder_family(folder: str | Path) -> str | None:
-    """`infer_family` for a model folder (None when it has no template and no telling tokens)."""
+    """The family a model folder declares (`declared_family`), else `infer_family` of its template
+    and vocabulary (None when neither says)."""
+    if declared := declared_family(folder):
+        return declared
     template = folder_template(folder)
     family = infer_family(template)
     if family is None:
