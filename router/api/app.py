@@ -22,18 +22,21 @@ from router.api.auth import principal
 from router.api.ingress import Ingress
 from router.api.keys import Principal
 from router.api.request_context import RequestContext
-from router.api.routes import audio, chat, cluster, embeddings, health, messages, metrics, models, responses
+from router.api.routes import audio, chat, cluster, console, embeddings, health, messages, metrics, models, responses
+from router.console.view import ConsoleSettings
 from router.protocols.responses.store import StoreSettings
 
 app = FastAPI(title="Orchard", description="Many MLX models, one OpenAI- and Anthropic-compatible URL", version="0.1.0")
 errors.install(app)
-for family in (chat, messages, responses, embeddings, audio, models, cluster, metrics):
+for family in (chat, messages, responses, embeddings, audio, models, cluster, console, metrics):
     app.include_router(family.router, dependencies=[Depends(principal)])
 app.include_router(health.router)  # for load balancers: no key
+app.include_router(console.pages)  # the console's page and files: no key (the page asks for it)
 app.add_middleware(RequestContext)
 KEYLESS = frozenset(
     [r.path for r in health.router.routes if isinstance(r, APIRoute)]
     + [p for p in (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url) if p]
+    + list(console.KEYLESS_PATHS)
 )
 app.add_middleware(guard.Guard, routes=app.router, keyless=KEYLESS, uploads=frozenset({audio.TRANSCRIPTIONS}))  # outermost
 
@@ -49,10 +52,12 @@ class IngressDeployment(Ingress):
         *,
         max_request_bytes: int = guard.GuardSettings().max_request_bytes,
         allowed_hosts: tuple[str, ...] = (),
+        console_settings: ConsoleSettings | None = None,
         responses_store: dict[str, Any] | None = None,
         **options: Any,
     ):
         super().__init__(residency, chunk_timeout_s, principals, **options)
+        console.configure(console_settings)
         responses.configure(StoreSettings.model_validate(responses_store or {}))
         names = {h.lower().rstrip(".") for h in allowed_hosts} | node_host_names()
         guard.configure(

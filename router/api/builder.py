@@ -17,7 +17,8 @@ from router.api.app import IngressDeployment
 from router.api.guard import is_loopback
 from router.api.keys import KeyEntry, Principal, resolve
 from router.protocols.responses.store import StoreSettings
-from router.residency.registry import from_manifest, parse_entries
+from router.console.view import ConsoleSettings, facts_of
+from router.residency.registry import from_config, from_manifest, parse_entries
 from router.residency.service import ResidencyService
 from router.serving.output.parsing import OutputConfig
 
@@ -74,6 +75,9 @@ class AppArgs(BaseModel):
     # A cap on each node-to-node copy of weights (bytes/s), so copies leave a shared link room for
     # serving traffic; None: as fast as the nodes go.
     fetch_max_bytes_per_s: float | None = Field(default=None, gt=0)
+    # The Ray dashboard's address as a browser reaches it, for the console's links to each instance's
+    # actor (docs/console.md); None: the address the dashboard records in Ray's GCS.
+    dashboard_url: str | None = Field(default=None, pattern=r"^https?://")
     # Stored Responses (store / previous_response_id, kept in Ray's GCS key-value store): how long a
     # response is kept (ttl_s, 24 h), the most one may hold (max_response_bytes, 8 MiB: a larger
     # conversation to be stored is a 400) and all together (max_total_bytes, 256 MiB: the oldest
@@ -145,6 +149,14 @@ def check_exposure(principals: list[Principal], host: str | None) -> None:
     )
 
 
+def console_settings(models: list[dict], models_dir: str, policy: dict, dashboard_url: str | None) -> ConsoleSettings:
+    """What every ingress's console knows of the registry (kinds, roles, memory split, keep-warm; the
+    residency service's catalog, read the same way) and where the Ray dashboard is."""
+    catalog, _ = from_config(models, models_dir)
+    config = PolicyConfig.model_validate(policy)
+    return ConsoleSettings(models={name: facts_of(spec, config) for name, spec in catalog.items()}, dashboard_url=dashboard_url)
+
+
 def build_app(args: dict) -> serve.Application:
     a, models, principals = validate_args(args)
     check_exposure(principals, serve_http_host())
@@ -170,5 +182,6 @@ def build_app(args: dict) -> serve.Application:
         allowed_hosts=tuple(a.allowed_hosts),
         route_linger_s=a.route_linger_s,
         gil_switch_ms=a.ingress_gil_switch_ms,
+        console_settings=console_settings(models, models_dir, a.policy, a.dashboard_url),
         responses_store=a.responses_store.model_dump(),
     )
