@@ -16,8 +16,8 @@ from policy import PolicyConfig
 from router.api.app import IngressDeployment
 from router.api.guard import is_loopback
 from router.api.keys import KeyEntry, Principal, resolve
-from router.protocols.responses.store import StoreSettings
 from router.console.view import ConsoleSettings, facts_of
+from router.protocols.responses.store import StoreSettings
 from router.residency.registry import from_config, from_manifest, parse_entries
 from router.residency.service import ResidencyService
 from router.serving.output.parsing import OutputConfig
