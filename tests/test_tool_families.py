@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from deployments.tool_family import folder_template, infer_family, infer_folder_family, infer_reasoning
 from router.protocols import anthropic as anth, openai as oai, responses as resp
 from router.protocols.events import ReasoningDelta, TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
-from router.serving.output.families import folder_template, history_messages, infer_family, infer_folder_family, infer_reasoning
+from router.serving.output.families import history_messages
 from router.serving.output.parsing import OutputConfig, OutputParser
 from router.serving.output.tool_parsers import FAMILIES, PARSERS, UnknownToolParser, get_parser
 from router.serving.renderers import AnthropicRenderer, OpenAIRenderer, ResponsesRenderer
@@ -249,12 +250,16 @@ def test_inference_reads_a_model_folder_and_its_vocabulary(tmp_path):
     declared.mkdir()
     (declared / "tokenizer_config.json").write_text(json.dumps({"tool_parser_type": "laguna", "chat_template": BY_NAME["hermes"].text()}))
     assert infer_folder_family(declared) == "laguna"
+    (declared / "tokenizer_config.json").write_text(json.dumps({"tool_parser_type": "qwen9", "chat_template": BY_NAME["hermes"].text()}))
+    assert infer_folder_family(declared) == "hermes"  # a name no parser reads: the template decides
 
 
 def test_every_family_inference_can_name_has_a_parser():
-    from router.serving.output.families import TEMPLATE_RULES, VOCAB_RULES
+    from deployments.tool_family import ALIASES, KNOWN_FAMILIES, TEMPLATE_RULES, VOCAB_RULES
+    from router.serving.output.tool_parsers import ALIASES as PARSER_ALIASES
 
     assert {f for f, _ in TEMPLATE_RULES + VOCAB_RULES} <= set(FAMILIES)
+    assert set(FAMILIES) == KNOWN_FAMILIES and ALIASES == PARSER_ALIASES  # what a checkpoint may declare is what parses
     for family in FAMILIES:
         get_parser(family)
 

@@ -9,10 +9,10 @@ from pydantic import ByteSize, Field, ValidationError, ValidationInfo, field_val
 from deployments.engines.options import LLMEngineOptions
 from deployments.estimate import estimate
 from deployments.manifest import ManifestEntry, read_manifest
+from deployments.tool_family import folder_template, infer_folder_family, infer_reasoning
 from policy import ModelSpec
 from policy._frozen import Frozen
 from policy.specs import ModelKind
-from router.serving.output.families import folder_template, infer_folder_family, infer_reasoning
 
 SPEC_FIELDS = set(ModelSpec.model_fields) - {"name", "kind", "weight_bytes", "kv_bytes_per_token"}
 
@@ -132,7 +132,7 @@ def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, M
 
 def tool_family(model: RegistryModel, folder: Path) -> str | None:
     """The entry's tool-call family: `tool_parser` when the entry gives it, else what the model
-    folder's chat template (and vocabulary) says (router.serving.output.families), else "hermes"
+    folder's chat template (and vocabulary) says (deployments.tool_family), else "hermes"
     (a hub model, a template that names no family: the engine's Hermes-style tool prompt)."""
     if model.kind != "llm" or "tool_parser" in model.model_fields_set or model.hub_id or not folder.is_dir():
         return model.tool_parser
@@ -141,7 +141,7 @@ def tool_family(model: RegistryModel, folder: Path) -> str | None:
 
 def reasoning_of(model: RegistryModel, folder: Path) -> bool | dict | None:
     """The entry's `reasoning` when it gives it, else the `<think>` blocks the folder's chat
-    template writes (router.serving.output.families.infer_reasoning), else none."""
+    template writes (deployments.tool_family.infer_reasoning), else none."""
     if model.kind not in ("llm", "vlm") or "reasoning" in model.model_fields_set or model.hub_id or not folder.is_dir():
         return model.reasoning
     return infer_reasoning(folder_template(folder))

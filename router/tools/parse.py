@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deployments.tool_family import folder_template, infer_folder_family, infer_reasoning
 from router.protocols.events import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
-from router.serving.output.families import folder_template, infer_folder_family, infer_reasoning
 from router.serving.output.parsing import OutputConfig, OutputParser
 from router.serving.output.reasoning import ReasoningConfig
 from router.serving.output.tool_parsers import FAMILIES, PARSERS, UnknownToolParser
