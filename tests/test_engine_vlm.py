@@ -142,7 +142,7 @@ def test_event_loop_keeps_running_during_generation(engine):
         ({"images": ["ftp://example.com/cat.png"]}, "invalid_request"),
         ({"images": ["data:image/png;base64,!!!not-base64!!!"]}, "invalid_request"),
         ({"images": ["data:image/png;base64," + base64.b64encode(b"not a png").decode()]}, "invalid_request"),
-        ({"images": [data_url(png_bytes())] * 2}, "invalid_request"),
+        ({"images": [data_url(png_bytes())] * 9}, "invalid_request"),  # past max_images (8)
         ({"images": [], "messages": []}, "invalid_request"),
         ({"images": [], "messages": user("   ")}, "invalid_request"),
         ({"images": [], "max_tokens": 0}, "invalid_request"),
