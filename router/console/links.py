@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import ray
 
-from cluster.ray_api import NAMESPACE, actor_id, dashboard_address
+from cluster.ray_api import NAMESPACE, actor_id, dashboard_address, head_node_resource
 
 log = logging.getLogger("orchard.console")
 
@@ -60,8 +60,9 @@ async def actor_ids(names: list[str]) -> dict[str, str]:
 
 
 def _head_ip() -> str | None:
+    head = head_node_resource()
     for node in ray.nodes():
-        if node.get("Alive") and "node:__internal_head__" in (node.get("Resources") or {}):
+        if node.get("Alive") and head in (node.get("Resources") or {}):
             return node.get("NodeManagerAddress")
     return None
 

@@ -289,9 +289,7 @@ def _node(
     )
 
 
-def _guards(
-    inst: dict[str, Any], node_id: str, f: ModelFacts, row: dict[str, Any], config: PolicyConfig, now: float | None, ready_copies: int
-) -> list[Guard]:
+def _guards(inst: dict[str, Any], f: ModelFacts, row: dict[str, Any], config: PolicyConfig, now: float | None, ready_copies: int) -> list[Guard]:
     out = []
     if row.get("pinned"):
         out.append(Guard(protection="pinned", words="pinned: never evicted, never unloaded when idle (E1)"))
@@ -486,7 +484,7 @@ def compose(
     for n in cluster["nodes"]:
         for inst in n["instances"] if n["alive"] else ():
             f, row = facts[inst["model"]], listed.get(inst["model"], {})
-            guards = _guards(inst, n["node_id"], f, row, config, now, ready.get(inst["model"], 0))
+            guards = _guards(inst, f, row, config, now, ready.get(inst["model"], 0))
             actor = inst.get("actor")
             actor_id = (actor_ids or {}).get(actor or "")
             instances.append(
