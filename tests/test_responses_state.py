@@ -186,6 +186,17 @@ def test_a_continued_request_starts_from_the_stored_conversation_without_its_ins
     assert rp.continued(second, None) is second
 
 
+def test_an_item_sent_again_with_a_continued_request_is_a_400():
+    first = record("resp_1")
+    echoed = first.response["output"][1]  # the assistant message, as the client read it
+    again = request(input=[echoed, {"role": "user", "content": "And?"}], previous_response_id="resp_1")
+    with pytest.raises(ProtocolError) as e:
+        rp.continued(again, first)
+    assert (e.value.status, e.value.param) == (400, "input[0]") and echoed["id"] in e.value.message
+    fresh = request(input=[{"role": "user", "content": "And?", "id": "msg_new"}], previous_response_id="resp_1")
+    assert [i.id for i in rp.continued(fresh, first).input][-1] == "msg_new"
+
+
 def test_stored_input_items_keep_client_ids_and_parse_as_the_sdks_items():
     req = request(
         input=[

@@ -143,6 +143,7 @@ async def responses(body: resp.ResponsesRequest, ingress: Ingress = Depends(curr
             raise ProtocolError(
                 400, "previous_response_not_found", f"Previous response with id '{body.previous_response_id}' not found.", "previous_response_id"
             )
+    req = resp.continued(body, previous)
     items: list[dict[str, Any]] = []
     if body.store is not False:
         items = resp.conversation(previous, body)
@@ -152,7 +153,6 @@ async def responses(body: resp.ResponsesRequest, ingress: Ingress = Depends(curr
             raise ProtocolError(
                 400, "response_too_large", f"{e} (responses_store.max_response_bytes): start a new conversation, or send store: false", "input"
             ) from None
-    req = resp.continued(body, previous)
     made: list[StoringRenderer] = []
 
     def renderer(parser: OutputParser) -> StoringRenderer:

@@ -46,10 +46,18 @@ def conversation(previous: StoredResponse | None, req: ResponsesRequest) -> list
 
 def continued(req: ResponsesRequest, previous: StoredResponse | None) -> ResponsesRequest:
     """`req` with the previous response's conversation before its own input (the stored items
-    validated again as input items: an output item is one)."""
+    validated again as input items: an output item is one). An input item whose id is already in
+    that conversation is a 400, as OpenAI's: sent again, it would be in the prompt twice."""
     if previous is None:
         return req
-    earlier = [InputItem.model_validate(item) for item in previous.conversation()]
+    stored = previous.conversation()
+    ids = {item.get("id") for item in stored}
+    for j, item in enumerate(req.input):
+        if item.id is not None and item.id in ids:
+            raise ProtocolError(
+                400, "invalid_value", f"Duplicate item found with id {item.id}: it is in the previous response's conversation already.", f"input[{j}]"
+            )
+    earlier = [InputItem.model_validate(item) for item in stored]
     return req.model_copy(update={"input": [*earlier, *req.input]})
 
 
