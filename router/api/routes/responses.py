@@ -129,8 +129,14 @@ def _put_now(record: resp.StoredResponse) -> None:
     which may list and delete many keys, runs in a thread after it."""
     kept = store()
     kept.put(record, sweep=False)
-    done = asyncio.get_running_loop().run_in_executor(None, kept.sweep_if_due)
-    done.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.error("stored responses: the sweep failed: %r", f.exception()))
+    asyncio.get_running_loop().run_in_executor(None, _sweep_logged, kept)
+
+
+def _sweep_logged(kept: resp.ResponseStore) -> None:
+    try:
+        kept.sweep_if_due()
+    except Exception:
+        log.exception("stored responses: the sweep failed")
 
 
 @router.post("/v1/responses")
