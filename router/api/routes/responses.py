@@ -4,8 +4,8 @@ stored responses' own routes: GET and DELETE /v1/responses/{id}, GET /v1/respons
 POST parses, finds the response it continues (`previous_response_id`, its own key's only), then
 leases, streams and renders as every generation does (router/api/generate.py); its renderer makes
 the record at the generation's end. A whole response's record is written before its body is
-returned, a streamed one's before its last event goes out (on the event loop: one GCS call, at
-most KV_TIMEOUT_S), so a client that continues a response as soon as it has it finds it stored. A
+returned, a streamed one's before its last event goes out (on the event loop: two GCS writes, each
+at most KV_TIMEOUT_S), so a client that continues a response as soon as it has it finds it stored. A
 failed response is not stored; a record that cannot be written is logged and the answer still goes
 out (a later previous_response_id naming it is then a 400).
 
