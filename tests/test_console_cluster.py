@@ -5,8 +5,7 @@ Chromium (Debian's `chromium`, driven by Playwright): a key entered once, an evi
 the page, and the node bars, the instances and the eviction sentence updated."""
 
 import json
-import threading
-from queue import Empty, Queue
+from collections.abc import Iterator
 
 import pytest
 
@@ -99,38 +98,28 @@ def test_what_if_of_an_unknown_model_or_node_is_a_404_and_a_user_key_a_403(orcha
     assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
 
 
-def read_stream(response, out: Queue) -> None:
-    """Each SSE frame of `response` as (event, data) into `out`, until the response ends."""
+def frames_of(response) -> Iterator[tuple[str, dict]]:
+    """Each SSE frame of `response` as (event, data), as it arrives (iter_lines would wait for 512 bytes)."""
     kind, data, buffer = "message", [], ""
-    try:
-        for chunk in response.iter_content(chunk_size=None, decode_unicode=True):  # as it arrives (iter_lines waits for 512 bytes)
-            buffer += chunk
-            *lines, buffer = buffer.split("\n")
-            for line in lines:
-                kind, data = _frame_line(line, kind, data, out)
-    except Exception as e:  # the test closed it
-        out.put(("closed", str(e)))
+    for chunk in response.iter_content(chunk_size=None, decode_unicode=True):
+        buffer += chunk
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                data.append(line[6:])
+            elif line == "" and data:
+                yield kind, json.loads("\n".join(data))
+                kind, data = "message", []
 
 
-def _frame_line(line: str, kind: str, data: list[str], out: Queue) -> tuple[str, list[str]]:
-    if line.startswith("event: "):
-        return line[7:], data
-    if line.startswith("data: "):
-        return kind, [*data, line[6:]]
-    if line == "" and data:
-        out.put((kind, json.loads("\n".join(data))))
-        return "message", []
-    return kind, data
-
-
-def next_frame(frames: Queue, kind: str, timeout_s: float = 30.0) -> dict:
-    while True:
-        try:
-            got, data = frames.get(timeout=timeout_s)
-        except Empty:
-            raise AssertionError(f"no {kind} event within {timeout_s} s") from None
+def next_frame(frames: Iterator[tuple[str, dict]], kind: str) -> dict:
+    """The next frame of this kind (the stream's 15 s keep-alives bound each wait; Http's read timeout is 120 s)."""
+    for got, data in frames:
         if got == kind:
             return data
+    raise AssertionError(f"the stream ended before a {kind} event")
 
 
 def test_the_event_stream_sends_the_log_then_each_new_event_as_it_happens(orchard):
@@ -138,14 +127,13 @@ def test_the_event_stream_sends_the_log_then_each_new_event_as_it_happens(orchar
     seq = last_seq(admin)
     response = admin.get("/v1/cluster/events/stream", params={"since": max(0, seq - 1)}, stream=True)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-    frames: Queue = Queue()
-    threading.Thread(target=read_stream, args=(response, frames), daemon=True).start()
+    frames = frames_of(response)
     try:
         assert next_frame(frames, "cluster_event")["event"]["seq"] == seq  # the log after `since` first
         assert next_frame(frames, "caught_up") == {"last_seq": seq}
         assert admin.post(f"/v1/models/{SMALL}/pin", json={}).status_code == 200
         story = next_frame(frames, "cluster_event")
-        assert story["event"]["kind"] == "pinned" and story["event"]["seq"] == seq + 1
+        assert story["event"]["kind"] == "pinned" and story["event"]["seq"] == seq + 1  # nothing else came between
         assert story["sentence"] == f"{SMALL} was pinned: it is never evicted"
         assert admin.post(f"/v1/models/{SMALL}/unpin", json={}).status_code == 200
         assert next_frame(frames, "cluster_event")["event"]["kind"] == "unpinned"
