@@ -47,6 +47,55 @@ class Measurement(Frozen):
     budget_bytes: int | None = Field(default=None, gt=0)
 
 
+class CopyProgress(Frozen):
+    """A copy (or download) into a store, as its agent last saw it."""
+
+    done_bytes: int = Field(ge=0)
+    total_bytes: int | None = None
+    source: str | None = None  # the node it reads from, or the Hub
+    bytes_per_s: float = 0.0
+    eta_s: float | None = None
+
+
+class StoreReport(Frozen):
+    """A node's model store (cluster/store.py `Store.inventory`) and the copies coming into it:
+    folders by name with their bytes."""
+
+    root: str
+    free_bytes: int = 0
+    budget_bytes: int | None = None
+    used_bytes: int = 0
+    complete: dict[str, int] = Field(default_factory=dict)
+    unsealed: dict[str, int] = Field(default_factory=dict)  # there, not sealed with a manifest yet
+    partial: dict[str, int] = Field(default_factory=dict)
+    fetching: dict[str, CopyProgress] = Field(default_factory=dict)
+
+    def holds(self, folder: str) -> bool:
+        """Whether the folder is there (sealed or not yet)."""
+        return folder in self.complete or folder in self.unsealed
+
+    def without(self, folders: list[str] | set[str]) -> "StoreReport":
+        """This report with `folders` gone (removed since it was made)."""
+        keep = lambda d: {k: v for k, v in d.items() if k not in folders}  # noqa: E731
+        return self.model_copy(update={"complete": keep(self.complete), "unsealed": keep(self.unsealed), "partial": keep(self.partial)})
+
+
+class FetchResult(Frozen):
+    """How a node agent's copy or download into its store ended (`NodeAgent.fetch`, `hub_fetch`)."""
+
+    ok: bool
+    code: str = ""
+    message: str = ""
+    bytes: int = 0
+    total_bytes: int = 0
+    seconds: float = 0.0
+    source: str = ""  # the node it read from, "stored" (it was there already), or "hub"
+    revision: str | None = None  # the Hub's commit it downloaded
+    transport: str | None = None  # "stream" (direct between agents) or "ray" (chunks over Ray calls)
+    fallback: str | None = None  # why the stream was not used
+    removed: list[str] = Field(default_factory=list)  # folders removed for room (the disk budget)
+
+
 class NodeReport(Frozen):
     """One node agent's answer: who the node is and its memory, measured at `reported_at`."""
 
@@ -63,9 +112,7 @@ class NodeReport(Frozen):
     free_bytes: int = Field(ge=0)
     budget_bytes: int | None = Field(default=None, gt=0)
     reported_at: float  # time.time() on the agent's machine
-    # The node's model store (cluster/store.py Store.inventory, plus copies in progress under
-    # "fetching"); None from an agent that has no store.
-    store: dict[str, Any] | None = None
+    store: StoreReport | None = None  # the node's model store; None from an agent that has no store
 
     def node_state(self, instances: tuple[InstanceState, ...] = (), *, draining: bool = False) -> NodeState:
         """The policy's view of this node. The measured free memory becomes the reported headroom;

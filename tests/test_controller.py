@@ -8,6 +8,7 @@ import pytest
 from support.builders import spec
 from support.loop import PLAIN, FakeEffects, make, run
 
+from cluster.node_report import StoreReport
 from deployments.manifest import ManifestEntry
 from deployments.wire.failure import OrchardError
 from policy import InstanceRef
@@ -331,6 +332,25 @@ def test_next_events_answers_at_once_waits_for_the_next_or_times_out_empty():
     assert [e.kind for e in at_once] == ["node_up", "node_up"]
     assert not waited_before and woken[0].kind == "placed"
     assert empty == [] and 3 <= waited_s < 3.1
+
+
+def test_the_cluster_view_carries_the_loops_clock_the_catalog_as_pinned_now_and_each_nodes_chip():
+    from router.residency import views
+
+    async def scenario():
+        c, fx = make([spec("a", gb=3), spec("b", gb=1)])
+        c.report_node("n1", devices=("metal", "cpu"), total_bytes=8 * GIB, usable_bytes=8 * GIB, free_bytes=8 * GIB, chip="Apple M4 Max")
+        c.release((await c.acquire("a")).lease_id)
+        c.pin("b")
+        fx.clock.advance(7)
+        return views.cluster(c), c.clock.now()
+
+    view, now = run(scenario())
+    assert view["now"] == now
+    inst = next(i for n in view["nodes"] for i in n["instances"])
+    assert view["now"] - inst["last_used"] >= 7  # idle for as long as the loop's clock says
+    assert view["catalog"]["b"]["pinned"] is True and view["catalog"]["a"]["weight_bytes"] == 3 * GIB
+    assert {n["node_id"]: n["chip"] for n in view["nodes"]} == {"n1": "Apple M4 Max", "n2": None}
 
 
 def test_forgotten_leases_expire():
@@ -823,7 +843,7 @@ class SlowKV:
 
 def _service(c, kv, fx=None):
     """The residency service's operator actions over a controller and a store, without Ray."""
-    svc = object.__new__(ResidencyService.func_or_class)
+    svc = object.__new__(ResidencyService.func_or_class)  # its `sites` is the controller's
     svc.controller = c
     svc.store = OperatorStore(kv=kv)
     svc.effects = fx
@@ -880,10 +900,10 @@ def test_files_a_placement_on_the_node_loads_from_cannot_be_removed():
         waiting = asyncio.create_task(c.acquire("a"))
         await fx.run_for(0.05)
         with pytest.raises(OrchardError) as info:
-            c.begin_removing("n2", frozenset({"a", "a2"}))  # a2 shares a's folder
-        c.begin_removing("n1", frozenset({"a", "a2"}))  # nothing of theirs on n1
+            c.removals.begin("n2", frozenset({"a", "a2"}))  # a2 shares a's folder
+        c.removals.begin("n1", frozenset({"a", "a2"}))  # nothing of theirs on n1
         with pytest.raises(OrchardError) as again:
-            c.begin_removing("n1", frozenset({"a"}))
+            c.removals.begin("n1", frozenset({"a"}))
         fx.gate.set()
         await waiting
         return info.value, again.value
@@ -897,7 +917,7 @@ def test_files_a_placement_on_the_node_loads_from_cannot_be_removed():
 def test_a_placement_never_chooses_a_node_its_files_are_being_removed_from():
     async def scenario():
         c, fx = make([spec("a", gb=3)], nodes=(("n1", 4), ("n2", 8)))  # pack would choose n1
-        c.begin_removing("n1", frozenset({"a"}))
+        c.removals.begin("n1", frozenset({"a"}))
         lease = await asyncio.wait_for(c.acquire("a"), 1)
         c.release(lease.lease_id)
         with pytest.raises(OrchardError) as info:
@@ -912,11 +932,11 @@ def test_a_request_waits_while_its_only_node_is_losing_its_files_then_is_placed(
     async def scenario():
         c, fx = make([spec("a", gb=3)], nodes=(("n1", 8),))
         c.report_node("n1", devices=("metal", "cpu"), total_bytes=8 * GIB, usable_bytes=8 * GIB, free_bytes=8 * GIB, stored=frozenset({"a"}))
-        c.begin_removing("n1", frozenset({"a"}))
+        c.removals.begin("n1", frozenset({"a"}))
         waiting = asyncio.create_task(c.acquire("a"))
         await fx.run_for(0.05)
         started = list(fx.started)
-        c.end_removing("n1", frozenset({"a"}), removed=True)
+        c.removals.end("n1", frozenset({"a"}), removed=True)
         lease = await asyncio.wait_for(waiting, 1)
         return c, started, lease
 
@@ -925,8 +945,7 @@ def test_a_request_waits_while_its_only_node_is_losing_its_files_then_is_placed(
 
 
 class StoreEffects(FakeEffects):
-    """The fake effects with a node store per node (RayEffects' view of them) whose removal of a
-    folder takes until `removing` is set."""
+    """The fake effects whose removal of a store folder takes until `removing` is set."""
 
     def __init__(self):
         super().__init__()
@@ -936,15 +955,10 @@ class StoreEffects(FakeEffects):
             )
             for name in ("a", "a2")
         }
-        self.stores = {n: {"root": "/s", "complete": {"llama": {}}, "unsealed": {}} for n in ("n1", "n2")}
         self.removing = asyncio.Event()
-
-    def holders(self, folder, but=None):
-        return sorted(n for n, s in self.stores.items() if n != but and folder in s["complete"])
 
     async def remove_files(self, node_id, folder):
         await self.removing.wait()
-        self.stores[node_id]["complete"].pop(folder, None)
         return True
 
 
@@ -955,12 +969,13 @@ def test_delete_files_and_a_request_for_a_model_loading_from_them_cannot_race():
 
     async def scenario():
         fx = StoreEffects()
-        c = ResidencyController({s.name: s for s in (spec("a", gb=3), spec("a2", gb=3))}, PLAIN, fx, clock=fx.clock)
+        c = ResidencyController({s.name: s for s in (spec("a", gb=3), spec("a2", gb=3))}, PLAIN, fx, entries=fx.entries, clock=fx.clock)
         fx.controller = c
         fx.autopilot()
+        store = StoreReport(root="/s", complete={"llama": 6 * GIB})
         for node_id, gb in (("n1", 4), ("n2", 8)):  # pack prefers n1
             c.report_node(
-                node_id, devices=("metal", "cpu"), total_bytes=gb * GIB, usable_bytes=gb * GIB, free_bytes=gb * GIB, stored=frozenset({"a", "a2"})
+                node_id, devices=("metal", "cpu"), total_bytes=gb * GIB, usable_bytes=gb * GIB, free_bytes=gb * GIB, ray_node_id=node_id, store=store
             )
         svc = _service(c, SlowKV(set()), fx)
         deleting = asyncio.create_task(svc.delete_files("a", "n1"))
@@ -981,10 +996,12 @@ def test_background_copies_and_pulls_take_the_loops_one_copy_path():
     """L4 through the loop: a requested model that n2's store lacks is copied there in the
     background (no placement), with its reason; a failed background copy is not tried on that node
     again within background_copy_retry_s; an operator's pull runs the same path and says why it failed."""
-    from policy import StoreRoom
-
     config = PLAIN.model_copy(update={"background_copies": "requested", "background_copy_disk_reserve_bytes": 0, "background_copy_retry_s": 60})
-    room = StoreRoom(free_bytes=100 * GIB, used_bytes=0)
+
+    def store(c, node_id):
+        """The store report of n2's agent: 100 GiB free, the folders the loop knows it holds."""
+        node = c.state.node(node_id)
+        return StoreReport(root="/s", free_bytes=100 * GIB, complete=dict.fromkeys(node.stored if node else (), GIB))
 
     async def scenario():
         c, fx = make([spec("a", gb=1), spec("b", gb=1)], nodes=(("n1", 8),), config=config)
@@ -998,7 +1015,7 @@ def test_background_copies_and_pulls_take_the_loops_one_copy_path():
                     usable_bytes=8 * GIB,
                     free_bytes=8 * GIB,
                     stored=stored,
-                    store_room=room,
+                    store=StoreReport(root="/s", free_bytes=100 * GIB),
                 )
             )
         for _ in range(2):
@@ -1007,10 +1024,14 @@ def test_background_copies_and_pulls_take_the_loops_one_copy_path():
         fx.fail_fetch.add("b")
         c.tick()  # a and b are both asked for; n2 takes one copy at a time
         await fx.run_for(0.1)
-        c.apply(NodeReported(node_id="n2", devices=("metal", "cpu"), total_bytes=8 * GIB, usable_bytes=8 * GIB, free_bytes=8 * GIB, store_room=room))
+        c.apply(
+            NodeReported(node_id="n2", devices=("metal", "cpu"), total_bytes=8 * GIB, usable_bytes=8 * GIB, free_bytes=8 * GIB, store=store(c, "n2"))
+        )
         c.tick()
         await fx.run_for(0.1)
-        c.apply(NodeReported(node_id="n2", devices=("metal", "cpu"), total_bytes=8 * GIB, usable_bytes=8 * GIB, free_bytes=8 * GIB, store_room=room))
+        c.apply(
+            NodeReported(node_id="n2", devices=("metal", "cpu"), total_bytes=8 * GIB, usable_bytes=8 * GIB, free_bytes=8 * GIB, store=store(c, "n2"))
+        )
         c.tick()  # b failed on n2: not again within the retry period
         await fx.run_for(0.1)
         with pytest.raises(OrchardError) as pulled:

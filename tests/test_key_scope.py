@@ -13,7 +13,7 @@ from deployments.wire.failure import STATUS, OrchardError
 from policy import Reject, ensure
 from policy.failures import reject_marked
 from router.api.errors import USER_SAFE_CODES, error_response, for_principal
-from router.residency.controller import _error_for
+from router.residency.asks import error_for as _error_for
 from router.residency.limits import RateLimited
 from router.serving.stream_mux import Unavailable
 

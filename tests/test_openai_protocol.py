@@ -561,9 +561,10 @@ def test_every_engine_error_code_has_its_status_in_the_one_table():
 
     codes = set(get_args(RequestErrorCode)) | {"not_found", "load_failed", "unavailable", "cancelled"}  # + the model server's own
     assert codes <= set(STATUS) and op.ENGINE_STATUS is STATUS
-    from policy.decisions import RejectCode
+    from policy.decisions import Reject, RejectCode
+    from router.residency.asks import error_for
 
-    assert {f"model_{c}" for c in get_args(RejectCode) if c != "unknown_model"} <= set(STATUS)  # the controller's codes
+    assert {error_for(Reject(model="m", code=c, message="x")).code for c in get_args(RejectCode)} <= set(STATUS)  # the controller's codes
     assert STATUS["context_length_exceeded"] == 400 and STATUS["engine_stopped"] == 503 and STATUS["cancelled"] == 499
 
 

@@ -139,10 +139,10 @@ def test_n1_a_node_ray_cannot_start_on_is_suspect_and_the_model_goes_elsewhere()
         c, fx = make([spec("a", gb=3)], nodes=(("n1", 8), ("n2", 4)), config=SWAPPING)
         original = fx.start_instance
 
-        async def start(place, spec_):
-            if place.node_id == "n2":
+        async def start(order):
+            if order.place.node_id == "n2":
                 raise NodeUnreachable("n2", "Ray cannot start it on n2: ActorUnschedulableError")
-            return await original(place, spec_)
+            return await original(order)
 
         fx.start_instance = start
         lease = await asyncio.wait_for(c.acquire("a"), 5)

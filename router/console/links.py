@@ -1,16 +1,14 @@
 """What the console reads from Ray itself, in the ingress's process: where the Ray dashboard is (to
-link each instance to its actor there), the actors' ids (the dashboard's links name actors by id, the
-cluster view by name), and whether this process shares the residency controller's clock (the head's
-monotonic clock, which the instances' `last_used` and `loaded_at` are on)."""
+link each instance to its actor there) and the actors' ids (the dashboard's links name actors by id,
+the cluster view by name)."""
 
 import asyncio
 import logging
-import time
 from urllib.parse import urlsplit
 
 import ray
 
-from cluster.ray_api import NAMESPACE, actor_id, dashboard_address, head_node_resource
+from cluster.ray_api import NAMESPACE, actor_id, dashboard_address
 
 log = logging.getLogger("orchard.console")
 
@@ -57,27 +55,3 @@ async def actor_ids(names: list[str]) -> dict[str, str]:
     if all(n in _IDS for n in names):
         return {n: _IDS[n] for n in names}
     return await asyncio.to_thread(_actor_ids, names)
-
-
-def _head_ip() -> str | None:
-    head = head_node_resource()
-    for node in ray.nodes():
-        if node.get("Alive") and head in (node.get("Resources") or {}):
-            return node.get("NodeManagerAddress")
-    return None
-
-
-_SAME_HOST: list[bool] = []
-
-
-async def controller_clock() -> float | None:
-    """The residency controller's clock now (time.monotonic() on the head), when this process is on
-    the head's machine (the proxy's replica there, or any replica of a one-machine cluster); else None."""
-    if not _SAME_HOST:
-        try:
-            here = ray.util.get_node_ip_address()
-            head = await asyncio.to_thread(_head_ip)
-            _SAME_HOST.append(head is not None and head == here)
-        except Exception:
-            return None
-    return time.monotonic() if _SAME_HOST[0] else None

@@ -239,8 +239,8 @@ def _node(
     free = mem["usable_bytes"] - mem["foreign_bytes"] - mem["ours_bytes"]
     labels = node.get("labels") or {}
     chip = (node["devices"] or ["?"])[0]
-    if labels.get("orchard.chip"):
-        chip = f"{labels['orchard.chip']} ({chip})"
+    if node.get("chip") or labels.get("orchard.chip"):  # as the node's agent names it, else its label
+        chip = f"{node.get('chip') or labels['orchard.chip']} ({chip})"
     if not node["alive"]:
         words = f"{node['node_id']} is dead: nothing is placed there"
     else:
@@ -468,8 +468,8 @@ def compose(
     actor_ids: dict[str, str] | None = None,
 ) -> ConsoleView:
     """The console's view of `cluster` (ResidencyService.cluster) and `models` (ResidencyService.models).
-    `now`: the residency controller's clock (None when this process cannot read it: idle times and
-    minimum residency are then left out); `actor_ids`: actor name -> Ray actor id, for the dashboard's links."""
+    `now`: the residency controller's clock (`cluster["now"]`; None: idle times and minimum residency
+    are left out); `actor_ids`: actor name -> Ray actor id, for the dashboard's links."""
     config = PolicyConfig.model_validate(cluster.get("policy") or {})
     listed = {m["id"]: m for m in models}
     facts = {name: _facts(settings, name, listed) for name in set(listed) | {i["model"] for n in cluster["nodes"] for i in n["instances"]}}

@@ -68,3 +68,21 @@ class ManualClock:
             if not timer.cancelled:
                 callback()
         self.t = end
+
+
+async def until(clock: "Clock", event: asyncio.Event, timeout_s: float) -> None:
+    """Wait for `event`, at most `timeout_s` on `clock`."""
+    done = asyncio.get_running_loop().create_future()
+
+    def fire(*_: object) -> None:
+        if not done.done():
+            done.set_result(None)
+
+    timer = clock.call_at(clock.now() + timeout_s, fire)
+    waiter = asyncio.get_running_loop().create_task(event.wait())
+    waiter.add_done_callback(fire)
+    try:
+        await done
+    finally:
+        timer.cancel()
+        waiter.cancel()

@@ -14,48 +14,18 @@ with the same policy call; an ask that busy instances keep out is a candidate fo
 controller is never on the token path."""
 
 import asyncio
-import itertools
-from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from deployments.manifest import ManifestEntry
 from deployments.wire.failure import OrchardError
 from deployments.wire.leases import LeaseRecord, RoutesView
-from policy import (
-    ClusterState,
-    InstanceRef,
-    InstanceState,
-    LoadFailure,
-    ModelSpec,
-    NodeState,
-    Place,
-    PolicyConfig,
-    Reject,
-    Use,
-    Wait,
-    ensure,
-    plan_copies,
-    sweep,
-)
+from policy import ClusterState, InstanceRef, InstanceState, LoadFailure, ModelSpec, NodeState, Place, PolicyConfig, plan_copies, sweep
 from policy.decisions import Decision
 from policy.eviction import ready_copies
-from policy.failures import reject_marked
 from policy.memory import gib
-from policy.on_node import place_on
-from policy.swap import Drain, SwapAsk, pick_swap
-from policy.transitions import (
-    apply_place,
-    clear_failed,
-    learn_bandwidth,
-    mark_draining,
-    mark_failed,
-    mark_loaded,
-    mark_stored,
-    mark_unstored,
-    remove_instance,
-    set_in_flight,
-)
-from router.residency.clock import Clock, MonotonicClock, Timer
+from policy.transitions import apply_place, clear_failed, mark_failed, mark_loaded, remove_instance, set_in_flight
+from router.residency.asks import Ask, Asks
+from router.residency.clock import Clock, MonotonicClock, Timer, until
 from router.residency.demand import Demand
 from router.residency.events import (
     ClusterEvent,
@@ -63,58 +33,18 @@ from router.residency.events import (
     FetchDone,
     InstanceDied,
     LoadDone,
-    LoadError,
     LoadFailed,
-    LoadResult,
     NodeLost,
     NodeReported,
     StopDone,
 )
+from router.residency.interface import Effects
 from router.residency.leases import LeaseBook
+from router.residency.log import EventLog
 from router.residency.placements import Placements
-
-__all__ = ["ClusterEvent", "Effects", "LoadError", "LoadResult", "ResidencyController"]
-
-
-class Effects(Protocol):
-    async def start_instance(self, place: Place, spec: ModelSpec) -> LoadResult: ...
-
-    async def stop_instance(self, instance: InstanceRef, reason: str) -> bool:
-        """Stop the instance's current incarnation; True once no process of it runs any more."""
-        ...
-
-    def want_report(self, node_id: str) -> None:
-        """Ask the node for a fresh memory report soon: it arrives as `NodeReported`."""
-        ...
-
-    async def fetch_weights(self, model: str, node_id: str, background: str | None = None) -> None:
-        """Put the model's weights in the node's store, raising LoadError when that fails; with
-        `background` (its reason), a background copy that removes nothing stored there (L4)."""
-        ...
-
-    def fetch_progress(self, model: str, node_id: str) -> str | None: ...
-
-    def publish(self, event: ClusterEvent) -> None: ...
-
-    def files_version(self, model: str) -> str | None:
-        """Something that changes when the model's files do (sizes and times), None if unknown."""
-        ...
-
-
-@dataclass(eq=False)
-class _Ask:
-    """A request (for a lease) or an operator's load (for a ready instance) in its model's queue."""
-
-    model: str
-    started: float
-    future: asyncio.Future
-    holder: str | None = None  # an ingress replica asking for a standing lease
-    operator: bool = False
-    node_id: str | None = None  # an operator's load on this node
-    avoid: tuple[str, float] | None = None  # (node, loaded_at): an incarnation the request just left
-    announced: bool = False  # its `waiting` event is recorded
-    placed: bool = False  # an operator's load on a node: its placement was started
-    busy_blocked: bool = field(default=False)  # its last decision: busy instances keep it out
+from router.residency.removals import Removals
+from router.residency.sites import Sites
+from router.residency.swaps import Swaps
 
 
 class ResidencyController:
@@ -124,6 +54,7 @@ class ResidencyController:
         config: PolicyConfig,
         effects: Effects,
         *,
+        entries: dict[str, ManifestEntry] | None = None,
         clock: Clock | None = None,
         max_events: int = 2000,
         max_lease_s: float = 3600.0,
@@ -134,20 +65,18 @@ class ResidencyController:
         self.effects = effects
         self.clock: Clock = clock or MonotonicClock()
         self.state = ClusterState(catalog=dict(catalog))
+        self.sites = Sites(entries or {})  # where things are on the real cluster: Ray ids, stores, actors
         self.demand = Demand(config.demand_half_life_s)  # requests per model, decayed (L4)
         self.leases = LeaseBook(max_lease_s=max_lease_s, holder_timeout_s=holder_timeout_s)
         self.placements = Placements(self)  # placements that wait for stops to exit and the room to show (X1)
         # How long a request under contention "fail", or an operator's load on a node, may wait for
         # standing leases in its way to be given back before it is refused.
         self.revoke_grace_s = revoke_grace_s
-        self._events: deque[ClusterEvent] = deque(maxlen=max_events)
-        self._recorded = asyncio.Event()  # set (and replaced) by every event recorded: wakes next_events
-        self._seq = itertools.count(1)
-        self._asks: dict[str, deque[_Ask]] = {}
+        self.log = EventLog(max_events)
+        self.asks = Asks(self)  # one queue of asks per model, and the decision for each (asks.py)
+        self.swaps = Swaps(self)  # instances drained for a model kept out (W1-W3, swaps.py)
         self._failed_files: dict[str, str | None] = {}  # model marked failed -> its files' version then
-        self._removing: set[tuple[str, str]] = set()  # (model, node) whose files an operator removes (X3)
-        self._drains: dict[InstanceRef, str] = {}  # instance draining for a swap -> the model it makes room for
-        self._swaps: deque[tuple[float, str]] = deque()  # when and where each swap of the last minute started (W2)
+        self.removals = Removals(self)  # store folders an operator removes (X3) or that left for room
         self._tasks: set[asyncio.Task] = set()
         self._redecide_soon = False
         self._timer: tuple[float, Timer] | None = None
@@ -186,7 +115,10 @@ class ResidencyController:
         instances = old.instances if old is not None and old.alive else ()
         waiting = self.placements.awaiting_bytes(r.node_id)
         ours = sum(i.bytes for i in instances) - waiting
-        self.placements.reported(r.node_id, self.clock.now() if r.asked_at is None else r.asked_at, r.free_bytes, r.store_room, r.store_copying)
+        self.sites.reported(r.node_id, r.ray_node_id, r.store, self.clock.now() if r.asked_at is None else r.asked_at, r.chip)
+        room, copying = (self.sites.room(r.node_id), bool(r.store.fetching)) if r.store is not None else (None, False)
+        self.placements.reported(r.node_id, self.clock.now() if r.asked_at is None else r.asked_at, r.free_bytes, room, copying)
+        stored = r.stored if r.stored is not None or r.store is None else self.sites.stored(r.store)
         node = NodeState(
             node_id=r.node_id,
             labels=r.labels,
@@ -198,7 +130,7 @@ class ResidencyController:
             instances=instances,
             alive=True,
             draining=old.draining if old is not None else False,
-            stored=r.stored if r.stored is not None else old.stored if old is not None else frozenset(),
+            stored=stored if stored is not None else old.stored if old is not None else frozenset(),
         )
         nodes = tuple(n for n in self.state.nodes if n.node_id != r.node_id) + (node,)
         self.state = self.state.model_copy(update={"nodes": tuple(sorted(nodes, key=lambda n: n.node_id))})
@@ -215,17 +147,19 @@ class ResidencyController:
             cause = "node_suspect" if lost.suspect else "node_dead"
             self._record("unloaded", model=inst.model, node_id=lost.node_id, reason=cause.replace("_", " "), bytes=inst.bytes, cause=cause)
             self.leases.end_on(InstanceRef(node_id=lost.node_id, model=inst.model))
-            self._drains.pop(InstanceRef(node_id=lost.node_id, model=inst.model), None)
+            self.swaps.drains.pop(InstanceRef(node_id=lost.node_id, model=inst.model), None)
         gone = node.model_copy(update={"alive": False, "instances": ()})
         self.state = self.state.model_copy(update={"nodes": tuple(gone if n.node_id == lost.node_id else n for n in self.state.nodes)})
         self._record("node_suspect" if lost.suspect else "node_dead", node_id=lost.node_id, reason=lost.reason)
         self.placements.check(lost.node_id)  # placements waiting for room there load nothing now
 
-    def adopt_instance(self, node_id: str, model: str, device: Any, nbytes: int, load_seconds: float | None = None) -> None:
+    def adopt_instance(self, node_id: str, model: str, device: Any, nbytes: int, load_seconds: float | None = None, actor: str | None = None) -> None:
         """A running instance found after a restart (its actor outlived the old controller)."""
         node = self.state.node(node_id)
         if node is None or model not in self.state.catalog or node.instance(model) is not None:
             return
+        if actor is not None:
+            self.sites.actors[(model, node_id)] = actor
         place = Place(model=model, node_id=node_id, device=device, bytes=nbytes, reason="adopted")
         now = self.clock.now()
         self.state = mark_loaded(apply_place(self.state, place, now), InstanceRef(node_id=node_id, model=model), now, load_seconds or 0.0)
@@ -242,7 +176,7 @@ class ResidencyController:
             self.leases.seen(holder, now)
         elif model in self.state.catalog:  # a holder counts its requests itself (report_usage)
             self.demand.add(model, 1, now)
-        return await self._enqueue(_Ask(model=model, started=now, future=self._future(), holder=holder, avoid=avoid))
+        return await self._enqueue(Ask(model=model, started=now, future=self._future(), holder=holder, avoid=avoid))
 
     async def load(self, model: str, node_id: str | None = None) -> InstanceRef:
         """Operator load: where the policy says, or on `node_id` (an extra copy there, within
@@ -254,214 +188,31 @@ class ResidencyController:
             self.state = clear_failed(self.state, model)
             self._failed_files.pop(model, None)
             self._record("retrying", model=model, reason="an operator loads it")
-        return await self._enqueue(_Ask(model=model, started=self.clock.now(), future=self._future(), operator=True, node_id=node_id))
+        return await self._enqueue(Ask(model=model, started=self.clock.now(), future=self._future(), operator=True, node_id=node_id))
 
-    async def _enqueue(self, ask: _Ask) -> Any:
-        self._asks.setdefault(ask.model, deque()).append(ask)
+    def what_if(self, model: str, node_id: str | None = None) -> Decision:
+        """What a request for `model` (or an operator's load of it on `node_id`) would be answered now,
+        decided as an ask is, without doing any of it."""
+        return self.asks.what_if(model, node_id, self.clock.now())
+
+    async def _enqueue(self, ask: Ask) -> Any:
+        self.asks.add(ask)
         self._redecide()
         try:
             return await ask.future
         finally:
-            queue = self._asks.get(ask.model)
-            if queue is not None and ask in queue:  # cancelled (client gone) while waiting
-                queue.remove(ask)
-                if not queue:
-                    del self._asks[ask.model]
-                    self._cancel_unwaited(ask.model)
-
-    def _cancel_unwaited(self, model: str) -> None:
-        """The last ask for `model` went away: cancel what was started for requests alone (a load,
-        a fetch before an eviction), and a drain for it goes back to serving."""
-        for (m, node_id), task in list(self.placements.for_requests.items()):
-            if m != model:
-                continue
-            del self.placements.for_requests[(m, node_id)]
-            self._record("cancelled", model=model, node_id=node_id, reason="every request that asked for it went away")
-            if task is not None:
-                task.cancel()
-            else:  # still waiting for room: nothing runs yet
-                self.placements.cancel(InstanceRef(node_id=node_id, model=model))
-        for ref, asker in list(self._drains.items()):
-            if asker == model and self._instance(ref) is not None:
-                del self._drains[ref]
-                self.state = mark_draining(self.state, ref, False)
-                self._record("cancelled", model=ref.model, node_id=ref.node_id, reason=f"draining stopped: no request for {model} waits any more")
+            if self.asks.left(ask):  # cancelled (client gone) while waiting, the last for its model: what
+                self.placements.cancel_for_requests(ask.model)  # was started for requests alone stops,
+                self.swaps.stop_for(ask.model)  # and a drain for it goes back to serving
 
     def _redecide(self) -> None:
-        """Decide every queued ask once against the current state, oldest first in each queue; then
-        finish the drains that ended and start the swap the blocked asks earn (W1-W3)."""
+        """Decide every queued ask once against the current state; then finish the drains that
+        ended and start the swap the blocked asks earn (W1-W3)."""
         self._redecide_soon = False
         now = self.clock.now()
-        self._finish_drains()
-        for model in list(self._asks):
-            queue = self._asks[model]
-            for ask in list(queue):
-                if ask.future.done() or self._decide(ask, now):
-                    queue.remove(ask)
-            if not queue:
-                del self._asks[model]
-        self._maybe_swap(now)
-
-    def _decide(self, ask: _Ask, now: float) -> bool:
-        """One decision for one ask; True when it is answered (a lease, an instance or an error)."""
-        try:
-            return self._decide_on_node(ask, now) if ask.node_id is not None else self._decide_anywhere(ask, now)
-        except OrchardError as e:
-            ask.future.set_exception(e)
-            return True
-
-    def _decide_anywhere(self, ask: _Ask, now: float) -> bool:
-        model = ask.model
-        ask.busy_blocked = False
-        self._retry_if_files_changed(model)
-        for _ in range(3):  # a Place is applied to the state at once: decide again on the new state
-            decision = ensure(model, self.state, now, self.config, waited_s=now - ask.started, exclude_nodes=self._removing_on(model))
-            if not isinstance(decision, Place):
-                break
-            if not self.placements.begin(decision, for_requests=not ask.operator):
-                return self._waiting_for_fetch(ask, decision, now)
-        if isinstance(decision, Use):
-            return self._use(ask, decision.instance, now)
-        if self._waits_for_revoked(decision, ask.started, now):
-            self._schedule(self.config.retry_poll_s)
-            return False
-        if isinstance(decision, Wait):
-            ask.busy_blocked = decision.code == "busy"
-            if ask.busy_blocked and not ask.announced:
-                ask.announced = True
-                blocker = decision.blockers[0].instance.node_id if decision.blockers else None
-                self._record("waiting", model=model, node_id=blocker, reason=decision.message)
-            self._schedule(min(decision.retry_after_s, self.config.swap_after_s) if ask.busy_blocked else decision.retry_after_s)
-            return False
-        if isinstance(decision, Place):  # still placing after three rounds: wait for the loads
-            return False
-        assert isinstance(decision, Reject)
-        if self._removing_on(model):  # X3: refused only while its files leave a node: decide again after
-            self._schedule(self.config.retry_poll_s)
-            return False
-        if decision.code == "unknown_model":
-            pass  # a 404, not a placement decision: names a client made up stay out of the log
-        elif ask.announced:
-            waited = now - ask.started
-            self._record("gave_up", model=model, reason=f"after waiting {waited:.1f} s: {decision.message}", seconds=waited)
-        else:
-            self._record("rejected", model=model, reason=decision.message)
-        raise _error_for(decision)
-
-    def _use(self, ask: _Ask, ref: InstanceRef, now: float) -> bool:
-        inst = self._instance(ref)
-        assert inst is not None  # a Use names an instance the state holds
-        if ask.operator:
-            ask.future.set_result(ref)
-            return True
-        if ask.avoid == (ref.node_id, inst.loaded_at) and now - ask.started < self.revoke_grace_s:
-            self._schedule(self.config.retry_poll_s)  # its death is being confirmed: another decision then
-            return False
-        lease = self.leases.grant(ref, inst.loaded_at, ask.holder, now)
-        self._count(ref, now)
-        ask.future.set_result(lease)
-        return True
-
-    def _decide_on_node(self, ask: _Ask, now: float) -> bool:
-        """An operator's load on one node (P11): an extra copy there, within max_copies."""
-        model, node_id = ask.model, ask.node_id
-        assert node_id is not None
-        decision = place_on(model, node_id, self.state, now, self.config)
-        if isinstance(decision, Use):
-            ask.future.set_result(decision.instance)
-            return True
-        if isinstance(decision, Wait) or (model, node_id) in self.placements.prefetches:
-            return False  # loading there (its LoadDone decides again), or its weights arrive first
-        if isinstance(decision, Reject) and decision.code in ("unknown_model", "no_node"):
-            raise _error_for(decision)
-        mark = self.state.failed.get(model)
-        if mark is not None and mark.at >= ask.started:
-            raise _error_for(reject_marked(mark, now, self.config))
-        node = self.state.node(node_id)
-        if ask.placed and node is not None and model not in node.stored:
-            raise OrchardError("model_unloaded", f"model {model} left {node_id} before it was ready")
-        if (model, node_id) in self._removing:
-            raise OrchardError("files_in_use", f"the files of {model} are being removed from {node_id}'s store: load it there after", "node")
-        if isinstance(decision, Place):
-            ask.placed = self.placements.begin(decision)
-            return False
-        assert isinstance(decision, Reject)
-        revoking = any(self.leases.revoke_idle(b.instance) for b in decision.blockers if b.protection == "busy")
-        if decision.code == "blocked" and revoking and now - ask.started < self.revoke_grace_s:
-            self._schedule(self.config.retry_poll_s)  # idle standing leases in the way come back
-            return False
-        if decision.code == "blocked":
-            self._record("rejected", model=model, node_id=node_id, reason=decision.message)
-        raise _error_for(decision)
-
-    def what_if(self, model: str, node_id: str | None = None) -> Decision:
-        """What a request for `model` (or an operator's load of it on `node_id`) would be answered now,
-        decided as `_decide` decides, without doing any of it."""
-        now = self.clock.now()
-        if node_id is not None:
-            return place_on(model, node_id, self.state, now, self.config)
-        return ensure(model, self.state, now, self.config, exclude_nodes=self._removing_on(model))
-
-    def _waiting_for_fetch(self, ask: _Ask, place: Place, now: float) -> bool:
-        """A request whose placement waits for the weights to arrive first: as `contention` says, a
-        503 at once (`fail`) or a wait up to wait_timeout_s (`wait`), the copy's progress in the
-        message either way. True when answered."""
-        if ask.operator:
-            return False
-        progress = self.effects.fetch_progress(place.model, place.node_id)
-        what = f"model {place.model} waits for its weights on {place.node_id} before placing it ({place.reason})"
-        message = f"{what}: {progress}" if progress else what
-        waited = now - ask.started
-        if self.config.contention == "wait" and waited < self.config.wait_timeout_s:
-            self._schedule(self.config.retry_poll_s)  # to see the timeout pass
-            return False
-        if self.config.contention == "wait":
-            self._record("gave_up", model=place.model, node_id=place.node_id, reason=f"after waiting {waited:.1f} s: {message}", seconds=waited)
-            raise OrchardError("model_gave_up", f"gave up after waiting {waited:.0f} s: {message}", retry_after_s=self.config.retry_poll_s)
-        raise OrchardError("model_fetching", message, retry_after_s=self.config.retry_poll_s)
-
-    def _waits_for_revoked(self, decision: Decision, started: float, now: float) -> bool:
-        """Revoke the idle standing leases that keep the decision's busy blockers busy; True when a
-        refusal should wait for them instead (contention "fail", within revoke_grace_s)."""
-        if not isinstance(decision, Wait | Reject) or decision.code != "busy":
-            return False
-        pending = [self.leases.revoke_idle(b.instance) for b in decision.blockers if b.protection == "busy"]
-        return any(pending) and isinstance(decision, Reject) and now - started < self.revoke_grace_s
-
-    # ---- swaps (W1-W3) --------------------------------------------------------------------------
-    def _maybe_swap(self, now: float) -> None:
-        asks = [
-            SwapAsk(model=model, waiting=len(blocked), waited_s=now - min(a.started for a in blocked))
-            for model, queue in self._asks.items()
-            if (blocked := [a for a in queue if a.busy_blocked and not a.future.done()])
-        ]
-        while self._swaps and now - self._swaps[0][0] > 60.0:
-            self._swaps.popleft()
-        draining_for = frozenset(self._drains.values())
-        spent = Counter(node for _, node in self._swaps)
-        drain = pick_swap(asks, self.state, now, self.config, swaps_last_minute=spent, draining_for=draining_for) if asks else None
-        if drain is not None:
-            self._start_drain(drain, now)
-
-    def _start_drain(self, drain: Drain, now: float) -> None:
-        self._swaps.append((now, drain.node_id))
-        for ref in drain.instances:
-            self.state = mark_draining(self.state, ref)
-            self._drains[ref] = drain.model
-            self.leases.revoke_all(ref)
-            inst = self._instance(ref)
-            self._record("draining", model=ref.model, node_id=ref.node_id, bytes=inst.bytes if inst else None, reason=drain.reason)
-        self._finish_drains()
-
-    def _finish_drains(self) -> None:
-        """A draining instance with nothing left in flight is evicted for the model it drained for."""
-        for ref, asker in list(self._drains.items()):
-            inst = self._instance(ref)
-            if inst is None or inst.status != "draining":
-                del self._drains[ref]
-            elif inst.in_flight == 0:
-                del self._drains[ref]
-                self._drop(ref, "evicted", f"drained for {asker}", f"evicted for {asker}", cause="swap")
+        self.swaps.finish()
+        self.asks.decide_all(now)
+        self.swaps.maybe_swap(self.asks.blocked(), now)
 
     # ---- leases ---------------------------------------------------------------------------------
     def release(self, lease_id: str) -> None:
@@ -490,7 +241,7 @@ class ResidencyController:
         changes or after `timeout_s` (on the loop's clock)."""
         self.leases.seen(holder, self.clock.now())
         if version == self.leases.version:
-            await self._until(self.leases.change(), timeout_s)
+            await until(self.clock, self.leases.change(), timeout_s)
         self.leases.seen(holder, self.clock.now())
         return self.leases.view(holder, ready_copies(self.state))
 
@@ -537,39 +288,6 @@ class ResidencyController:
         self._wake()
         return spec
 
-    def begin_removing(self, node_id: str, models: frozenset[str]) -> None:
-        """An operator removes a folder from `node_id`'s store that `models` load from (X3): refused
-        (409 files_in_use) while one of them is on the node, its weights are being copied there, or
-        the folder is already being removed; else no placement chooses that node for them until
-        `end_removing`. Checked and marked in one step of the loop."""
-        node = self.state.node(node_id)
-        on_node = sorted(i.model for i in node.instances if i.model in models) if node is not None else []
-        if on_node:
-            loading = [m for m in on_node if node is not None and (i := node.instance(m)) is not None and i.status == "loading"]
-            what = "is loading" if loading else "is"
-            raise OrchardError(
-                "files_in_use",
-                f"{', '.join(on_node)} {what if len(on_node) == 1 else 'are'} on {node_id} from these files"
-                + (" (a placement in progress)" if loading else "")
-                + ": unload first",
-                "node",
-            )
-        copying = sorted(m for m, n in self.placements.prefetches if n == node_id and m in models)
-        if copying:
-            raise OrchardError("files_in_use", f"the weights of {', '.join(copying)} are being copied to {node_id} for a placement", "node")
-        if any((m, node_id) in self._removing for m in models):
-            raise OrchardError("files_in_use", f"these files are already being removed from {node_id}", "node")
-        self._removing.update((m, node_id) for m in models)
-
-    def end_removing(self, node_id: str, models: frozenset[str], removed: bool) -> None:
-        self._removing.difference_update((m, node_id) for m in models)
-        if removed and self.state.node(node_id) is not None:
-            self.state = mark_unstored(self.state, node_id, models)
-        self._wake()
-
-    def _removing_on(self, model: str) -> frozenset[str]:
-        return frozenset(n for m, n in self._removing if m == model)
-
     def held_bytes(self, node_id: str) -> int:
         """What our instances on the node hold or are loading (those waiting for room hold nothing yet)."""
         node = self.state.node(node_id)
@@ -578,9 +296,7 @@ class ResidencyController:
     def restore(self, events: list[ClusterEvent], pins: dict[str, bool]) -> None:
         """What a previous controller left in the operator's store: its event log (numbering goes on
         after it) and the operator's pins and unpins (applied over the registry, quietly)."""
-        self._events.extend(events)
-        if events:
-            self._seq = itertools.count(max(e.seq for e in events) + 1)
+        self.log.restore(events)
         catalog = dict(self.state.catalog)
         for model, pinned in pins.items():
             if model in catalog:
@@ -589,13 +305,13 @@ class ResidencyController:
 
     # ---- views ----------------------------------------------------------------------------------
     def events(self, since: int = 0) -> list[ClusterEvent]:
-        return [e for e in self._events if e.seq > since]
+        return self.log.since(since)
 
     async def next_events(self, since: int, timeout_s: float = 10.0) -> list[ClusterEvent]:
         """A watcher's long poll: the events after `since`, at once when there are any, else when the
         next is recorded or after `timeout_s` (empty)."""
-        if not self._events or self._events[-1].seq <= since:
-            await self._until(self._recorded, timeout_s)
+        if not self.log.has_after(since):
+            await until(self.clock, self.log.recorded, timeout_s)
         return self.events(since)
 
     @property
@@ -627,7 +343,7 @@ class ResidencyController:
             return
         self.state = remove_instance(self.state, ref)
         self.leases.end_on(ref)
-        self._drains.pop(ref, None)
+        self.swaps.drains.pop(ref, None)
         if kind is not None:
             self._record(kind, model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=reason, cause=cause)
         if not self.placements.cancel(ref):  # one still waiting for room runs nothing
@@ -645,24 +361,10 @@ class ResidencyController:
         node = self.state.node(ref.node_id)
         return node.instance(ref.model) if node is not None else None
 
-    def record(self, kind: EventKind, **fields: Any) -> None:
-        """An event an effect reports while it works (a copy starting, ending, failing). A finished
-        copy teaches the bandwidth (L3) and puts the weights in the node's store at once.
-        `source` ("peer" or "hub") says where from."""
-        source = fields.pop("source", "peer")
-        self._record(kind, **fields, cause=source if kind == "fetched" else None)
-        model, node_id, nbytes, seconds = fields.get("model"), fields.get("node_id"), fields.get("bytes"), fields.get("seconds")
-        if kind == "fetched" and model in self.state.catalog and node_id is not None and self.state.node(node_id) is not None:
-            self.state = mark_stored(self.state, node_id, model)
-            if nbytes and seconds:
-                self.state = learn_bandwidth(self.state, source, nbytes / seconds)
-
     def _record(self, kind: EventKind, **fields: Any) -> None:
-        event = ClusterEvent(seq=next(self._seq), at=self.clock.now(), kind=kind, **fields)
-        self._events.append(event)
+        event = ClusterEvent(seq=self.log.next_seq(), at=self.clock.now(), kind=kind, **fields)
+        self.log.write(event)
         self.effects.publish(event)
-        self._recorded.set()
-        self._recorded = asyncio.Event()
         if kind in _ROUTES_CHANGE:
             self.leases.changed()
 
@@ -677,7 +379,7 @@ class ResidencyController:
 
     def _wake(self) -> None:
         """The state changed: decide the queued asks again, soon (the caller may be mid-change)."""
-        if self._asks or self._drains:
+        if self.asks.queues or self.swaps.drains:
             if self._redecide_soon:
                 return
             try:
@@ -700,37 +402,10 @@ class ResidencyController:
         self._timer = None
         self._redecide()
 
-    async def _until(self, event: asyncio.Event, timeout_s: float) -> None:
-        """Wait for `event`, at most `timeout_s` on the loop's clock."""
-        done = self._future()
-
-        def fire(*_: object) -> None:
-            if not done.done():
-                done.set_result(None)
-
-        timer = self.clock.call_at(self.clock.now() + timeout_s, fire)
-        waiter = asyncio.get_running_loop().create_task(event.wait())
-        waiter.add_done_callback(fire)
-        try:
-            await done
-        finally:
-            timer.cancel()
-            waiter.cancel()
-
     async def settle(self) -> None:
         """Wait for every started load and stop (tests, shutdown)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
-
-def _error_for(reject: Reject) -> OrchardError:
-    if reject.code == "unknown_model":
-        return OrchardError("model_not_found", reject.message, "model")
-    if reject.code == "no_node":
-        return OrchardError("node_not_found", reject.message)
-    if reject.code == "max_copies":
-        return OrchardError("model_already_loaded", reject.message)
-    return OrchardError(f"model_{reject.code}", reject.message, retry_after_s=reject.retry_after_s)
 
 
 # Events after which a holder's standing leases or the ready copies may differ.

@@ -1,32 +1,37 @@
-"""The controller's effects on a real Ray cluster: the model's weights copied into the chosen node's
-store from a peer that holds them (cluster/store.py, through the node agents), model-server actors
-started there and loaded, drained and killed; events logged and counted."""
+"""The residency loop's effects on a real Ray cluster: a model's weights copied into a node's store
+from a peer (cluster/stream.py, between the node agents) or downloaded from the Hub, model-server
+actors started there and loaded, drained and killed, store folders removed; events logged and
+handed to their listeners (metrics, the operator's store)."""
 
 import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
 
 import ray
 
-from cluster.model_servers import actor_name, create_model_server, kill_model_server, new_incarnation
+from cluster.model_servers import actor_name, create_model_server, kill_model_server, new_incarnation, parse_actor_name
 from cluster.node_agent import get_agent
+from cluster.node_report import FetchResult, StoreReport
 from cluster.ray_api import NAMESPACE, actor_id, actor_record
 from deployments.manifest import ManifestEntry, model_location
 from deployments.model_server import unwrap
 from deployments.wire.failure import OrchardError
 from deployments.wire.reports import MemoryReport
-from policy import InstanceRef, ModelSpec, Place
+from policy import InstanceRef
 from policy.cluster_state import LoadFailureReason
 from router.residency.events import ClusterEvent, LoadError, LoadResult, NodeUnreachable
+from router.residency.interface import FetchOrder, StartOrder
 
 log = logging.getLogger("orchard.residency")
 
 
 class RayEffects:
+    """Commands, each told everything it needs in its order and answering with what happened: it
+    keeps no state of the cluster (the loop's `Sites` does) and decides nothing. The registry's
+    entries and the settings below are configuration."""
+
     def __init__(
         self,
         entries: dict[str, ManifestEntry],
@@ -41,20 +46,20 @@ class RayEffects:
         self.entries = entries
         self.fetch_max_bytes_per_s = fetch_max_bytes_per_s
         self.models_dir = models_dir
-        self.ray_node_ids: dict[str, str] = {}  # Orchard node id -> Ray node id, kept by the node watcher
         self.load_timeout_s = load_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.exit_timeout_s = exit_timeout_s  # after a stop, how long its process may take to be gone
         self.report_wanted = asyncio.Event()  # the controller wants fresh node reports (the service's watcher waits on it)
         self.listeners: list = []
         self.server_options = server_options or {}  # ModelServer options (coalescing)
-        self.actors: dict[tuple[str, str], str] = {}  # (model, node) -> actor name of its current incarnation
-        self.stores: dict[str, dict] = {}  # Orchard node id -> its store's last report (NodeReport.store)
-        self.record: Callable[..., None] = lambda kind, **fields: None  # the controller's, for events while working
 
     def want_report(self, node_id: str) -> None:
         """The controller waits for a report of `node_id` (X1): the watcher's next round starts now."""
         self.report_wanted.set()
+
+    def new_actor_name(self, model: str, node_id: str) -> str:
+        """The actor name of a new incarnation of the model on the node."""
+        return actor_name(model, node_id, new_incarnation())
 
     def files_version(self, model: str) -> str | None:
         """Names, sizes and modification times of the model folder's files as this process sees
@@ -70,15 +75,12 @@ class RayEffects:
             return None
         return hashlib.sha256(repr(stats).encode()).hexdigest()[:16]
 
-    def actor_of(self, instance: InstanceRef) -> str | None:
-        """The actor name of the instance's current incarnation."""
-        return self.actors.get((instance.model, instance.node_id))
-
-    async def start_instance(self, place: Place, spec: ModelSpec) -> LoadResult:
-        ray_node_id = self.ray_node_ids.get(place.node_id)
-        if ray_node_id is None:
+    async def start_instance(self, order: StartOrder) -> LoadResult:
+        place, spec, entry = order.place, order.spec, order.entry
+        if order.ray_node_id is None:
             raise NodeUnreachable(place.node_id, f"node {place.node_id} is not known to Ray")
-        registered = self.entries[place.model]
+        if entry is None:
+            raise LoadError("not_found", f"model {place.model} has no registry entry")
         options = dict(self.server_options, load_now=True)
         scheduling = options.pop("llm_engine", None) or {}  # the LLM engines' own, not the server's
         if spec.kind == "llm":
@@ -86,139 +88,73 @@ class RayEffects:
                 "reserve_context_tokens": spec.reserve_context_tokens,
                 "reserve_concurrency": spec.reserve_concurrency,
                 **scheduling,
-                **(registered.llm_engine or {}),  # the model's own over the app's
+                **(entry.llm_engine or {}),  # the model's own over the app's
             }
-        entry, models_dir = await self._weights_on(place.node_id, registered)
-        incarnation = new_incarnation()
-        name = actor_name(place.model, place.node_id, incarnation)
-        self.actors[(place.model, place.node_id)] = name
+        named = parse_actor_name(order.actor)  # the loop named it by new_actor_name
         handle = create_model_server(
             entry,
             place.node_id,
-            ray_node_id=ray_node_id,
-            models_dir=models_dir,
+            ray_node_id=order.ray_node_id,
+            models_dir=order.root or self.models_dir,
             options=options,
-            incarnation=incarnation,
+            incarnation=named[2] if named is not None else None,
         )
         try:
             report: MemoryReport = await asyncio.wait_for(handle.load.remote(), self.load_timeout_s)
         except Exception as e:
             if isinstance(e, ray.exceptions.ActorUnschedulableError):  # its node is gone (N1), not its files
-                raise NodeUnreachable(place.node_id, f"Ray cannot start {name} on {place.node_id}: {type(e).__name__}") from e
+                raise NodeUnreachable(place.node_id, f"Ray cannot start {order.actor} on {place.node_id}: {type(e).__name__}") from e
             error = unwrap(e)
             reason = load_failure_reason(error.code, error.message)
             await kill_model_server(handle, drain_timeout_s=0, reason=f"failed to load: {error.message}")
             raise LoadError(reason, error.message) from e
-        if entry.folder is not None and models_dir != self.models_dir and (agent := get_agent(place.node_id)) is not None:
+        if order.root is not None and entry.folder is not None and (agent := get_agent(place.node_id)) is not None:
             agent.touch.remote(entry.folder)  # the disk budget's recency
         return LoadResult(bytes=max(place.bytes, report.held_bytes), load_seconds=report.load_seconds)
 
-    async def _weights_on(self, node_id: str, entry: ManifestEntry) -> tuple[ManifestEntry, str]:
-        """The entry and models folder the model server on `node_id` loads from: the folder in that
-        node's store, after copying it in from a node whose store holds it if it lacks it. The
-        registry's own path when no store holds it (every node has it at the same path, as before
-        stores) and for hub models and absolute paths."""
-        folder = store_folder(entry)
-        mine = self.stores.get(node_id)
-        if folder is None or mine is None:
-            return entry, self.models_dir
-        if not holds(mine, folder):
-            holders = self.holders(folder, but=node_id)
-            if holders:
-                await self._copy(node_id, entry, folder, holders, mine["root"])
-            elif entry.hub:
-                await self._download(node_id, entry, folder)
-            else:
-                return entry, self.models_dir
-        return entry.model_copy(update={"path": folder, "hub": False}), mine["root"]
-
-    async def _download(self, node_id: str, entry: ManifestEntry, folder: str) -> None:
-        """The weights of a hub model into `node_id`'s store, by that node's agent (L1's hub source)."""
-        target = get_agent(node_id)
+    async def fetch_weights(self, order: FetchOrder) -> FetchResult:
+        """The weights into the node's store as the order says: copied from its first source that
+        serves them (the agents' direct stream, cluster/stream.py), or downloaded from the Hub by the
+        node's agent. How it ended comes back (never raises for a failed copy). Cancelled (nobody
+        waits for it any more), it tells the agent to stop at its next chunk, keeping the partial
+        files. Not bounded by the load timeout: a 40 GB download takes longer than any load and shows
+        its progress; a stalled copy fails by its 120 s per-chunk timeout, a stalled download by the
+        Hub client's own."""
+        entry = order.entry
+        if not order.needed or entry is None or entry.folder is None:
+            return FetchResult(ok=True, source="stored")
+        folder = entry.folder
+        target = get_agent(order.node_id)
         if target is None:
-            raise LoadError("error", f"no node agent on {node_id} to download {entry.path}")
-        self.record("fetching", model=entry.name, node_id=node_id, bytes=entry.weight_bytes, reason=f"downloading {entry.path} from the Hub")
-        call = target.hub_fetch.remote(entry.path, folder, entry.weight_bytes, self._in_use(node_id))
-        await self._run_fetch(node_id, entry, call, target, folder, f"downloading {entry.path}", "hub")
-
-    async def _run_fetch(self, node_id: str, entry: ManifestEntry, call: Any, target: Any, folder: str, what: str, source: str) -> None:
-        """Wait for an agent's copy or download (`call`) into `node_id`'s store and record how it
-        ended: `fetched` (bytes, seconds, MB/s) or `fetch_failed` and a LoadError. Cancelled (nobody
-        waits for it any more), it tells the agent to stop at its next chunk, keeping the partial files.
-        Not bounded by the load timeout: a 40 GB download takes longer than any load and shows its
-        progress; a stalled copy fails by its 120 s per-chunk timeout, a stalled download by the Hub
-        client's own."""
-        started = time.monotonic()
+            return FetchResult(ok=False, code="error", message=f"no node agent on {order.node_id}")
+        if order.sources:
+            source = get_agent(order.sources[0])
+            if source is None:
+                return FetchResult(ok=False, code="error", message=f"no node agent on {order.sources[0]} to copy {folder}")
+            try:
+                manifest = await source.manifest.remote(folder)
+            except Exception as e:
+                return FetchResult(ok=False, code="error", message=f"{order.sources[0]} could not describe {folder}: {unwrap(e).message}")
+            speculative = order.background is not None
+            call = target.fetch.remote(manifest, list(order.sources), self.fetch_max_bytes_per_s, list(order.keep), speculative)
+        else:
+            call = target.hub_fetch.remote(entry.path, folder, entry.weight_bytes, list(order.keep))
         try:
-            result = await call
+            return FetchResult.model_validate(await call)
         except asyncio.CancelledError:
             target.cancel_fetch.remote(folder)
             raise
         except Exception as e:  # the target's agent died (its node with it)
-            result = {"ok": False, "code": "error", "message": unwrap(e).message}
-        self._removed(node_id, entry, result.get("removed") or [])
-        if not result["ok"]:
-            self.record("fetch_failed", model=entry.name, node_id=node_id, reason=f"{result['code']}: {result['message']}")
-            raise LoadError("error", f"{what} to {node_id} failed: {result['message']}")
-        seconds = time.monotonic() - started
-        rate = result["bytes"] / max(seconds, 1e-6) / 1e6
-        origin = f"the Hub ({entry.path} at {result.get('revision') or '?'})" if source == "hub" else result["source"]
-        reason = f"from {origin}: {result['bytes']} of {result['total_bytes']} bytes copied, {rate:.1f} MB/s"
-        if result.get("source") == "stored":
-            reason = "already in the store: a copy that had just finished"
-        self.record("fetched", model=entry.name, node_id=node_id, bytes=result["bytes"], seconds=seconds, source=source, reason=reason)
+            return FetchResult(ok=False, code="error", message=unwrap(e).message)
 
-    async def fetch_weights(self, model: str, node_id: str, background: str | None = None) -> None:
-        """The weights into `node_id`'s store: the controller's fetch before an eviction (L1), an
-        operator's pull, or with `background` (its reason) a background copy (L4): only from a node
-        whose store holds them (never the Hub), removing nothing stored there (a copy that no longer
-        fits fails with disk_full), and counted as least recently used until a model server loads
-        from it. LoadError when the copy fails (it recorded fetch_failed)."""
-        entry = self.entries[model]
-        folder = store_folder(entry)
-        mine = self.stores.get(node_id)
-        if folder is None or mine is None or holds(mine, folder):
-            return
-        holders = self.holders(folder, but=node_id)
-        if holders:
-            keep = None if background is None else sorted({*mine.get("complete", {}), *mine.get("unsealed", {}), *self._in_use(node_id)})
-            await self._copy(node_id, entry, folder, holders, mine["root"], keep=keep, why=background)
-        elif entry.hub and background is None:
-            await self._download(node_id, entry, folder)
-
-    def _in_use(self, node_id: str) -> list[str]:
-        """The store folders of the instances placed on `node_id` (loading or loaded): never removed
-        to make room."""
-        folders = {store_folder(self.entries[model]) for model, node in self.actors if node == node_id and model in self.entries}
-        return sorted(f for f in folders if f is not None)
-
-    def _removed(self, node_id: str, entry: ManifestEntry, folders: list[str]) -> None:
-        for folder in folders:
-            owner = next((e.name for e in self.entries.values() if e.folder == folder), None)
-            self.record(
-                "files_removed", model=owner, node_id=node_id, reason=f"{folder} removed from the store (disk budget) to make room for {entry.name}"
-            )
-            for key in ("complete", "unsealed"):
-                self.stores.get(node_id, {}).get(key, {}).pop(folder, None)
-
-    def fetch_progress(self, model: str, node_id: str) -> str | None:
-        """The copy of the model's weights into `node_id`'s store as its agent last reported it, in words."""
-        folder = store_folder(self.entries[model]) if model in self.entries else None
-        p = self.stores.get(node_id, {}).get("fetching", {}).get(folder) if folder is not None else None
-        if not p:
+    async def store_report(self, node_id: str) -> StoreReport | None:
+        agent = get_agent(node_id)
+        if agent is None:
             return None
-        total = p.get("total_bytes") or 0
-        share = (
-            f"{100 * p['done_bytes'] / total:.0f}% ({p['done_bytes'] / 1e6:.0f} of {total / 1e6:.0f} MB)"
-            if total
-            else f"{p['done_bytes'] / 1e6:.0f} MB"
-        )
-        eta = f", about {p['eta_s']:.0f} s left" if p.get("eta_s") is not None else ""
-        return f"copying from {p.get('source') or '?'}: {share} at {p.get('bytes_per_s', 0) / 1e6:.1f} MB/s{eta}"
-
-    def holders(self, folder: str, but: str | None = None) -> list[str]:
-        """Nodes (known to Ray) whose store holds `folder`, by name; `but` left out."""
-        return sorted(n for n, s in self.stores.items() if n != but and n in self.ray_node_ids and holds(s, folder))
+        try:
+            return StoreReport.model_validate(await asyncio.wait_for(agent.store_report.remote(), 10.0))
+        except Exception:  # no answer: the last report stands
+            return None
 
     async def remove_files(self, node_id: str, folder: str) -> bool:
         agent = get_agent(node_id)
@@ -227,44 +163,16 @@ class RayEffects:
         result = await agent.remove.remote(folder)
         if not result["removed"] and result["reason"]:
             raise OrchardError("files_in_use", result["reason"], "node")
-        if result["removed"] and node_id in self.stores:  # gone from the view now, not at the next report
-            for key in ("complete", "unsealed", "partial"):
-                self.stores[node_id].get(key, {}).pop(folder, None)
         return bool(result["removed"])
 
-    async def _copy(
-        self, node_id: str, entry: ManifestEntry, folder: str, holders: list[str], root: str, keep: list[str] | None = None, why: str | None = None
-    ) -> str:
-        """Copy `folder` into `node_id`'s store from the first of `holders` that serves it; `why`
-        (a background copy's reason) makes it speculative and keeps every folder in `keep`."""
-        target, source = get_agent(node_id), get_agent(holders[0])
-        if target is None or source is None:
-            raise LoadError("error", f"no node agent on {node_id if target is None else holders[0]} to copy {folder}")
-        try:
-            manifest = await source.manifest.remote(folder)
-        except Exception as e:
-            raise LoadError("error", f"{holders[0]} could not describe {folder}: {unwrap(e).message}") from e
-        total = sum(f["size"] for f in manifest["files"])
-        reason = f"copying {folder} from {', '.join(holders)}" + (f" ({why})" if why else "")
-        self.record("fetching", model=entry.name, node_id=node_id, bytes=total, reason=reason)
-        call = target.fetch.remote(manifest, holders, self.fetch_max_bytes_per_s, self._in_use(node_id) if keep is None else keep, why is not None)
-        await self._run_fetch(node_id, entry, call, target, folder, f"copying {folder}", "peer")
-        return root
-
-    def stop_instance(self, instance: InstanceRef, reason: str) -> Coroutine[Any, Any, bool]:
-        """Stop the instance's current incarnation; True once its process is gone (X1). Its actor
-        name is taken now, not when the stop runs: by then the model may be placed there again, as
-        a new incarnation."""
-        name = self.actors.pop((instance.model, instance.node_id), None)
-        return self._stop(instance, name, reason)
-
-    async def _stop(self, instance: InstanceRef, name: str | None, reason: str) -> bool:
-        if name is None:
+    async def stop_instance(self, instance: InstanceRef, actor: str | None, reason: str) -> bool:
+        """Stop the instance's incarnation `actor`; True once its process is gone (X1)."""
+        if actor is None:
             return True  # no actor was started for it
-        found = await asyncio.to_thread(live_actor, name)
-        log.info("stopping %s (%s): %s", instance, name, reason)
+        found = await asyncio.to_thread(live_actor, actor)
+        log.info("stopping %s (%s): %s", instance, actor, reason)
         try:
-            await kill_model_server(name, drain_timeout_s=self.drain_timeout_s, reason=reason)
+            await kill_model_server(actor, drain_timeout_s=self.drain_timeout_s, reason=reason)
         except Exception:  # a node that died with it: nothing left to stop
             log.exception("stopping %s failed", instance)
         if found is None:  # gone before the stop began
@@ -346,13 +254,3 @@ def actor_dead(actor_id: str) -> bool:
         return actor_record(actor_id).get("State") == "DEAD"
     except Exception:  # the GCS unreachable for a moment: not confirmed
         return False
-
-
-def store_folder(entry: ManifestEntry) -> str | None:
-    """The folder name node stores keep the model under (None: stores do not keep it)."""
-    return entry.folder
-
-
-def holds(store: dict, folder: str) -> bool:
-    """Whether a node's store report lists the folder as there (sealed or not yet)."""
-    return folder in store.get("complete", {}) or folder in store.get("unsealed", {})

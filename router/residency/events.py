@@ -9,8 +9,9 @@ from typing import Literal
 
 from pydantic import Field
 
+from cluster.node_report import StoreReport
 from deployments.wire.events import ClusterEvent, EventKind
-from policy import InstanceRef, Place, StoreRoom
+from policy import InstanceRef, Place
 from policy._frozen import Frozen
 from policy.cluster_state import LoadFailureReason
 from policy.specs import DeviceKind
@@ -20,8 +21,8 @@ __all__ = ["ClusterEvent", "EventKind"]
 
 # ---- happenings the loop applies ------------------------------------------------------------
 class NodeReported(Frozen):
-    """A node agent's measurement. `stored`: the catalog models its store holds (None: as before).
-    `asked_at`: when the report was asked for (the loop's clock; None: now)."""
+    """A node agent's measurement. `asked_at`: when the report was asked for (the loop's clock;
+    None: now)."""
 
     node_id: str
     devices: tuple[DeviceKind, ...]
@@ -29,10 +30,11 @@ class NodeReported(Frozen):
     usable_bytes: int
     free_bytes: int
     labels: dict[str, str] = Field(default_factory=dict)
-    stored: frozenset[str] | None = None
+    stored: frozenset[str] | None = None  # without a store report (the loop's tests); else read from `store`
     asked_at: float | None = None
-    store_room: StoreRoom | None = None  # its store's disk (L4), when it reported its store
-    store_copying: bool = False  # a copy into its store is under way, as its agent says
+    ray_node_id: str | None = None
+    chip: str | None = None
+    store: StoreReport | None = None  # its model store, when it has one
 
 
 class NodeLost(Frozen):
@@ -72,11 +74,12 @@ class StopDone(Frozen):
 
 class FetchDone(Frozen):
     """A copy of weights into a node's store ended; `failure` says why not. `purpose`: before an
-    evicting placement (L1), a background copy (L4), or an operator's pull."""
+    evicting placement (L1), right before a load that evicted nothing (L1), a background copy (L4),
+    or an operator's pull."""
 
     model: str
     node_id: str
-    purpose: Literal["placement", "background", "pull"] = "placement"
+    purpose: Literal["placement", "background", "pull", "load"] = "placement"
     failure: LoadFailureReason | None = None
     message: str = ""
 

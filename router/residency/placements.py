@@ -16,12 +16,14 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from cluster.node_report import FetchResult
 from deployments.wire.failure import OrchardError
 from policy import InstanceRef, LoadFailure, LoadFailureReason, Place, StoreRoom, fetch_source, plan_background_copies, retry_after_failure
 from policy.memory import gib
-from policy.transitions import apply_place, mark_loaded, mark_stored, remove_instance
+from policy.transitions import apply_place, learn_bandwidth, mark_loaded, mark_stored, remove_instance
 from router.residency.clock import Timer
 from router.residency.events import FetchDone, LoadDone, LoadError, LoadFailed, NodeLost, NodeUnreachable, StopDone
+from router.residency.interface import FetchOrder
 
 if TYPE_CHECKING:
     from router.residency.controller import ResidencyController
@@ -84,6 +86,20 @@ class Placements:
         self._forget(pending)
         return True
 
+    def cancel_for_requests(self, model: str) -> None:
+        """The last request for `model` went away: cancel what was started for requests alone (a
+        load, a fetch before an eviction)."""
+        loop = self.loop
+        for (m, node_id), task in list(self.for_requests.items()):
+            if m != model:
+                continue
+            del self.for_requests[(m, node_id)]
+            loop._record("cancelled", model=model, node_id=node_id, reason="every request that asked for it went away")
+            if task is not None:
+                task.cancel()
+            else:  # still waiting for room: nothing runs yet
+                self.cancel(InstanceRef(node_id=node_id, model=model))
+
     def awaiting_bytes(self, node_id: str) -> int:
         return sum(p.place.bytes for ref, p in self._pending.items() if ref.node_id == node_id)
 
@@ -124,18 +140,30 @@ class Placements:
             raise OrchardError("fetch_failed", failure, retry_after_s=1)
 
     async def _fetch(
-        self, model: str, node_id: str, purpose: Literal["placement", "background", "pull"], background: str | None = None
+        self, model: str, node_id: str, purpose: Literal["placement", "background", "pull", "load"], background: str | None = None
     ) -> str | None:
-        """The one copy path: the weights into the node's store, for a placement (L1), in the
-        background (L4, `background` its reason) or for an operator's pull; the outcome back to the
-        loop as FetchDone. Returns the failure's message, or None. A placement's fetch nobody waits
-        for any more is cancelled (the event is recorded): nothing to undo."""
+        """The one copy path: the weights into the node's store, for a placement (L1, before its
+        evictions; `load`: right before its load), in the background (L4, `background` its reason)
+        or for an operator's pull; where from is the loop's choice (`Sites.fetch_order`), the events
+        are written here, and the outcome goes back to the loop as FetchDone. Returns the failure's
+        message, or None. A placement's fetch nobody waits for any more is cancelled (the event is
+        recorded): nothing to undo."""
+        loop = self.loop
+        order = loop.sites.fetch_order(model, node_id, background)
         failure: LoadFailureReason | None = None
         message = ""
         try:
-            await self.loop.effects.fetch_weights(model, node_id, background=background)
+            if order.needed:
+                loop._record("fetching", model=model, node_id=node_id, bytes=_weight_bytes(order), reason=_fetching_text(order))
+            result = await loop.effects.fetch_weights(order)
+            loop.removals.gone(node_id, result.removed, f"(disk budget) to make room for {model}")
+            if not result.ok:
+                loop._record("fetch_failed", model=model, node_id=node_id, reason=f"{result.code}: {result.message}")
+                failure, message = "error", f"copying the weights of {model} to {node_id} failed: {result.message}"
+            elif order.needed:
+                self._fetched(order, result)
         except asyncio.CancelledError:
-            if purpose != "placement":
+            if purpose != "placement":  # a load's own copy: the load is cancelled with it
                 raise
             failure, message = "error", "cancelled"
         except LoadError as e:
@@ -143,9 +171,30 @@ class Placements:
         except Exception as e:
             failure, message = "error", f"{type(e).__name__}: {e}"
         finally:
-            (self.for_requests if purpose == "placement" else self._copies).pop((model, node_id), None)
-        self.loop.apply(FetchDone(model=model, node_id=node_id, purpose=purpose, failure=failure, message=message))
+            if purpose != "load":
+                (self.for_requests if purpose == "placement" else self._copies).pop((model, node_id), None)
+        loop.apply(FetchDone(model=model, node_id=node_id, purpose=purpose, failure=failure, message=message))
         return message if failure is not None else None
+
+    def _fetched(self, order: FetchOrder, result: FetchResult) -> None:
+        """A copy that ended well: its event (how, how fast), and the bandwidth it taught (L3)."""
+        source: Literal["peer", "hub"] = "hub" if result.source == "hub" else "peer"
+        seconds = max(result.seconds, 1e-6)
+        rate = result.bytes / seconds / 1e6
+        if result.source == "stored":
+            reason = "already in the store: a copy that had just finished"
+        elif source == "hub":
+            reason = f"from the Hub ({order.entry.path if order.entry else '?'} at {result.revision or '?'}): {result.bytes} bytes, {rate:.1f} MB/s"
+        else:
+            how = "a direct stream" if result.transport == "tcp" else f"Ray calls ({result.fallback or 'no stream'})"
+            reason = f"from {result.source} over {how}: {result.bytes} of {result.total_bytes} bytes copied, {rate:.1f} MB/s"
+        self.loop._record(
+            "fetched", model=order.model, node_id=order.node_id, bytes=result.bytes, seconds=result.seconds, reason=reason, cause=source
+        )
+        if result.bytes and result.seconds and result.source != "stored":
+            self.loop.state = learn_bandwidth(self.loop.state, source, result.bytes / seconds)
+        if order.entry is not None and order.entry.folder is not None:  # there now, before the next report says so
+            self.loop.sites.added(order.node_id, order.entry.folder, result.total_bytes or result.bytes, self.loop.clock.now())
 
     def stop_done(self, done: StopDone) -> None:
         self._stops.pop(done.stop_id, None)
@@ -228,7 +277,7 @@ class Placements:
         them first and places nothing yet (False): a fetch that fails has evicted nothing (L1). Nor
         is a model placed on a node its files are being removed from (X3)."""
         node = self.loop.state.node(place.node_id)
-        if (place.model, place.node_id) in self.loop._removing:
+        if (place.model, place.node_id) in self.loop.removals.pending:
             return False
         if place.evict and node is not None and fetch_source(self.loop.state.catalog[place.model], node, self.loop.state) is not None:
             if (place.model, place.node_id) not in self.prefetches:
@@ -263,8 +312,19 @@ class Placements:
             self.for_requests[(place.model, place.node_id)] = task
 
     async def _run_load(self, place: Place, attempt: int) -> None:
+        loop = self.loop
+        actor = loop.effects.new_actor_name(place.model, place.node_id)
+        loop.sites.actors[(place.model, place.node_id)] = actor
         try:
-            result = await self.loop.effects.start_instance(place, self.loop.state.catalog[place.model])
+            asked = loop.clock.now()
+            fresh = await loop.effects.store_report(place.node_id)  # what the store holds now, not at the last report
+            if fresh is not None:
+                loop.sites.reported(place.node_id, None, fresh, asked)
+            if loop.sites.fetch_order(place.model, place.node_id).needed:  # L1 with nothing evicted: the copy comes first
+                failed = await self._fetch(place.model, place.node_id, "load")
+                if failed is not None:
+                    raise LoadError("error", failed)
+            result = await loop.effects.start_instance(loop.sites.start_order(place, loop.state.catalog[place.model], actor))
         except asyncio.CancelledError:  # nobody waits for it (the event is recorded)
             self.loop.apply(LoadFailed(place=place, attempt=attempt, reason="cancelled", message="nobody waits for it"))
             return
@@ -312,7 +372,7 @@ class Placements:
         failure = LoadFailure(model=place.model, node_id=place.node_id, reason=failed.reason, message=failed.message, attempt=failed.attempt)
         now = self.loop.clock.now()
         retry = retry_after_failure(failure, self.loop.state, now, self.loop.config)
-        if isinstance(retry, Place) and (retry.model, retry.node_id) not in self.loop._removing:
+        if isinstance(retry, Place) and (retry.model, retry.node_id) not in self.loop.removals.pending:
             self.carry_out(retry, failed.attempt + 1, f"retrying {place.model}: {retry.reason}", f"evicted to retry {place.model}")
         else:  # P9/P10: not retried, nothing evicted; requests are refused until the back-off ends
             self.loop.mark_failed(failure)
@@ -322,7 +382,9 @@ class Placements:
             self._settling.add(done.node_id)
             if done.failure is not None:
                 self._copy_failed[(done.model, done.node_id)] = self.loop.clock.now()
-        if done.purpose == "placement":
+        if done.purpose == "load":
+            pass  # its load fails with it (LoadFailed), which decides what follows
+        elif done.purpose == "placement":
             self.prefetches.discard((done.model, done.node_id))
             if done.failure is not None and done.message != "cancelled":  # the fetch recorded why (fetch_failed)
                 self.loop.mark_failed(LoadFailure(model=done.model, node_id=done.node_id, reason=done.failure, message=done.message))
@@ -332,14 +394,27 @@ class Placements:
                 self.loop.state = mark_stored(self.loop.state, done.node_id, done.model)
 
     def stop(self, ref: InstanceRef, reason: str, nbytes: int | None) -> None:
-        """Stop the instance's process, tracked as stopping on its node until it has exited (X1)."""
+        """Stop the instance's process, tracked as stopping on its node until it has exited (X1). Its
+        actor is taken now, not when the stop runs: by then the model may be placed there again, as a
+        new incarnation."""
         stop_id = self.stopping(ref)
-        self.loop._spawn(self._run_stop(stop_id, ref, reason, nbytes))
+        actor = self.loop.sites.actors.pop((ref.model, ref.node_id), None)
+        self.loop._spawn(self._run_stop(stop_id, ref, actor, reason, nbytes))
 
-    async def _run_stop(self, stop_id: int, ref: InstanceRef, reason: str, nbytes: int | None) -> None:
-        stopping = self.loop.effects.stop_instance(ref, reason)  # its incarnation is taken now
+    async def _run_stop(self, stop_id: int, ref: InstanceRef, actor: str | None, reason: str, nbytes: int | None) -> None:
         try:
-            gone = bool(await stopping)
+            gone = bool(await self.loop.effects.stop_instance(ref, actor, reason))
         except Exception as e:  # an effect that broke: the exit is not confirmed
             gone, reason = False, f"{reason}; stopping it failed: {type(e).__name__}: {e}"
         self.loop.apply(StopDone(stop_id=stop_id, instance=ref, gone=gone, reason=reason, bytes=nbytes))
+
+
+def _weight_bytes(order: FetchOrder) -> int | None:
+    return order.entry.weight_bytes if order.entry is not None else None
+
+
+def _fetching_text(order: FetchOrder) -> str:
+    folder = order.entry.folder if order.entry is not None else order.model
+    if not order.sources:
+        return f"downloading {order.entry.path if order.entry else order.model} from the Hub"
+    return f"copying {folder} from {', '.join(order.sources)}" + (f" ({order.background})" if order.background else "")

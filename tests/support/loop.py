@@ -4,6 +4,8 @@ clock the tests drive."""
 
 import asyncio
 
+from cluster.node_report import CopyProgress, FetchResult, StoreReport
+from deployments.manifest import ManifestEntry
 from policy import InstanceRef, Place, PolicyConfig
 from policy.config import GIB
 from router.residency.clock import ManualClock, MonotonicClock
@@ -44,9 +46,7 @@ class FakeEffects:
         self.background: list[str | None] = []  # each fetch's background reason (None: not a background copy)
         self.fail_fetch: set[str] = set()
         self.fetch_s = 0.01
-
-    def fetch_progress(self, model, node_id):
-        return f"copying from n2: 50% of {model}" if any(m == model for m, _, _ in self.fetched) else None
+        self._incarnations = 0
 
     def now(self) -> float:
         return self.clock.now()
@@ -69,7 +69,12 @@ class FakeEffects:
         while self.clock.now() < end:
             await asyncio.sleep(0)
 
-    async def start_instance(self, place, spec):
+    def new_actor_name(self, model, node_id):
+        self._incarnations += 1
+        return f"{model}@{node_id}#{self._incarnations}"
+
+    async def start_instance(self, order):
+        place = order.place
         self.started.append(place)
         self.log.append(("start", place.model))
         node = self.controller.state.node(place.node_id) if self.controller else None
@@ -86,7 +91,7 @@ class FakeEffects:
             raise LoadError(reasons.pop(0), "simulated")
         return LoadResult(bytes=place.bytes, load_seconds=0.5)
 
-    async def stop_instance(self, instance, reason):
+    async def stop_instance(self, instance, actor, reason):
         self.stopped.append((instance, reason))
         if self.stop_gate is not None:
             await self.stop_gate.wait()
@@ -96,6 +101,13 @@ class FakeEffects:
             self.log.append(("exit", instance.model))
         return True
 
+    async def store_report(self, node_id):
+        return None  # the store as the last report said
+
+    async def remove_files(self, node_id, folder):
+        self.log.append(("remove", folder))
+        return True
+
     def held(self, node_id):
         return sum(n for (_, node), n in self.resident.items() if node == node_id)
 
@@ -103,11 +115,13 @@ class FakeEffects:
         if self.controller is not None and self.auto_report:
             asyncio.get_running_loop().call_soon(self.report, node_id)
 
-    def report(self, node_id):
-        """The node's agent: what the processes there leave free."""
+    def report(self, node_id, store=None):
+        """The node's agent: what the processes there leave free (and its store, when given)."""
         node = self.controller.state.node(node_id)
         free = node.usable_bytes - self.held(node_id) - self.foreign.get(node_id, 0)
-        self.controller.report_node(node_id, devices=node.devices, total_bytes=node.total_bytes, usable_bytes=node.usable_bytes, free_bytes=free)
+        self.controller.report_node(
+            node_id, devices=node.devices, total_bytes=node.total_bytes, usable_bytes=node.usable_bytes, free_bytes=free, store=store
+        )
 
     def publish(self, event):
         self.published.append(event)
@@ -115,12 +129,19 @@ class FakeEffects:
     def files_version(self, model):
         return self.versions.get(model)
 
-    async def fetch_weights(self, model, node_id, background=None):
+    async def fetch_weights(self, order):
+        model, node_id = order.model, order.node_id
         self.fetched.append((model, node_id, len(self.stopped)))  # how many stops had happened by then
-        self.background.append(background)
+        self.background.append(order.background)
+        if self.controller is not None:  # the agent's next report shows the copy half done
+            stored = dict.fromkeys(self.controller.state.node(node_id).stored, 1)
+            self.report(
+                node_id, StoreReport(root="/store", complete=stored, fetching={model: CopyProgress(done_bytes=50, total_bytes=100, source="n2")})
+            )
         await self.run_for(self.fetch_s)
         if model in self.fail_fetch:
-            raise LoadError("error", "copying it failed: sha256 mismatch")
+            return FetchResult(ok=False, code="io_error", message="sha256 mismatch")
+        return FetchResult(ok=True, source="stored")
 
 
 def make(specs, nodes=(("n1", 8), ("n2", 4)), config=PLAIN, real_clock=False):
@@ -129,7 +150,7 @@ def make(specs, nodes=(("n1", 8), ("n2", 4)), config=PLAIN, real_clock=False):
     effects = FakeEffects()
     if real_clock:
         effects.clock = MonotonicClock()
-    c = ResidencyController({s.name: s for s in specs}, config, effects, clock=effects.clock)
+    c = ResidencyController({s.name: s for s in specs}, config, effects, entries=entries_for(specs), clock=effects.clock)
     effects.controller = c
     try:
         if not real_clock:
@@ -139,6 +160,16 @@ def make(specs, nodes=(("n1", 8), ("n2", 4)), config=PLAIN, real_clock=False):
     for node_id, gb in nodes:
         c.report_node(node_id, devices=("metal", "cpu"), total_bytes=gb * GIB, usable_bytes=gb * GIB, free_bytes=gb * GIB)
     return c, effects
+
+
+def entries_for(specs) -> dict[str, ManifestEntry]:
+    """Registry entries for the specs, each model in a store folder of its own name."""
+    return {
+        s.name: ManifestEntry(
+            name=s.name, kind=s.kind, path=s.name, folder=s.name, weight_bytes=s.weight_bytes, weights="random", architecture="x", source="x"
+        )
+        for s in specs
+    }
 
 
 def run(coro):

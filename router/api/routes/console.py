@@ -90,13 +90,13 @@ async def style() -> Response:
 async def console_view(request: Request, ingress: Ingress = Depends(current)) -> ConsoleView:
     """The cluster at a glance: node memory bars and stores, instances and what protects them, the
     policy in words (docs/console.md)."""
-    cluster, models, now = await asyncio.gather(ingress.residency.cluster.remote(), ingress.residency.models.remote(), links.controller_clock())
+    cluster, models = await asyncio.gather(ingress.residency.cluster.remote(), ingress.residency.models.remote())
     cluster["ingress"] = await direct_ingress(serve.get_replica_context().app_name)
     names = [i["actor"] for n in cluster["nodes"] for i in n["instances"] if i.get("actor")]
     s = settings()
     dashboard = await asyncio.to_thread(links.dashboard_url, s.dashboard_url, request.headers.get("host"))
     ids = await links.actor_ids(names) if dashboard else {}
-    return compose(cluster, models, s, now=now, dashboard_url=dashboard, actor_ids=ids)
+    return compose(cluster, models, s, now=cluster.get("now"), dashboard_url=dashboard, actor_ids=ids)
 
 
 AnyDecision = Annotated[Use | Place | Wait | Reject, Field(discriminator="decision")]
