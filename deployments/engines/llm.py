@@ -6,7 +6,9 @@ preparation thread, so the MLX thread does only what needs MLX: every MLX call a
 the engine's worker thread, because MLX streams are thread-local. Arrivals that come while the batch
 decodes join it together (`admit_hold_steps`), so their prefill and their merge into the batch are
 paid once per group. Deltas of one engine step reach the event loop in one hand-off, whatever the
-number of streams. Prompt prefixes are reused across requests through mlx-lm's LRUPromptCache."""
+number of streams. Prompt prefixes are reused across requests through a block tree that stores each
+prefix's KV once however many requests share it (prefix_cache.py), or mlx-lm's LRUPromptCache for
+models whose caches cannot be cut into blocks."""
 
 import asyncio
 import gc
@@ -19,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, cast
 
@@ -29,7 +31,7 @@ import deployments  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from pydantic import Field
@@ -39,6 +41,7 @@ from deployments.engines import buffer_cache
 from deployments.engines.chat_format import chat_inputs, template_kwargs_error, template_supports_tools
 from deployments.engines.constrained import GrammarCompiler, GrammarProcessor
 from deployments.engines.options import LLMEngineOptions
+from deployments.engines.prefix_cache import PrefixCache, sliceable
 from deployments.engines.sampling import BatchSampler, RowSampling
 from deployments.engines.text_stream import StopStringFilter
 from deployments.estimate import kv_bytes_per_token
@@ -133,8 +136,12 @@ class LLMEngine(Engine):
         prefill_batch: int = 32,
         prefill_step: int = 2048,
         context_length: int | None = None,
-        prompt_cache_entries: int = 16,  # 0: no prefix reuse
-        prompt_cache_bytes: int = 512 * 1024**2,
+        prompt_cache_entries: int = 16,  # 0: no prefix reuse; else the LRU cache's entries
+        prompt_cache_bytes: int = 512 * 2**20,  # the prefix cache's byte budget (either kind)
+        prefix_cache: str = "blocks",  # "blocks": shared blocks (prefix_cache.py); "lru": mlx-lm's LRUPromptCache
+        prefix_block_tokens: int = 128,
+        share_prefill: bool = True,
+        prefill_pad_ratio: float = 2.0,
         reserve_context_tokens: int = 4096,
         reserve_concurrency: int = 1,
         admit_hold_steps: int = 4,  # these five: the served defaults (deployments/engines/options.py)
@@ -150,7 +157,25 @@ class LLMEngine(Engine):
         self.prefill_step = prefill_step
         self._context_length = context_length
         self._prompt_cache_entries = prompt_cache_entries
-        self._prompt_cache_bytes = prompt_cache_bytes
+        self.prompt_cache_bytes = prompt_cache_bytes
+        if prefix_cache not in ("blocks", "lru"):
+            raise ValueError(f"prefix_cache must be 'blocks' or 'lru', not {prefix_cache!r}")
+        if prefix_block_tokens < 1:
+            raise ValueError(f"prefix_block_tokens must be at least 1, not {prefix_block_tokens}")
+        self.prefix_cache = prefix_cache  # what was asked; prefix_cache_kind: what the model allows
+        self.prefix_block_tokens = prefix_block_tokens
+        self.prefix_cache_kind = prefix_cache
+        # With the block cache: a prompt's KV is kept once it is prefilled (not only when its request
+        # ends), and an arrival that begins like a prompt still being prefilled waits for it (a step
+        # or two) and reuses its blocks instead of prefilling the same tokens beside it.
+        self.share_prefill = share_prefill
+        # mlx-lm prefills a group as one right-padded batch: every row costs the longest row's
+        # uncached tokens. With the block cache a group is cut where that padding would make it cost
+        # more than this many times its rows' own tokens, and by more than prompt_cache_min_tokens
+        # (the oldest arrival always joins; 0: no cut), so a request whose history is cached does
+        # not prefill at the pace of a new conversation beside it; the rest join the next group, a
+        # step later.
+        self.prefill_pad_ratio = prefill_pad_ratio
         self.reserve_context_tokens = reserve_context_tokens
         self.reserve_concurrency = reserve_concurrency
         # While the batch decodes, an arrival waits up to this many steps for others to join it
@@ -186,6 +211,10 @@ class LLMEngine(Engine):
             "finished_requests": 0,
             "handoff_s": 0.0,  # a step's deltas waiting for the caller's event loop to run them
             "handoffs": 0,
+            # uncached prompt tokens of the groups admitted, and what their right-padded prefill
+            # runs (rows x the longest row's), so the padding a group's prefill wastes shows
+            "group_prompt_tokens": 0,
+            "group_padded_tokens": 0,
         }
         self._steps = 0
         # A prefix is kept (a finished request's prompt + completion) and reused only from this
@@ -224,7 +253,7 @@ class LLMEngine(Engine):
         buffer_cache.keep(self, self.cache_keep_bytes())
         self.eos_ids = sorted(self.tokenizer.eos_token_ids)
         self.vocab_size = _logits_width(self.model, self.tokenizer)
-        self.prompt_cache = LRUPromptCache(max_size=max(1, self._prompt_cache_entries), max_bytes=self._prompt_cache_bytes)
+        self.prompt_cache = self._new_prompt_cache()
         hf_tokenizer = self.tokenizer._tokenizer
         self.grammars = GrammarCompiler(hf_tokenizer, self.eos_ids, self.vocab_size)
         # mlx-lm's own renderers (a Python chat template) take tools; a Jinja one must name them
@@ -232,6 +261,17 @@ class LLMEngine(Engine):
             getattr(hf_tokenizer, "chat_template", None)
         )
         self.generator = self._new_generator()
+
+    def _new_prompt_cache(self) -> PrefixCache | LRUPromptCache:
+        """Shared blocks when every layer's cache is a plain KVCache; otherwise (a sliding window,
+        an SSM's state: not a prefix that can be cut) mlx-lm's whole-entry LRUPromptCache."""
+        self.prefix_cache_kind = self.prefix_cache
+        if self.prefix_cache == "blocks" and not sliceable(make_prompt_cache(self.model)):
+            logger.info("%s: its KV cache cannot be cut into blocks; prefixes are reused whole (LRUPromptCache)", self.name)
+            self.prefix_cache_kind = "lru"
+        if self.prefix_cache_kind == "blocks":
+            return PrefixCache(block_tokens=self.prefix_block_tokens, max_bytes=self.prompt_cache_bytes)
+        return LRUPromptCache(max_size=max(1, self._prompt_cache_entries), max_bytes=self.prompt_cache_bytes)
 
     def _new_generator(self) -> BatchGenerator:
         old = getattr(self, "generator", None)
@@ -266,7 +306,7 @@ class LLMEngine(Engine):
             return self.prefill_cache_keep_mib * 2**20
         return self.kv_bytes_per_token * self.reserve_context_tokens * self.reserve_concurrency
 
-    def scheduling(self) -> dict[str, int | None]:
+    def scheduling(self) -> dict[str, bool | int | float | str | None]:
         """The admission settings this engine runs with (deployments/engines/options.py's fields)."""
         return {name: getattr(self, name) for name in LLMEngineOptions.model_fields}
 
@@ -278,19 +318,45 @@ class LLMEngine(Engine):
         now = asdict(generator._counters) if generator is not None else {}
         mlx_lm_counters = {k: self._retired_counters.get(k, 0) + v for k, v in now.items()} or dict(self._retired_counters)
         sampling = {"sampling_calls": self.sampling.calls, "sampled_rows": self.sampling.rows_sampled}  # one call per batch stepped
-        return mlx_lm_counters | self._admitted | sampling  # and the engine's own: groups admitted into the batch
+        cache = getattr(self, "prompt_cache", None)
+        prefix = dict(cache.stats) if isinstance(cache, PrefixCache) else {}  # lookups, hits, tokens given back, blocks made / evicted
+        return mlx_lm_counters | self._admitted | sampling | prefix  # and the engine's own: groups admitted into the batch
 
     def memory(self) -> MemoryReport:
         generator = getattr(self, "generator", None)
         return MemoryReport(
             weight_bytes=getattr(self, "weight_bytes", 0),
             kv_bytes_in_use=generator.prompt_cache_nbytes if generator is not None else 0,
-            prefix_cache_bytes=self.prompt_cache.nbytes if generator is not None else 0,
+            prefix_cache_bytes=self.prompt_cache.nbytes if generator is not None else 0,  # within prompt_cache_bytes; shrink_prefix_cache
             kv_bytes_reserved=getattr(self, "kv_bytes_per_token", 0) * self.reserve_context_tokens * self.reserve_concurrency,
             active_bytes=mx.get_active_memory(),
             peak_bytes=mx.get_peak_memory(),
             load_seconds=self._load_seconds,
         )
+
+    async def shrink_prefix_cache(self, target_bytes: int) -> int:
+        """Evict kept prefixes, least recently used first, until the prefix cache holds at most
+        `target_bytes`; returns the bytes freed (handed back to the device past what the engine keeps
+        cached). What an instance gives back before a model is evicted for room. Runs on the MLX
+        thread between steps; running requests keep their own KV."""
+        if target_bytes < 0:
+            raise ValueError(f"target_bytes must not be negative, not {target_bytes}")
+        self._check_ready()
+        done: Future[int] = Future()
+        self._commands.put(("shrink", (target_bytes, done)))
+        return await asyncio.wrap_future(done)
+
+    def _shrink(self, target_bytes: int) -> int:
+        cache = self.prompt_cache
+        before = cache.nbytes
+        if isinstance(cache, PrefixCache):
+            cache.shrink(target_bytes)
+        else:
+            cache.trim_to(n_bytes=target_bytes)
+        freed = before - cache.nbytes
+        if freed:
+            buffer_cache.clear_past_keep()
+        return freed
 
     # ---- the request API (event loop side) --------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
@@ -428,7 +494,7 @@ class LLMEngine(Engine):
         del self.generator
         buffer_cache.release(self)
         self.sampling.clear()
-        self.prompt_cache = LRUPromptCache(max_size=1)
+        self.prompt_cache = LRUPromptCache(max_size=1)  # the kept KV is freed here, on the thread that made it
         self.model = None
         gc.collect()
         mx.clear_cache()
@@ -465,10 +531,25 @@ class LLMEngine(Engine):
         rest wait for the prefills in flight to finish)."""
         prefilling = sum(self._prefilling.values())
         joined, now = 0, time.monotonic()
+        widest = useful = 0  # the group's longest and total uncached prompt tokens
+        later: list[_Arrival] = []  # left for a later group, ahead of the rest
+        blocks = self.prompt_cache if isinstance(self.prompt_cache, PrefixCache) and self._prompt_cache_entries > 0 else None
+        cut = blocks is not None and self.prefill_pad_ratio > 0
         while self._held:
             arrival = self._held[0]
-            if prefilling and prefilling + len(arrival.tokens) > self.max_prefill_tokens:
+            rest = len(arrival.tokens)
+            if blocks is not None:
+                cached = blocks.match(arrival.tokens)
+                rest -= cached if cached >= self.prompt_cache_min_tokens else 0
+                if self.share_prefill and self._prefilled_beside(arrival.tokens, cached, streams):
+                    later.append(self._held.popleft())
+                    continue
+            if prefilling and prefilling + rest > self.max_prefill_tokens:
                 break  # the rest of this group joins as soon as there is room: it waits no more
+            padded = max(widest, rest) * (joined + 1)  # what the group's prefill would run with this one
+            if cut and joined and padded > self.prefill_pad_ratio * (useful + rest) and padded - useful - rest > self.prompt_cache_min_tokens:
+                later.append(self._held.popleft())
+                continue
 
             self._held.popleft()
             self._arrived(-1)
@@ -484,11 +565,44 @@ class LLMEngine(Engine):
             by_uid[stream.uid] = arrival.rid
             self._prefilling[arrival.rid] = len(arrival.tokens) - stream.cached
             prefilling += self._prefilling[arrival.rid]
+            widest, useful = max(widest, self._prefilling[arrival.rid]), useful + self._prefilling[arrival.rid]
             joined += 1
+        self._held.extendleft(reversed(later))
         self._due = bool(self._held)
         if joined:
             self._admitted["admitted_groups"] += 1
             self._admitted["admitted_requests"] += joined
+            self._admitted["group_prompt_tokens"] += useful
+            self._admitted["group_padded_tokens"] += widest * joined
+
+    def _prefilled_beside(self, tokens: list[int], cached: int, streams: dict[int, _Stream]) -> bool:
+        """Whether a prompt being prefilled now shares at least a block of `tokens` past what the
+        cache holds: then waiting for its blocks costs a step or two, prefilling them again far more."""
+        size = self.prefix_block_tokens
+        if len(tokens) - cached <= size:
+            return False
+        ahead = tokens[cached : cached + size]
+        for rid in self._prefilling:
+            stream = streams.get(rid)
+            if stream is not None and stream.tokens[cached : cached + size] == ahead:
+                return True
+        return False
+
+    def _worth_keeping(self, stream: _Stream) -> bool:
+        """A prompt is kept at its first token when it is long enough to be kept at all and adds at
+        least a block to what the cache gave it."""
+        if not isinstance(self.prompt_cache, PrefixCache) or self._prompt_cache_entries <= 0:
+            return False
+        return len(stream.tokens) >= self.prompt_cache_min_tokens and len(stream.tokens) - stream.cached >= self.prefix_block_tokens
+
+    def _keep_prompts(self, uids: list[int]) -> None:
+        """The prompts of rows that just made their first token into the block cache (only the blocks
+        it lacks are copied), so arrivals that begin alike reuse them while these rows still decode."""
+        cache = self.prompt_cache
+        if not uids or not isinstance(cache, PrefixCache):
+            return
+        for layers, tokens in self.generator.extract_cache(uids).values():
+            cache.insert(tokens, layers)
 
     def _step(self, streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]) -> None:
         """One BatchGenerator step for every running request."""
@@ -507,6 +621,7 @@ class LLMEngine(Engine):
             _reseed_rng()  # a compiled function that raised in its trace left a tracer in mx.random.state
             return
         now = time.monotonic()
+        prefilled: list[int] = []  # rows whose prompts are worth keeping now
         for r in responses:
             rid = by_uid.get(r.uid)
             if rid is None:
@@ -514,6 +629,8 @@ class LLMEngine(Engine):
             self._prefilling.pop(rid, None)  # its first token: its prefill is done
             stream = streams[rid]
             if not stream.answered:
+                if self.share_prefill and r.finish_reason is None and self._worth_keeping(stream):
+                    prefilled.append(r.uid)
                 stream.answered = True
                 self._admitted["first_token_s"] += now - stream.started
                 self._admitted["first_tokens"] += 1
@@ -529,13 +646,23 @@ class LLMEngine(Engine):
             if r.finish_reason is None:  # cut by a stop string: still in the batch
                 self.generator.remove([r.uid])
             elif r.prompt_cache is not None and self._prompt_cache_entries > 0 and len(r.all_tokens) >= self.prompt_cache_min_tokens:
-                self.prompt_cache.insert_cache(self.name, r.all_tokens[:], r.prompt_cache, cache_type="assistant")
+                if isinstance(self.prompt_cache, PrefixCache):
+                    self.prompt_cache.insert(r.all_tokens, r.prompt_cache)  # copies only the blocks it lacks
+                else:
+                    self.prompt_cache.insert_cache(self.name, r.all_tokens[:], r.prompt_cache, cache_type="assistant")
+        self._keep_prompts(prefilled)
 
     def _handle(self, command: tuple[str, Any], streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]) -> None:
         kind, payload = command
         if kind == "add":
             payload.step = self._last_arrival = self._steps
             self._held.append(payload)
+        elif kind == "shrink":
+            target, done = payload
+            try:
+                done.set_result(self._shrink(target))
+            except Exception as e:  # the caller gets it; the loop goes on
+                done.set_exception(e)
         elif kind == "cancel":
             held = next((a for a in self._held if a.rid == payload), None)
             if held is not None:  # not in the batch yet: nothing to free
@@ -606,7 +733,12 @@ class LLMEngine(Engine):
         """On the MLX thread: the prompt cache's nearest prefix, and the request into the batch."""
         request, tokens, vocab = arrival.request, arrival.tokens, self.vocab_size
         cache, rest = None, tokens
-        if self._prompt_cache_entries > 0 and self._reusable_prefix(tokens) >= max(1, self.prompt_cache_min_tokens):
+        if self._prompt_cache_entries <= 0:
+            pass
+        elif isinstance(self.prompt_cache, PrefixCache):  # at least one token is left to prefill: it gives the first logits
+            cache, reused = self.prompt_cache.fetch(tokens, limit=len(tokens) - 1, min_tokens=self.prompt_cache_min_tokens)
+            rest = tokens[reused:]
+        elif self._reusable_prefix(tokens) >= max(1, self.prompt_cache_min_tokens):
             cache, rest = self.prompt_cache.fetch_nearest_cache(self.name, tokens)
         if cache is not None and not rest:
             if can_trim_prompt_cache(cache):

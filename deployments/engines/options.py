@@ -1,6 +1,8 @@
 """The LLM engines' scheduling options, as ray-config.yaml gives them (app-wide and per model).
 Plain pydantic, no MLX: the app builder and the registry validate them before anything loads."""
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -39,3 +41,17 @@ class LLMEngineOptions(BaseModel):
     # None: as much as the instance's KV reservation, which the policy already counts; 0: mlx-lm's
     # own behaviour. H200, 64 streams, in process: TTFT p50 260.7 -> 186.3 ms with the cache kept.
     prefill_cache_keep_mib: int | None = Field(default=None, ge=0)
+    # Prompt prefixes kept for reuse (deployments/engines/prefix_cache.py): "blocks" stores each
+    # prefix's KV once in blocks of `prefix_block_tokens` however many requests share it (models with
+    # a sliding-window or SSM cache fall back to "lru", mlx-lm's LRUPromptCache of whole copies);
+    # at most `prompt_cache_bytes`, least recently used blocks evicted first. CPU, llama-10m, 24
+    # conversations x 3 turns over a 1,100-token system prompt: bench/results/engine-agent.json.
+    prefix_cache: Literal["blocks", "lru"] = "blocks"
+    prompt_cache_bytes: int = Field(default=512 * 2**20, ge=0)
+    prefix_block_tokens: int = Field(default=128, ge=1, le=4096)
+    # With blocks: a prompt is kept once prefilled, and an arrival that begins like a prompt being
+    # prefilled waits a step or two for its blocks instead of prefilling the same tokens beside it.
+    share_prefill: bool = True
+    # With blocks: a group is cut where right-padding its prefill to its longest uncached prompt
+    # would cost more than this many times its own tokens (0: never cut).
+    prefill_pad_ratio: float = Field(default=2.0, ge=0)

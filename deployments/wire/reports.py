@@ -50,4 +50,4 @@ class HealthReport(Health):
     node_id: str
     in_flight: int = Field(ge=0)
     actor_name: str | None = None
-    scheduling: dict[str, int | None] | None = None
+    scheduling: dict[str, bool | int | float | str | None] | None = None  # LLMEngineOptions fields

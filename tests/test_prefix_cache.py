@@ -1,0 +1,241 @@
+"""The shared prefix cache (deployments/engines/prefix_cache.py): alone, on MLX arrays shaped as a
+model's KV, and inside the LLM engine on llama-10m's real weights (no Ray): a system prompt stored
+once however many conversations begin with it, a later turn reusing the earlier ones, the same greedy
+tokens with and without the cache, eviction within the byte budget, and usage's cached_tokens."""
+
+import asyncio
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from deployments.engines.llm import LLMEngine
+from deployments.engines.prefix_cache import PrefixCache, sliceable
+from deployments.wire.generation import GenerationRequest
+
+LAYERS, HEADS, DIM = 2, 2, 4
+PER_TOKEN = LAYERS * 2 * HEADS * DIM * 4  # bytes of one token's KV (float32 keys and values, every layer)
+
+
+def kv(tokens: list[int]) -> list[KVCache]:
+    """A per-layer cache whose entry at position i depends on tokens[: i + 1] only, as a model's does."""
+    prefix = mx.cumsum(mx.array(tokens, dtype=mx.float32))[None, None, :, None]
+    layers = []
+    for layer in range(LAYERS):
+        keys = mx.broadcast_to(prefix + layer + mx.arange(HEADS, dtype=mx.float32)[None, :, None, None] / 10, (1, HEADS, len(tokens), DIM))
+        cache = KVCache()
+        cache.keys, cache.values = mx.array(keys), mx.array(-keys)
+        cache.offset = len(tokens)
+        layers.append(cache)
+    return layers
+
+
+SYSTEM = list(range(1000, 1100))  # 100 tokens
+
+
+def own(i: int, n: int = 20) -> list[int]:
+    return [5000 + 100 * i + k for k in range(n)]
+
+
+def test_a_shared_system_prompt_is_stored_once():
+    cache = PrefixCache(block_tokens=16)
+    for i in range(10):
+        cache.insert(SYSTEM + own(i), kv(SYSTEM + own(i)))
+    # 6 blocks (96 tokens) of the system prompt once; each conversation its block 6 (16) and a last block (8)
+    assert cache.nbytes == (96 + 10 * 24) * PER_TOKEN
+    assert len(cache) == 6 + 10 * 2
+    # what a cache of whole copies holds for the same ten (mlx-lm's LRUPromptCache: one entry each)
+    assert cache.nbytes < 0.3 * 10 * len(SYSTEM + own(0)) * PER_TOKEN
+
+
+def test_fetch_gives_back_the_kv_of_the_longest_cached_prefix_to_the_token():
+    tokens = SYSTEM + own(1)
+    cache = PrefixCache(block_tokens=16)
+    cache.insert(tokens, kv(tokens))
+    asked = tokens[:50] + [7, 7, 7]  # diverges inside a block
+    layers, reused = cache.fetch(asked, limit=len(asked) - 1)
+    assert layers is not None and reused == 50 and cache.match(asked) == 50
+    expected = kv(tokens)
+    for got, want in zip(layers, expected, strict=True):
+        (keys, values, offset), (all_keys, all_values, _) = got.state, want.state
+        assert offset == 50 and keys.shape == (1, HEADS, 50, DIM)
+        assert mx.array_equal(keys, all_keys[..., :50, :]) and mx.array_equal(values, all_values[..., :50, :])
+    # the whole prompt cached: one token is left to prefill (its logits start the answer)
+    layers, reused = cache.fetch(tokens, limit=len(tokens) - 1)
+    assert layers is not None and reused == len(tokens) - 1 and layers[0].state[0].shape[2] == len(tokens) - 1
+    assert cache.fetch(asked, limit=len(asked) - 1, min_tokens=51) == (None, 0)
+    assert cache.fetch([1, 2, 3], limit=2) == (None, 0)
+
+
+def test_a_longer_sequence_replaces_the_shorter_last_block_it_extends():
+    first = SYSTEM[:40]
+    cache = PrefixCache(block_tokens=16)
+    cache.insert(first, kv(first))
+    assert (len(cache), cache.nbytes) == (3, 40 * PER_TOKEN)  # 16 + 16 + a last block of 8
+    longer = SYSTEM[:56]
+    added = cache.insert(longer, kv(longer))
+    assert added == (16 + 8) * PER_TOKEN and (len(cache), cache.nbytes) == (4, 56 * PER_TOKEN)
+    cache.insert(first, kv(first))  # already held inside a longer block: nothing added
+    assert cache.nbytes == 56 * PER_TOKEN
+    assert cache.fetch(first + [1], limit=40)[1] == 40
+
+
+def test_eviction_keeps_the_budget_and_takes_the_least_recently_used_leaves():
+    budget = (96 + 5 * 24) * PER_TOKEN  # the system prompt and five conversations
+    cache = PrefixCache(block_tokens=16, max_bytes=budget)
+    for i in range(5):
+        cache.insert(SYSTEM + own(i), kv(SYSTEM + own(i)))
+    assert cache.nbytes == budget
+    assert cache.fetch(SYSTEM + own(0) + [1], limit=120)[1] == 120  # conversation 0 used again: the most recent
+    for i in range(5, 8):
+        cache.insert(SYSTEM + own(i), kv(SYSTEM + own(i)))
+        assert cache.nbytes <= budget
+    assert cache.match(SYSTEM + own(0)) == 120  # kept: used after 1-4
+    # the oldest went; the whole system prompt stays (its last 4 tokens from a block another conversation holds)
+    assert [cache.match(SYSTEM + own(i)) for i in (1, 2, 3)] == [100, 100, 100]
+    assert cache.match(SYSTEM + own(7)) == 120
+    held = cache.nbytes
+    assert cache.shrink(0) == held and cache.nbytes == 0 and len(cache) == 0
+    assert cache.stats["prefix_blocks_evicted"] == cache.stats["prefix_blocks_added"]
+
+
+def test_only_plain_kv_caches_are_cut_into_blocks():
+    assert sliceable([KVCache(), KVCache()])
+    assert not sliceable([KVCache(), RotatingKVCache(max_size=64)])  # a sliding window is not a prefix
+    assert not sliceable([])
+    with pytest.raises(ValueError, match="block_tokens"):
+        PrefixCache(block_tokens=0)
+    with pytest.raises(ValueError, match="prefix_cache"):
+        LLMEngine("m", "nowhere", prefix_cache="radix")
+
+
+# ---- in the engine, on llama-10m ------------------------------------------------------------
+
+RULE = "Rule: read the file before you change it, run the tests after, and say what changed. "
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def engine_with(models_dir, **kw) -> LLMEngine:
+    e = LLMEngine("llama-10m", str(models_dir / "llama-10m"), max_batch=16, prompt_cache_min_tokens=32, prefix_block_tokens=32, **kw)
+    run(e.load())
+    return e
+
+
+@pytest.fixture(scope="module")
+def system(models_dir) -> str:
+    return RULE * 8  # 240 tokens with llama-10m's tokenizer
+
+
+def turn(messages: list[dict], tokens: int = 12) -> GenerationRequest:
+    return GenerationRequest(messages=messages, max_tokens=tokens, temperature=0)
+
+
+async def conversations(engine: LLMEngine, system: str, n: int, turns: int, first: int = 0) -> list[list]:
+    """n conversations at once, `turns` turns each; each conversation's finished deltas in order."""
+
+    async def one(c: int) -> list:
+        messages: list[dict] = [{"role": "system", "content": system}]
+        done = []
+        for t in range(turns):
+            messages.append({"role": "user", "content": f"Conversation {c}, step {t}: fix module_{c}_{t}.py"})
+            d = await engine.complete(turn(list(messages)))
+            done.append(d)
+            messages.append({"role": "assistant", "content": d.text})
+        return done
+
+    return list(await asyncio.gather(*(one(c) for c in range(first, first + n))))
+
+
+def test_the_engine_stores_a_shared_system_prompt_once(models_dir, system):
+    blocks, lru = engine_with(models_dir), engine_with(models_dir, prefix_cache="lru")
+    try:
+        system_tokens = len(blocks.tokenizer.encode(system))
+        per_token = blocks.kv_bytes_per_token
+        run(conversations(blocks, system, 1, 1))
+        one = blocks.memory().prefix_cache_bytes
+        assert one >= system_tokens * per_token
+        run(conversations(blocks, system, 8, 1, first=1))
+        grown = blocks.memory().prefix_cache_bytes - one
+        # eight more conversations add only their own tokens (a user turn and 12 generated, ~40), the
+        # block each shares partly with the system prompt and a last block (32 each), not the system prompt again
+        assert grown <= 8 * (40 + 2 * 32) * per_token < 0.5 * 8 * system_tokens * per_token
+        run(conversations(lru, system, 9, 1))
+        assert lru.memory().prefix_cache_bytes >= 9 * system_tokens * per_token  # the old cache: one copy each
+        assert blocks.prefix_cache_kind == "blocks" and lru.prefix_cache_kind == "lru"
+    finally:
+        run(blocks.stop())
+        run(lru.stop())
+
+
+def test_a_later_turn_reuses_the_earlier_turns_and_reports_them(models_dir, system):
+    e = engine_with(models_dir)
+    try:
+        before = e.counters()
+        (done,) = run(conversations(e, system, 1, 3))
+        first, second, third = (d.usage for d in done)
+        assert first.cached_tokens == 0
+        # each later turn finds the turns before it (to the token, up to where the re-rendered reply differs)
+        assert second.cached_tokens >= first.prompt_tokens
+        assert third.cached_tokens >= second.prompt_tokens
+        after = e.counters()
+        assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == second.cached_tokens + third.cached_tokens
+        prefilled = after["prompt_tokens"] - before["prompt_tokens"]  # what mlx-lm ran through the model
+        assert prefilled <= sum(u.prompt_tokens - u.cached_tokens for u in (first, second, third)) + 3
+    finally:
+        run(e.stop())
+
+
+def test_greedy_tokens_are_the_same_with_and_without_the_cache(models_dir, system):
+    cached, plain = engine_with(models_dir), engine_with(models_dir, prompt_cache_entries=0)
+    try:
+        with_cache = run(conversations(cached, system, 4, 3))
+        without = run(conversations(plain, system, 4, 3))
+        assert sum(d.usage.cached_tokens for c in with_cache for d in c) > 4 * 2 * 200  # the cache was used
+        assert all(d.usage.cached_tokens == 0 for c in without for d in c)
+        assert [[d.token_ids for d in c] for c in with_cache] == [[d.token_ids for d in c] for c in without]
+    finally:
+        run(cached.stop())
+        run(plain.stop())
+
+
+def test_the_cache_stays_within_its_budget_and_shrinks_on_demand(models_dir, system):
+    budget = 400 * 16 * 1024  # 400 tokens of llama-10m's KV (16 KiB each): the system prompt and a little
+    e = engine_with(models_dir, prompt_cache_bytes=budget)
+    try:
+        run(conversations(e, system, 6, 2))
+        held = e.memory().prefix_cache_bytes
+        assert 0 < held <= budget
+        assert e.counters()["prefix_blocks_evicted"] > 0
+        freed = run(e.shrink_prefix_cache(0))
+        assert freed == held and e.memory().prefix_cache_bytes == 0 and len(e.prompt_cache) == 0
+        (again,) = run(conversations(e, system, 1, 1))
+        assert again[0].usage.cached_tokens == 0 and again[0].finish_reason in ("stop", "length")
+        with pytest.raises(ValueError, match="target_bytes"):
+            run(e.shrink_prefix_cache(-1))
+    finally:
+        run(e.stop())
+
+
+def test_conversations_that_start_together_prefill_the_system_prompt_once(models_dir, system):
+    """Six conversations arrive at once to a cold cache: one prefills the system prompt, the others
+    wait a step or two for its blocks (share_prefill) and prefill only their own tokens, with the
+    tokens they would have had alone."""
+    shared, apart = engine_with(models_dir), engine_with(models_dir, share_prefill=False)
+    try:
+        system_tokens = len(shared.tokenizer.encode(system))
+        prefilled = {}
+        results = {}
+        for name, e in (("shared", shared), ("apart", apart)):
+            before = e.counters()["prompt_tokens"]
+            results[name] = run(conversations(e, system, 6, 1))
+            prefilled[name] = e.counters()["prompt_tokens"] - before
+        assert prefilled["apart"] >= 6 * system_tokens
+        assert prefilled["shared"] <= system_tokens + 6 * (30 + 32)  # each its own turn (~30) and a partly shared block
+        assert sum(c[0].usage.cached_tokens for c in results["shared"]) >= 5 * (system_tokens - 32)
+        assert [c[0].token_ids for c in results["shared"]] == [c[0].token_ids for c in results["apart"]]
+    finally:
+        run(shared.stop())
+        run(apart.stop())
