@@ -55,6 +55,11 @@ def _m():
             "orchard_fetch_bytes_total", "Bytes of weights copied into a node's store, by source (peer, hub)", tag_keys=(*MODEL_NODE, "source")
         ),
         "fetch_failures": metrics.Counter("orchard_fetch_failures_total", "Copies or downloads of weights that failed", tag_keys=MODEL_NODE),
+        "affinity": metrics.Counter(
+            "orchard_prefix_affinity_total",
+            "Requests routed through standing leases by their prompt's known prefix: hit, overloaded (sent elsewhere for load), miss",
+            tag_keys=("model", "outcome"),
+        ),
     }
 
 
@@ -111,6 +116,11 @@ def on_request(model: str, ttft_s: float | None, tokens: int, seconds: float | N
 def on_limit(limit: str, key: str) -> None:
     """A request refused by its key's `limit` (rpm, tpm, max_concurrent); `key` is the key's name."""
     _m()["limit_hits"].inc(tags={"limit": limit, "key": _tag(key)})
+
+
+def on_affinity(model: str, outcome: str) -> None:
+    """A request an ingress routed by prefix affinity (router/serving/affinity.py `outcome`)."""
+    _m()["affinity"].inc(tags={"model": _tag(model), "outcome": outcome})
 
 
 def on_queue_wait(model: str, seconds: float) -> None:

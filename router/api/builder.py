@@ -43,6 +43,11 @@ class AppArgs(BaseModel):
     # gives one back after this many seconds with nothing in flight on it; 0: a lease per request,
     # asked of the residency service each time (one round trip: 3.4-4.4 ms on this VM).
     route_linger_s: float = Field(default=2.0, ge=0)
+    # Among the standing leases an ingress holds on a model's copies, a request goes to the copy it
+    # sent the longest beginning of the request's prompt to (its prefix cache likely holds it),
+    # unless that copy has more than this many requests in flight beyond the least loaded copy's;
+    # negative: always the least loaded (router/serving/affinity.py, docs/cluster.md).
+    prefix_affinity_max_extra_in_flight: int = 4
     # Scoped keys (router/api/keys.py): {key_env | key_sha256, role, name, models, rpm, tpm, max_concurrent}
     api_keys: list[KeyEntry] = Field(default_factory=list)
     watch_period_s: float = Field(default=1.0, gt=0)
@@ -181,6 +186,7 @@ def build_app(args: dict) -> serve.Application:
         max_request_bytes=a.max_request_bytes,
         allowed_hosts=tuple(a.allowed_hosts),
         route_linger_s=a.route_linger_s,
+        prefix_affinity_max_extra_in_flight=a.prefix_affinity_max_extra_in_flight,
         gil_switch_ms=a.ingress_gil_switch_ms,
         console_settings=console_settings(models, models_dir, a.policy, a.dashboard_url),
         responses_store=a.responses_store.model_dump(),

@@ -18,6 +18,7 @@ from router.api.request_context import ARRIVED
 from router.api.sse import event_stream
 from router.protocols import openai as oai
 from router.protocols.openai import DEFAULT_MAX_TOKENS
+from router.serving.affinity import prefix_keys
 from router.serving.generation import ChatOrCompletion, DeltaStream, WholeGeneration, prepare
 from router.serving.output.parsing import OutputParser
 from router.serving.renderers import Renderer
@@ -28,7 +29,7 @@ async def generate(
     ingress: Ingress, who: Principal, body: ChatOrCompletion, make_renderer: Callable[[OutputParser | None], Renderer], *, stream: bool
 ):
     entered = time.monotonic()
-    async with ingress.hold(who, body.model, reserve_tokens(body)) as lease:
+    async with ingress.hold(who, body.model, reserve_tokens(body), prefix_keys(body)) as lease:
         request, parser = prepare(lease, body, allow_remote_images=ingress.allow_remote_images)
         renderer = make_renderer(parser)
         arrived = ARRIVED.get() or entered

@@ -29,6 +29,7 @@ class Ingress:
         allow_remote_images: bool = False,
         max_audio_bytes: int = 25 * 1024**2,
         route_linger_s: float = 2.0,
+        prefix_affinity_max_extra_in_flight: int = 4,
         gil_switch_ms: float | None = None,
         stream_write_timeout_s: float = STREAM_WRITE_TIMEOUT_S,
     ):
@@ -37,7 +38,9 @@ class Ingress:
             # from the event loop that carries every stream; Python's default is 5 ms.
             sys.setswitchinterval(gil_switch_ms / 1000.0)
         self.residency = residency
-        self.leases = Leases(residency, holder=f"ingress-{uuid.uuid4().hex[:8]}", linger_s=route_linger_s)
+        self.leases = Leases(
+            residency, holder=f"ingress-{uuid.uuid4().hex[:8]}", linger_s=route_linger_s, max_extra_in_flight=prefix_affinity_max_extra_in_flight
+        )
         self.mux = StreamMux()
         self.chunk_timeout_s = chunk_timeout_s
         self.principals = list(principals or [])
@@ -49,15 +52,16 @@ class Ingress:
         install(self)
 
     @contextlib.asynccontextmanager
-    async def hold(self, who: Principal, model: str, reserve_tokens: int = 0) -> AsyncIterator[Lease]:
+    async def hold(self, who: Principal, model: str, reserve_tokens: int = 0, prefix: tuple[int, ...] = ()) -> AsyncIterator[Lease]:
         """A lease on `model` for `who` (router.serving.lease), counted against the key's limits with
         `reserve_tokens` held until it ends (end it early with `lease.release(used_tokens)` to count
-        what the request really used); a model the key may not use is a 404. Whatever fails while
+        what the request really used); `prefix`: the request's prefix keys (router.serving.affinity),
+        so it goes where its prompt's beginning went before; a model the key may not use is a 404. Whatever fails while
         it is held reaches the client as `who` may read it (router.api.errors.for_principal)."""
         if not who.may_use(model):
             raise OrchardError("model_not_found", f"model {model!r} is not in the registry", "model")
         try:
-            async with self.leases.hold(model, who.tenant(), reserve_tokens) as lease:
+            async with self.leases.hold(model, who.tenant(), reserve_tokens, prefix) as lease:
                 yield lease
         except OrchardError as e:
             shown = for_principal(e, who.admin, model)

@@ -18,8 +18,9 @@ import ray
 from cluster.ray_api import NAMESPACE
 from deployments.wire.failure import OrchardError
 from deployments.wire.leases import Grant, Refusal
+from router.serving.affinity import PrefixHistory
 from router.serving.detached import send_detached
-from router.serving.standing import Standing, StandingLeases
+from router.serving.standing import Standing, StandingLeases, instance_of
 
 log = logging.getLogger("orchard.ingress")
 
@@ -40,9 +41,10 @@ class Lease:
     (kind, output-parsing config). `release()` is idempotent. With `standing`, this request's use
     of this replica's standing lease (router/serving/standing.py): releasing ends the use."""
 
-    def __init__(self, owner: "Leases", grant: Grant, standing: Standing | None = None, asked: tuple = (None, 0)):
+    def __init__(self, owner: "Leases", grant: Grant, standing: Standing | None = None, asked: tuple = (None, 0), prefix: tuple[int, ...] = ()):
         self.owner = owner
         self.asked = asked  # (tenant, reserve_tokens): how it was asked for, to ask again (`move`)
+        self.prefix = prefix  # the request's prefix keys (router/serving/affinity.py)
         self.handed_off = False
         self.moved = False  # its first instance went away before answering: it runs on another (once)
         self._take(grant, standing)
@@ -87,7 +89,7 @@ class Lease:
             self.owner.standing.drop(self.standing)
         self.release()
         tenant, reserve_tokens = self.asked
-        fresh = await self.owner.acquire(self.model, tenant, reserve_tokens, avoid=(self.node_id, self.grant.lease.loaded_at))
+        fresh = await self.owner.acquire(self.model, tenant, reserve_tokens, avoid=(self.node_id, self.grant.lease.loaded_at), prefix=self.prefix)
         self._take(fresh.grant, fresh.standing)
 
     def hand_off(self) -> "Lease":
@@ -108,32 +110,48 @@ class Lease:
 class Leases:
     """This ingress replica's side of the residency service: acquire, release, actor handles. With
     `holder` (this replica's name) and `linger_s` > 0, requests no key's limits count go through
-    standing leases (router/serving/standing.py) instead of a lease each."""
+    standing leases (router/serving/standing.py) instead of a lease each; among several held on a
+    model, a request goes where its prompt's beginning went before (`affinity`, weighed against
+    load by `max_extra_in_flight`: router/serving/affinity.py)."""
 
-    def __init__(self, residency: Any, holder: str | None = None, linger_s: float = 0.0):
+    def __init__(self, residency: Any, holder: str | None = None, linger_s: float = 0.0, max_extra_in_flight: int = 4):
         self.residency = residency
         self._handles: dict[tuple[str, str], tuple[float, Any]] = {}  # (model, node) -> (loaded_at, actor)
-        self.standing = StandingLeases(self, holder, linger_s) if holder is not None and linger_s > 0 else None
+        self.affinity = PrefixHistory()  # what this replica sent to each instance, every path's requests
+        self.standing = (
+            StandingLeases(self, holder, linger_s, max_extra_in_flight=max_extra_in_flight) if holder is not None and linger_s > 0 else None
+        )
 
     async def acquire(
-        self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0, avoid: tuple[str, float] | None = None
+        self,
+        model: str,
+        tenant: dict[str, Any] | None = None,
+        reserve_tokens: int = 0,
+        avoid: tuple[str, float] | None = None,
+        prefix: tuple[int, ...] = (),
     ) -> Lease:
         """A lease on a ready instance of `model`, counted against `tenant`'s limits (a key's name,
         rpm, tpm, max_concurrent) with `reserve_tokens` held until it ends; or the residency
         service's OrchardError (a 429 when a limit says no). `avoid`: an incarnation this request
-        just left, (node, loaded_at); it asks the residency service itself, not a standing lease."""
+        just left, (node, loaded_at); it asks the residency service itself, not a standing lease.
+        `prefix`: the request's prefix keys, which choose among standing leases and are noted as
+        sent to the instance granted (a lease of its own goes where the residency service says)."""
         if tenant is None and self.standing is not None and avoid is None:
-            standing = await self.standing.use(model)
-            return Lease(self, standing.grant, standing)
+            standing = await self.standing.use(model, prefix)
+            self.affinity.note(standing.instance, prefix)
+            return Lease(self, standing.grant, standing, prefix=prefix)
         answer = await self.residency.acquire.remote(model, tenant, reserve_tokens, None, avoid)
         _note_rate_limit(answer.ratelimit)
         if isinstance(answer, Refusal):
             raise answer.error()
-        return Lease(self, answer, asked=(tenant, reserve_tokens))
+        self.affinity.note(instance_of(answer), prefix)
+        return Lease(self, answer, asked=(tenant, reserve_tokens), prefix=prefix)
 
     @contextlib.asynccontextmanager
-    async def hold(self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0) -> AsyncIterator[Lease]:
-        lease = await self.acquire(model, tenant, reserve_tokens)
+    async def hold(
+        self, model: str, tenant: dict[str, Any] | None = None, reserve_tokens: int = 0, prefix: tuple[int, ...] = ()
+    ) -> AsyncIterator[Lease]:
+        lease = await self.acquire(model, tenant, reserve_tokens, prefix=prefix)
         try:
             yield lease
         finally:

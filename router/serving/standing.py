@@ -12,6 +12,11 @@ the lease comes back as soon as what runs on it has ended. The same poll says wh
 gone (the instance died or was unloaded) and how many ready copies each model has: a busy model
 with more copies than this replica holds leases on asks for one more, so the copies share the load.
 
+Among the held leases of a model, a request goes to the instance this replica last sent the longest
+beginning of its prompt to (its prefix cache likely holds it: router/serving/affinity.py), unless
+that instance has more than `max_extra_in_flight` requests in flight beyond the least loaded one;
+a request whose prefix is known nowhere goes to the least loaded.
+
 Requests of keys with limits (rpm, tpm, max_concurrent) never take this path: those limits count
 each request, so each asks for a lease of its own (router/serving/lease.py)."""
 
@@ -23,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from deployments.wire.leases import Grant, Refusal, RoutesView, UsageReport
+from router import metrics
+from router.serving.affinity import Instance, choose, outcome
 from router.serving.detached import send_detached
 
 if TYPE_CHECKING:
@@ -47,6 +54,15 @@ class Standing:
     def number(self) -> int:
         return self.grant.lease.number
 
+    @property
+    def instance(self) -> Instance:
+        return instance_of(self.grant)
+
+
+def instance_of(grant: Grant) -> Instance:
+    """The incarnation a grant's lease is on, as the prefix history keys it."""
+    return (grant.lease.node_id, grant.lease.loaded_at)
+
 
 @dataclass(eq=False)
 class _Ask:
@@ -63,13 +79,22 @@ def _background(coro: Any) -> asyncio.Task:
 
 
 class StandingLeases:
-    def __init__(self, leases: "Leases", holder: str, linger_s: float, report_every_s: float = 0.25, heartbeat_s: float = 2.0):
+    def __init__(
+        self,
+        leases: "Leases",
+        holder: str,
+        linger_s: float,
+        report_every_s: float = 0.25,
+        heartbeat_s: float = 2.0,
+        max_extra_in_flight: int = 4,
+    ):
         self.leases = leases
         self.residency = leases.residency
         self.holder = holder
         self.linger_s = linger_s
         self.report_every_s = report_every_s
         self.heartbeat_s = heartbeat_s
+        self.max_extra_in_flight = max_extra_in_flight  # prefix affinity's bound (module doc)
         self.held: dict[str, list[Standing]] = {}  # model -> its standing leases here
         self.copies: dict[str, int] = {}  # model -> ready copies in the cluster (from `routes`)
         self._asking: dict[str, _Ask] = {}
@@ -81,18 +106,22 @@ class StandingLeases:
         self._tasks: list[asyncio.Task] = []
 
     # ---- the requests' side --------------------------------------------------------------------
-    async def use(self, model: str) -> Standing:
+    async def use(self, model: str, prefix: tuple[int, ...] = ()) -> Standing:
         """A standing lease on a ready instance of `model`, counted as one more request on it (end it
-        with `done`); raises the residency service's OrchardError when there is none to be had."""
+        with `done`); raises the residency service's OrchardError when there is none to be had.
+        `prefix`: the request's prefix keys (router/serving/affinity.py), to send it where its
+        prompt's beginning went before."""
         self._start()
-        standing = self._pick(model)
-        if standing is None or self._wants_another(model, standing):
+        standing = self._pick(model, prefix)
+        if standing is None or self._wants_another(model):
             try:
                 standing = await self._ask(model)
             except Exception:
-                standing = self._pick(model)  # one more copy was not to be had: use what is held
+                standing = self._pick(model, prefix)  # one more copy was not to be had: use what is held
                 if standing is None:
                     raise
+        if prefix:
+            self._count(model, standing, prefix)
         standing.in_flight += 1
         self._started[model] = self._started.get(model, 0) + 1
         return standing
@@ -109,16 +138,29 @@ class StandingLeases:
         """The lease's instance failed (dead or unreachable): later requests ask again."""
         self._give_back(standing)
 
-    def _pick(self, model: str) -> Standing | None:
-        usable = [s for s in self.held.get(model, ()) if not s.revoked and not s.ended]
-        return min(usable, key=lambda s: s.in_flight) if usable else None
+    def _usable(self, model: str) -> list[Standing]:
+        return [s for s in self.held.get(model, ()) if not s.revoked and not s.ended]
 
-    def _wants_another(self, model: str, standing: Standing) -> bool:
-        """Whether a busy model has a ready copy this replica holds no lease on (asked once per
-        change in the number of copies)."""
+    def _pick(self, model: str, prefix: tuple[int, ...] = ()) -> Standing | None:
+        usable = self._usable(model)
+        if not usable:
+            return None
+        history = self.leases.affinity
+        matches = [history.match(s.instance, prefix) for s in usable] if prefix else [0] * len(usable)
+        return usable[choose([s.in_flight for s in usable], matches, self.max_extra_in_flight)]
+
+    def _count(self, model: str, standing: Standing, prefix: tuple[int, ...]) -> None:
+        """The affinity metric: whether the request went where its longest known prefix is."""
+        history = self.leases.affinity
+        longest = max((history.match(s.instance, prefix) for s in self._usable(model)), default=0)
+        metrics.on_affinity(model, outcome(history.match(standing.instance, prefix), longest))
+
+    def _wants_another(self, model: str) -> bool:
+        """Whether a busy model (every lease held on it has requests in flight) has a ready copy
+        this replica holds no lease on (asked once per change in the number of copies)."""
         copies = self.copies.get(model, 0)
-        held = sum(1 for s in self.held.get(model, ()) if not s.revoked and not s.ended)
-        if standing.in_flight == 0 or copies <= held or self._asked_at_copies.get(model) == copies:
+        usable = self._usable(model)
+        if not usable or min(s.in_flight for s in usable) == 0 or copies <= len(usable) or self._asked_at_copies.get(model) == copies:
             return False
         self._asked_at_copies[model] = copies
         return True
@@ -140,9 +182,9 @@ class StandingLeases:
         grant = await self.residency.acquire.remote(model, None, 0, self.holder)
         if isinstance(grant, Refusal):
             raise grant.error()
-        mine = (grant.lease.node_id, grant.lease.loaded_at)
+        mine = instance_of(grant)
         for s in self.held.get(model, ()):
-            if not s.ended and not s.revoked and (s.grant.lease.node_id, s.grant.lease.loaded_at) == mine:
+            if not s.ended and not s.revoked and s.instance == mine:
                 self.leases.release(grant.lease.lease_id)  # a second lease on an instance already held
                 return s
         standing = Standing(grant)
