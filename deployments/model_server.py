@@ -524,6 +524,15 @@ class ModelServer:
         """What the engine holds, in bytes, and how long its load took."""
         return self.engine.memory()
 
+    async def shrink_prefix_cache(self, target_bytes: int = 0) -> int:
+        """Give back kept prompt prefixes down to `target_bytes` (what the residency loop asks of a
+        node's instances before it evicts a model there for room, rule X4); the bytes freed, 0 for an
+        engine that keeps none."""
+        shrink = getattr(self.engine, "shrink_prefix_cache", None)
+        if shrink is None or self.engine.health().status != "ready":
+            return 0
+        return int(await shrink(target_bytes))
+
     def counters(self) -> dict:
         """The engine's work counters (an LLM engine: mlx-lm's BatchGenerator counters; {} else),
         and where the path's time goes in this server (_PATH_COUNTERS)."""

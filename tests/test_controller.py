@@ -780,8 +780,11 @@ def test_a_node_report_short_of_the_room_holds_the_load_back_until_the_wait_fail
     async def scenario():
         c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
         c.release((await c.acquire("a")).lease_id)
-        fx.foreign["n1"] = 4 * GIB
+        fx.stop_gate = asyncio.Event()
         waiting = asyncio.create_task(c.acquire("b"))
+        await fx.run_for(0.1)  # a is evicted for b (X4's report first found nothing else there); its stop waits
+        fx.foreign["n1"] = 4 * GIB  # something else takes the memory meanwhile
+        fx.stop_gate.set()
         await fx.run_for(0.1)
         held_back = [p.model for p in fx.started]
         fx.clock.advance(c.config.exit_wait_s + 1)
@@ -794,6 +797,32 @@ def test_a_node_report_short_of_the_room_holds_the_load_back_until_the_wait_fail
     (failed,) = [e for e in c.events() if e.kind == "load_failed"]
     assert "did not show 6.0 GiB free" in failed.reason and "4.0 GiB free" in failed.reason
     assert error.code.startswith("model_")
+
+
+def test_kept_prompt_prefixes_are_given_back_before_a_model_is_evicted_for_room():
+    """X4: n1 holds a (3 GiB) and 3 GiB of a's kept prompt prefixes, which the node's report counts as
+    used; b (4 GiB) would evict a. The instances there give back their caches first, and the report
+    after that shows room for b beside a: nothing is evicted. When the caches free too little, the
+    eviction goes ahead after that one report."""
+
+    async def scenario(cache_gb, b_gb=4.0, other_gb=0.0):
+        c, fx = make([spec("a", gb=3), spec("b", gb=b_gb)], nodes=(("n1", 8),))
+        c.release((await c.acquire("a")).lease_id)
+        fx.caches["n1"] = int(cache_gb * GIB)
+        fx.foreign["n1"] = int((cache_gb + other_gb) * GIB)
+        fx.report("n1")
+        c.release((await asyncio.wait_for(c.acquire("b"), 2)).lease_id)
+        await c.settle()
+        return c, fx
+
+    c, fx = run(scenario(3))
+    assert fx.shrunk == [["a@n1#1"]] and [r.model for r, _ in fx.stopped] == []
+    assert {i.model for i in c.state.node("n1").instances} == {"a", "b"}
+    (shrunk,) = [e for e in c.events() if e.kind == "caches_shrunk"]
+    assert shrunk.node_id == "n1" and shrunk.bytes == 3 * GIB
+    c, fx = run(scenario(0.5, b_gb=4.5, other_gb=1.0))  # 3.5 GiB free, 4.0 after the shrink: a goes
+    assert fx.shrunk == [["a@n1#1"]] and [r.model for r, _ in fx.stopped] == ["a"]
+    assert {i.model for i in c.state.node("n1").instances} == {"b"}
 
 
 def test_a_placement_without_stops_on_its_node_loads_at_once():

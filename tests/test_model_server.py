@@ -297,6 +297,19 @@ def test_cancelling_a_whole_generation_stops_it_and_progress_tracks_it(llama, lo
     assert ray.get(handle.memory.remote()).kv_bytes_in_use == 0
 
 
+def test_a_server_gives_back_its_kept_prompt_prefixes_on_asking(llama, embedder):
+    """X4's effect: what the residency loop asks of a node's instances before it evicts for room.
+    The LLM's kept prefixes go (the bytes it frees, then none held); an engine that keeps none frees 0."""
+    handle, _ = llama
+    long_prompt = " ".join(f"word{i}" for i in range(600))  # over prompt_cache_min_tokens: kept after it runs
+    ray.get(handle.generate_whole.remote("prefix-1", {"prompt": long_prompt, "max_tokens": 2, "temperature": 0}), timeout=60)
+    held = ray.get(handle.memory.remote()).prefix_cache_bytes
+    assert held > 0
+    assert ray.get(handle.shrink_prefix_cache.remote(0), timeout=30) == held
+    assert ray.get(handle.memory.remote()).prefix_cache_bytes == 0
+    assert ray.get(embedder.shrink_prefix_cache.remote(0), timeout=30) == 0
+
+
 def test_embedding_server_returns_vectors(embedder):
     out = ray.get(embedder.embed.remote(["a red apple", "a green pear"]))
     assert out.dimensions == 384 and len(out.vectors) == 2 and out.prompt_tokens > 0

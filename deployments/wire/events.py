@@ -30,6 +30,7 @@ EventKind = Literal[
     "fetch_failed",
     "files_removed",
     "cancelled",
+    "caches_shrunk",
 ]
 
 

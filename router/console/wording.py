@@ -109,6 +109,8 @@ def event_sentence(e: ClusterEvent) -> str:
             return f"{m}'s files were removed{on}{why}"
         case "cancelled":
             return f"{m}{on} was cancelled{why}"
+        case "caches_shrunk":
+            return f"the instances{on} gave back their kept prompt prefixes{held}{why}"
     return f"{e.kind}: {m}{on}{why}"  # a kind added later reads plainly until it has its sentence
 
 

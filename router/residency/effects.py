@@ -147,6 +147,16 @@ class RayEffects:
         except Exception as e:  # the target's agent died (its node with it)
             return FetchResult(ok=False, code="error", message=unwrap(e).message)
 
+    async def shrink_caches(self, actors: list[str]) -> int:
+        async def one(name: str) -> int:
+            try:
+                handle = await asyncio.to_thread(ray.get_actor, name, NAMESPACE)
+                return int(await asyncio.wait_for(handle.shrink_prefix_cache.remote(0), self.exit_timeout_s))
+            except Exception:  # gone, or busy past the timeout: it frees nothing now
+                return 0
+
+        return sum(await asyncio.gather(*(one(name) for name in actors)))
+
     async def store_report(self, node_id: str) -> StoreReport | None:
         agent = get_agent(node_id)
         if agent is None:

@@ -67,6 +67,10 @@ class Effects(Protocol):
         """Put the model's weights in the node's store as the order says; how it ended comes back."""
         ...
 
+    async def shrink_caches(self, actors: list[str]) -> int:
+        """Ask these model servers to give back their kept prompt prefixes (X4); the bytes freed."""
+        ...
+
     async def store_report(self, node_id: str) -> StoreReport | None:
         """The node's store as its agent sees it now (None: it has no store, or no agent answers)."""
         ...

@@ -58,6 +58,43 @@ class Placements:
         # node -> when a stop there ended without confirming its process gone: until a report asked
         # for after that shows the room, every load there waits for one.
         self._unsure: dict[str, float] = {}
+        self._squeezes: dict[str, tuple[float, float | None]] = {}  # node -> (when its caches were asked to shrink, when that ended)
+
+    # ---- caches shrink before evictions (X4) -------------------------------------------------------
+    def squeezing(self, node_id: str, now: float) -> bool:
+        """X4: before a placement evicts anything on `node_id`, the ready instances there give back
+        their kept prompt prefixes and a report asked for after that measures the room; True while
+        that is under way (the placement waits, then is decided again). Once per `exit_wait_s` a
+        node: after that, evictions go ahead as decided."""
+        loop = self.loop
+        started, ended = self._squeezes.get(node_id, (float("-inf"), float("-inf")))
+        if ended is None:
+            return True
+        asked, _ = self._reports.get(node_id, (float("-inf"), 0))
+        if asked < ended and now - ended < loop.config.exit_wait_s:
+            return True  # its report after the shrink has not come yet
+        if now - started < loop.config.exit_wait_s:
+            return False
+        node = loop.state.node(node_id)
+        ready = [i.model for i in node.instances if i.status == "ready"] if node is not None else []
+        actors = [a for m in ready if (a := loop.sites.actor_of(InstanceRef(node_id=node_id, model=m))) is not None]
+        if not actors:
+            return False
+        self._squeezes[node_id] = (now, None)
+        loop._spawn(self._squeeze(node_id, actors, now))
+        return True
+
+    async def _squeeze(self, node_id: str, actors: list[str], started: float) -> None:
+        loop = self.loop
+        try:
+            freed = await loop.effects.shrink_caches(actors)
+        except Exception:  # an effect that broke frees nothing: the eviction goes ahead
+            freed = 0
+        self._squeezes[node_id] = (started, loop.clock.now())
+        if freed:
+            loop._record("caches_shrunk", node_id=node_id, bytes=freed, reason=f"{gib(freed)} of kept prompt prefixes, before evicting a model")
+        loop.effects.want_report(node_id)
+        loop._wake()
 
     def stopping(self, ref: InstanceRef) -> int:
         stop_id = next(self._ids)

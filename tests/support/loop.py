@@ -47,6 +47,8 @@ class FakeEffects:
         self.fail_fetch: set[str] = set()
         self.fetch_s = 0.01
         self._incarnations = 0
+        self.caches: dict[str, int] = {}  # node -> bytes its instances keep as prompt prefixes (in `foreign`)
+        self.shrunk: list[list[str]] = []  # each shrink_caches call's actors
 
     def now(self) -> float:
         return self.clock.now()
@@ -100,6 +102,16 @@ class FakeEffects:
         if self.resident.pop((instance.model, instance.node_id), None) is not None:
             self.log.append(("exit", instance.model))
         return True
+
+    async def shrink_caches(self, actors):
+        """The instances' kept prefixes: `caches[node]` bytes, counted as foreign memory until given back."""
+        self.shrunk.append(sorted(actors))
+        freed = 0
+        for node_id in {a.split("@")[1].split("#")[0] for a in actors}:
+            held = self.caches.pop(node_id, 0)
+            self.foreign[node_id] = self.foreign.get(node_id, 0) - held
+            freed += held
+        return freed
 
     async def store_report(self, node_id):
         return None  # the store as the last report said
