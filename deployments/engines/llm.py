@@ -135,6 +135,8 @@ class LLMEngine(Engine):
         max_batch: int = 64,
         prefill_batch: int = 32,
         prefill_step: int = 2048,
+        prefill_chunk_tokens: int = 512,
+        prefill_decode_steps: int = 0,
         context_length: int | None = None,
         prompt_cache_entries: int = 16,  # 0: no prefix reuse; else the LRU cache's entries
         prompt_cache_bytes: int = 512 * 2**20,  # the prefix cache's byte budget (either kind)
@@ -155,6 +157,18 @@ class LLMEngine(Engine):
         self.max_batch = max_batch
         self.prefill_batch = min(prefill_batch, max_batch)  # a group never exceeds the batch
         self.prefill_step = prefill_step
+        # Each prefilling row runs at most this many prompt tokens per step: mlx-lm's BatchGenerator
+        # decodes the batch, then prefills one slice of every pending prompt, each next(); with its
+        # slice at 2048 a 3,000-token prompt stalls every decoding stream for a 2,048-token forward.
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be at least 1, not {prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        # ... and after a chunk, while other rows decode, this many steps decode only (a chunk costs
+        # several decode steps on a small batch: without these, every step of a long prefill does)
+        if prefill_decode_steps < 0:
+            raise ValueError(f"prefill_decode_steps must not be negative, not {prefill_decode_steps}")
+        self.prefill_decode_steps = prefill_decode_steps
+        self._decode_only = prefill_decode_steps  # decode-only steps since the last chunk (MLX thread)
         self._context_length = context_length
         self._prompt_cache_entries = prompt_cache_entries
         self.prompt_cache_bytes = prompt_cache_bytes
@@ -282,7 +296,7 @@ class LLMEngine(Engine):
             stop_tokens=[[t] for t in self.eos_ids],
             completion_batch_size=self.max_batch,
             prefill_batch_size=self.prefill_batch,
-            prefill_step_size=self.prefill_step,
+            prefill_step_size=min(self.prefill_step, self.prefill_chunk_tokens),
             stream=mx.default_stream(mx.default_device()),
         )
 
@@ -604,10 +618,24 @@ class LLMEngine(Engine):
         for layers, tokens in self.generator.extract_cache(uids).values():
             cache.insert(tokens, layers)
 
+    def _prefill_now(self, by_uid: dict[int, int]) -> bool:
+        """Whether this step prefills a chunk: always when no row decodes or none prefills, else once
+        prefill_decode_steps steps have only decoded since the last chunk."""
+        decoding = len(by_uid) > len(self._prefilling)
+        if not self._prefilling or not decoding or self._decode_only >= self.prefill_decode_steps:
+            self._decode_only = 0 if self._prefilling else self.prefill_decode_steps
+            return True
+        self._decode_only += 1
+        return False
+
     def _step(self, streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]) -> None:
         """One BatchGenerator step for every running request."""
+        chunk = self.generator.prefill_step_size
+        if not self._prefill_now(by_uid):
+            self.generator.prefill_step_size = 0  # mlx-lm slices no prompt tokens: this step only decodes
         try:
             _, responses = self.generator.next()
+            self.generator.prefill_step_size = chunk
         except Exception as e:  # a broken step must not kill the engine: fail this batch, go on
             logger.error("a batch step failed; its %d requests end with an error", len(streams), exc_info=e)
             for running in list(streams):

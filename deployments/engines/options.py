@@ -27,6 +27,15 @@ class LLMEngineOptions(BaseModel):
     # batch's arrivals join at the next step. H200, 1B shape: 16 or 32 here lost throughput and
     # doubled TTFT p50 at 64 streams (285 -> 535-557 ms; docs/serve-path.md, session 11).
     admit_hold_min_rows: int = Field(default=0, ge=0, le=1024)
+    # Prompt tokens of each prefilling row run in one engine step, between two decode steps (mlx-lm's
+    # prefill_step_size, which its BatchGenerator already interleaves with decoding): a 3,000-token
+    # prompt is prefilled over several steps and the streams decoding beside it keep their pace.
+    # bench.engine.long_prefill: bench/results/engine-long-prefill.json.
+    prefill_chunk_tokens: int = Field(default=512, ge=16, le=8192)
+    # ... and after each chunk, this many steps only decode while rows do (0: a chunk every step):
+    # the decoding streams' ITL p50 stays the bare engine's (one step in this many + 1 carries a
+    # chunk) and the long prompt's first token comes that many times later.
+    prefill_decode_steps: int = Field(default=0, ge=0, le=16)
     # Sequences prefilled together (mlx-lm's prefill_batch_size; its default is 8).
     prefill_batch: int = Field(default=32, ge=1, le=256)
     # ... and at most this many prompt tokens admitted and not yet prefilled (one longer prompt
