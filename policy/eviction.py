@@ -1,14 +1,15 @@
 """Which instances may be evicted, in what order each strategy gives them up, and the smallest set
 that makes room. Ordering is where strategies differ; safety (protections) is the same for all."""
 
+import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from policy.caps import CapExcess
 from policy.cluster_state import ClusterState, InstanceRef, InstanceState, RefKey
 from policy.config import EvictionStrategy, PolicyConfig
 from policy.decisions import Protection
-from policy.memory import reload_seconds
 from policy.specs import ModelKind, ModelSpec
 
 
@@ -49,8 +50,9 @@ def ready_copies(state: ClusterState) -> dict[str, int]:
     return counts
 
 
-def protection_of(inst: InstanceState, spec: ModelSpec, copies: int, now: float, config: PolicyConfig) -> Protection | None:
-    """Why this instance may not be evicted now, or None. Lasting reasons are named before passing ones."""
+def protection_of(inst: InstanceState, spec: ModelSpec, copies: int, now: float, min_residency_s: float) -> Protection | None:
+    """Why this instance may not be evicted now, or None. Lasting reasons are named before passing
+    ones. min_residency_s: the config's (read once by a caller that asks of every instance)."""
     if spec.pinned:
         return "pinned"
     status = inst.status
@@ -62,7 +64,7 @@ def protection_of(inst: InstanceState, spec: ModelSpec, copies: int, now: float,
         return "draining"
     if inst.in_flight > 0:
         return "busy"
-    if now - inst.loaded_at < config.min_residency_s:
+    if now - inst.loaded_at < min_residency_s:
         return "young"
     return None
 
@@ -74,13 +76,21 @@ def keep_valuer(now: float, config: PolicyConfig) -> Callable[[InstanceState, Mo
     (A frequency term, requests served / age, was tried in the simulator and reloaded more.)
 
     A function of (instance, spec, fetch seconds) at `now`, with the config's figures read once: a
-    decision asks it of every instance it weighs."""
+    decision asks it of every instance it weighs, so memory.reload_seconds is written out in it
+    (the same figure, tests/test_policy_scale.py checks it)."""
     utility_weight, idle_floor_s = config.cost.utility_weight, config.cost.idle_floor_s
+    load_base_s, load_bandwidth = config.load_base_s, config.load_bandwidth_bytes_per_s
 
     def keep_value(inst: InstanceState, spec: ModelSpec, fetch_s: float) -> float:
         weight = utility_weight if spec.role == "utility" else 1.0
-        idle_s = max(0.0, now - inst.last_used)
-        return (reload_seconds(inst, spec, config) + fetch_s) * weight / (idle_s + idle_floor_s)
+        idle_s = now - inst.last_used
+        idle_s = idle_s if idle_s > 0.0 else 0.0  # max(0.0, idle_s), without the call's cost
+        reload_s = inst.load_seconds
+        if reload_s is None:
+            reload_s = spec.load_seconds_estimate
+            if reload_s is None:
+                reload_s = load_base_s + inst.bytes / load_bandwidth  # memory.estimated_load_seconds
+        return (reload_s + fetch_s) * weight / (idle_s + idle_floor_s)
 
     return keep_value
 
@@ -89,14 +99,16 @@ def eviction_orders(
     candidates: Iterable[Candidate], keep_values: Mapping[Candidate, float], strategy: EvictionStrategy, kind: ModelKind, oracle: bool
 ) -> tuple[dict[Candidate, tuple], dict[Candidate, tuple]]:
     """Sort keys by candidate, without memory pressure and under it: the first candidate is given
-    up first. Tier (keep-warm) always comes first; the instance itself, (node_id, model), breaks ties."""
+    up first. Tier (keep-warm) always comes first; the instance itself, (node_id, model), breaks
+    ties: every key ends with it (SortedAsRead relies on that)."""
     relaxed: dict[Candidate, tuple] = {}
     pressed: dict[Candidate, tuple] = {}
     if oracle or strategy == "cost":
         for c in candidates:
             value = keep_values[c]
             relaxed[c] = (c.tier, value, c.key)
-            pressed[c] = (c.tier, value / max(c.bytes, 1), c.key)  # per byte freed
+            nbytes = c.bytes
+            pressed[c] = (c.tier, value / (nbytes if nbytes > 1 else 1), c.key)  # per byte freed (max(nbytes, 1))
     elif strategy == "lru":
         for c in candidates:
             relaxed[c] = pressed[c] = (c.tier, c.spec.kind != kind, c.inst.last_used, c.key)
@@ -105,6 +117,43 @@ def eviction_orders(
             relaxed[c] = (c.tier, 0, c.inst.last_used, c.key)
             pressed[c] = (c.tier, -c.bytes, c.inst.last_used, c.key)
     return relaxed, pressed
+
+
+class Ordered(Protocol):
+    """Candidates read by position, first to give up first."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Candidate: ...
+
+
+class SortedAsRead:
+    """Candidates in an eviction order (their keys from eviction_orders), sorted only as far as
+    they are read: a heap hands out the next one when a position past those already sorted is
+    asked for. select_victims reads the victims elsewhere from the front, rarely past the first
+    few, and sorting every instance of a large cluster for that was a large part of a decision's
+    cost. Every order's key ends with the instance, (node_id, model), so no two keys are equal, the
+    positions read are those of the sorted keys, and the key names its candidate in `by_ref`."""
+
+    __slots__ = ("_heap", "_sorted", "_len", "_by_ref")
+
+    def __init__(self, keys: list[tuple], by_ref: Mapping[RefKey, Candidate]) -> None:
+        heapq.heapify(keys)
+        self._heap = keys
+        self._sorted: list[Candidate] = []
+        self._len = len(keys)
+        self._by_ref = by_ref
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int, /) -> Candidate:
+        done = self._sorted
+        if not 0 <= index < self._len:
+            raise IndexError(index)
+        while len(done) <= index:
+            done.append(self._by_ref[heapq.heappop(self._heap)[-1]])
+        return done[index]
 
 
 @dataclass(frozen=True)
@@ -123,9 +172,7 @@ class Need:
         return all(len(keys & e.members) >= e.excess for e in self.excesses)
 
 
-def select_victims(
-    local: Sequence[Candidate], elsewhere: Sequence[Candidate], need: Need, key: Callable[[Candidate], tuple]
-) -> tuple[Candidate, ...] | None:
+def select_victims(local: Sequence[Candidate], elsewhere: Ordered, need: Need, key: Callable[[Candidate], tuple]) -> tuple[Candidate, ...] | None:
     """Greedy in the strategy's order over the node's own candidates and (while a cluster-wide cap
     is still broken) candidates on other nodes (`elsewhere` may list this node's too: they are
     skipped there), taking only those that still help; then pruning any victim

@@ -1,9 +1,11 @@
 """ensure(): where a request for a model goes. Filter nodes by hard constraints, plan the cheapest
 room on each, pick by a fixed preference; explain precisely when nothing works."""
 
-from collections.abc import Callable, Mapping
+from bisect import bisect_left
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 
 from pydantic import TypeAdapter
 
@@ -11,7 +13,7 @@ from policy.caps import CapExcess, global_cap_excesses, node_cap_excesses, node_
 from policy.cluster_state import ClusterState, InstanceRef, InstanceState, NodeState, RefKey
 from policy.config import PolicyConfig
 from policy.decisions import PASSING_PROTECTIONS, Blocker, Decision, LoadFailure, Place, Reject, Use, Wait
-from policy.eviction import Candidate, Need, eviction_orders, select_victims, set_cost
+from policy.eviction import Candidate, Need, SortedAsRead, eviction_orders, select_victims, set_cost
 from policy.failures import NOT_RETRIED_BECAUSE, backoff_left, failed_load_backoff, failure_text, failures_after, load_failed, reject_marked
 from policy.memory import (
     estimated_load_seconds,
@@ -103,7 +105,7 @@ class _Planner:
         # L1 among evicting nodes weighs the victims' keep value in seconds (see _evicting_rank).
         self.idle_floor_s = snap.config.cost.idle_floor_s if snap.config.eviction == "cost" and not self.oracle else None
         self.allowed = {None} | (PASSING_PROTECTIONS if passing_evictable else set())
-        self._elsewhere: dict[bool, list[Candidate]] = {}
+        self._elsewhere: dict[bool, SortedAsRead] = {}
         self._caps_only: tuple[tuple[Candidate, ...] | None] | None = None  # (victims,) once known
         self._costs: dict[tuple[Candidate, ...], tuple] = {}
 
@@ -137,12 +139,26 @@ class _Planner:
         """The strategy's order of the pool (E3-E5), without memory pressure or under it."""
         return self._orders[pressure].__getitem__
 
-    def elsewhere(self, pressure: bool) -> list[Candidate]:
-        """Victims elsewhere only ever help cluster-wide caps: sorted once, not once per node."""
+    def elsewhere(self, pressure: bool) -> SortedAsRead:
+        """Victims elsewhere only ever help cluster-wide caps: ordered once, not once per node, and
+        only as far as some node reads them."""
         found = self._elsewhere.get(pressure)
         if found is None:
-            found = self._elsewhere[pressure] = sorted(self._cap_members, key=self.order(pressure))
+            order = self._orders[pressure]
+            keys = list(order.values()) if self._caps_count_everything else [order[c] for c in self._cap_members]
+            found = self._elsewhere[pressure] = SortedAsRead(keys, self._by_ref)
         return found
+
+    @cached_property
+    def _by_ref(self) -> dict[RefKey, Candidate]:
+        return {c.key: c for cs in self.pool.values() for c in cs}
+
+    @cached_property
+    def _caps_count_everything(self) -> bool:
+        """Whether a cluster-wide cap counts every instance on an alive node (max_instances does):
+        then the whole pool are its members, and asking each candidate is not needed."""
+        alive = sum(len(cs) for cs in self.snap.candidates_by_node.values())
+        return any(len(e.members) == alive for e in self.global_excesses)
 
     @cached_property
     def _cap_members(self) -> list[Candidate]:
@@ -302,16 +318,51 @@ _PROTECTION_WORDS = {
 }
 
 
-def _shortfall_text(s: NodeShortfall, free: int) -> str:
-    by_protection: dict[str, list[Candidate]] = {}
-    for b in s.blockers:
-        by_protection.setdefault(b.protection or "", []).append(b)
-    here = s.node.node_id
-    # model@node as str(InstanceRef) writes it, without building one per blocker
-    names = {prot: [b.key[1] if b.key[0] == here else f"{b.key[1]}@{b.key[0]}" for b in bs] for prot, bs in by_protection.items()}
+class _ClusterNames:
+    """The shared cluster-wide blockers of a refusal's shortfalls (NodeShortfall.cluster_blockers),
+    named as _shortfall_text names them, by protection: worked out once for the three shortfalls a
+    refusal describes, each of which names every one of them (at scale, a thousand names three
+    times was a large part of a refusal's cost). A node's own instances are a span of that tuple,
+    replaced by its own blockers, so every other blocker is on another node: named model@node."""
+
+    def __init__(self, cluster: tuple[Candidate, ...]) -> None:
+        # protection -> (positions in the tuple, names, running sums of bytes from 0)
+        self.groups: dict[str, tuple[Sequence[int], list[str], list[int]]] = {}
+        protections = [c.protection or "" for c in cluster]
+        names = [f"{c.key[1]}@{c.key[0]}" for c in cluster]  # str(InstanceRef), without building one
+        sizes = [c.bytes for c in cluster]
+        kinds = set(protections)
+        if len(kinds) == 1:  # the usual case: every one of them busy, say
+            self.groups[protections[0]] = (range(len(cluster)), names, list(accumulate(sizes, initial=0)))
+            return
+        for prot in kinds:
+            positions = [i for i, p in enumerate(protections) if p == prot]
+            self.groups[prot] = (positions, [names[i] for i in positions], list(accumulate((sizes[i] for i in positions), initial=0)))
+
+    def held(self, s: NodeShortfall) -> dict[str, tuple[list[str], int]]:
+        """By protection, the names of s.blockers (its own by model alone) and the bytes they hold."""
+        start, end = s.span
+        own_names: dict[str, list[str]] = {}
+        own_bytes: dict[str, int] = {}
+        for b in s.own_blockers:
+            mark = b.protection or ""
+            own_names.setdefault(mark, []).append(b.key[1])
+            own_bytes[mark] = own_bytes.get(mark, 0) + b.bytes
+        found: dict[str, tuple[list[str], int]] = {}
+        for prot in self.groups.keys() | own_names.keys():
+            positions, names, sums = self.groups.get(prot, ((), [], [0]))
+            before, after = bisect_left(positions, start), bisect_left(positions, end)
+            mine = own_names.get(prot, [])
+            if before or mine or after < len(positions):
+                found[prot] = (names[:before] + mine + names[after:], sums[before] + own_bytes.get(prot, 0) + sums[-1] - sums[after])
+        return found
+
+
+def _shortfall_text(s: NodeShortfall, free: int, cluster_names: _ClusterNames) -> str:
     held = "; ".join(
-        f"{_PROTECTION_WORDS[prot]} {', '.join(names[prot])} hold {gib(sum(b.bytes for b in bs))}" for prot, bs in sorted(by_protection.items())
+        f"{_PROTECTION_WORDS[prot]} {', '.join(names)} hold {gib(nbytes)}" for prot, (names, nbytes) in sorted(cluster_names.held(s).items())
     )
+    here = s.node.node_id
     parts = [f"on {here}: {gib(free)} free of {gib(s.node.usable_bytes)} usable"]
     if s.memory_short_bytes > 0:
         parts.append(f"{gib(s.memory_short_bytes)} short after every allowed eviction")
@@ -463,7 +514,8 @@ def _refuse(planner: _Planner, shortfalls: list[NodeShortfall], eligible: list[N
     # the victims' order, does not matter here).
     waiting_helps = _Planner(spec, snap, passing_evictable=True, global_excesses=planner.global_excesses).any_plan(eligible)
     ordered = sorted(shortfalls, key=lambda s: -capacities[s.node.node_id])
-    detail = "; ".join(_shortfall_text(s, snap.free(s.node)) for s in ordered[:3])
+    cluster_names = _ClusterNames(planner.cluster_blockers[0])
+    detail = "; ".join(_shortfall_text(s, snap.free(s.node), cluster_names) for s in ordered[:3])
     if len(ordered) > 3:
         detail += f"; and {len(ordered) - 3} more nodes"
     blockers = blockers_of(shortfalls)

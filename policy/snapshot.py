@@ -12,7 +12,7 @@ from functools import cached_property
 from policy.cluster_state import ClusterState, InstanceRef, NodeState, RefKey
 from policy.config import PolicyConfig
 from policy.eviction import Candidate, keep_valuer, protection_of, ready_copies
-from policy.locality import fetch_seconds, stored_anywhere
+from policy.locality import bandwidth, stored_anywhere
 from policy.memory import free_bytes
 from policy.specs import ModelSpec
 
@@ -52,30 +52,45 @@ class Snapshot:
         """Asked only for models with min_copies."""
         return ready_copies(self.state)
 
+    @cached_property
+    def bandwidths(self) -> tuple[float, float]:
+        """locality.bandwidth from a peer and from the Hub."""
+        return bandwidth(self.state, self.config, "peer"), bandwidth(self.state, self.config, "hub")
+
     def fetch_seconds(self, spec: ModelSpec, node: NodeState) -> float:
-        """locality.fetch_seconds for one of the state's nodes, without a walk over every node."""
-        return fetch_seconds(spec, node, self.state, self.config, self.stored)
+        """locality.fetch_seconds for one of the state's nodes, written out with the snapshot's
+        stored set and bandwidths: a decision asks it of every instance it weighs (the same figure:
+        tests/test_policy_scale.py checks it)."""
+        name = spec.name
+        if name in node.stored:
+            return 0.0
+        if name in self.stored:  # on a peer: a node lacking the weights finds them on another
+            return spec.weight_bytes / self.bandwidths[0]
+        return spec.weight_bytes / self.bandwidths[1] if spec.hub else 0.0
 
     def keep_values(self, by_node: Mapping[str, Iterable[Candidate]]) -> dict[Candidate, float]:
         """Keep values (E3, or the oracle's) by candidate, these among them (by node): each worked
         out once, and only for candidates an eviction order weighs."""
-        values, oracle, keep_value = self._keep_values, self.oracle, keep_valuer(self.now, self.config)
+        values, oracle = self._keep_values, self.oracle
+        if oracle is not None:
+            for candidates in by_node.values():
+                for c in candidates:
+                    if c not in values:
+                        values[c] = oracle.get(c.key, 0.0)
+            return values
+        keep_value, fetch_seconds = keep_valuer(self.now, self.config), self.fetch_seconds
         for node_id, candidates in by_node.items():
             node = self.nodes[node_id]
             for c in candidates:
-                if c in values:
-                    continue
-                if oracle is not None:
-                    values[c] = oracle.get(c.key, 0.0)
-                else:
-                    values[c] = keep_value(c.inst, c.spec, self.fetch_seconds(c.spec, node))
+                if c not in values:
+                    values[c] = keep_value(c.inst, c.spec, fetch_seconds(c.spec, node))
         return values
 
     @cached_property
     def candidates_by_node(self) -> dict[str, tuple[Candidate, ...]]:
         """Every instance on an alive node, with its protection, by node in the state's order, each
         node's instances in its order."""
-        now, config, catalog = self.now, self.config, self.state.catalog
+        now, min_residency_s, catalog = self.now, self.config.min_residency_s, self.state.catalog
         by_node = {}
         for node in self.state.nodes:
             if not node.alive:
@@ -85,6 +100,6 @@ class Snapshot:
                 model = inst.model
                 spec = catalog[model]
                 copies = self.ready_copies.get(model, 0) if spec.min_copies > 0 else 0
-                found.append(Candidate((node_id, model), inst, spec, protection_of(inst, spec, copies, now, config)))
+                found.append(Candidate((node_id, model), inst, spec, protection_of(inst, spec, copies, now, min_residency_s)))
             by_node[node_id] = tuple(found)
         return by_node
