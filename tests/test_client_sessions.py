@@ -1,7 +1,7 @@
 """The clients as users run them: request sequences shaped after what a Responses-API coding agent,
 an Anthropic-Messages coding agent and a chat UI send (tests/fixtures/client_sessions/, written by
 us, not captured), replayed turn by turn through the official openai and anthropic SDKs against
-SmolLM2 on the shared cluster. Each answer is fed back as that client would: a tool call answered
+SmolLM2 on the shared cluster, the three at the same time as three users would. Each answer is fed back as that client would: a tool call answered
 with a canned result, and when the 135M model made no call, the call the client would have made
 resent in history with its result (clients resend history with calls in it whatever this run's
 model said). The assertions are about shape and protocol, never the model's words: each event
@@ -12,6 +12,7 @@ counts that grow with it."""
 import json
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,6 +32,38 @@ FINISH_REASONS = {"stop", "length", "tool_calls"}
 def base(models_dir, shared_ray) -> Iterator[str]:
     yield serve_orchard({"models_dir": str(models_dir), "policy": {"min_residency_s": 0}})
     serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def replayed(base) -> dict[str, BaseException | None]:
+    """The three sessions replayed at the same time, as three users of one server would run them
+    (their turns share the model's batch); what each raised, for its own test to report."""
+    replays = {
+        "codex": replay_codex_style_responses_agent,
+        "claude_code": replay_claude_code_style_messages_agent,
+        "open_webui": replay_open_webui_style_chat,
+    }
+    with ThreadPoolExecutor(len(replays)) as pool:
+        running = {name: pool.submit(replay, base) for name, replay in replays.items()}
+    return {name: future.exception() for name, future in running.items()}
+
+
+def _passed(replayed: dict[str, BaseException | None], name: str) -> None:
+    error = replayed[name]
+    if error is not None:
+        raise error  # with the replay's own traceback
+
+
+def test_codex_style_responses_agent(replayed):
+    _passed(replayed, "codex")
+
+
+def test_claude_code_style_messages_agent(replayed):
+    _passed(replayed, "claude_code")
+
+
+def test_open_webui_style_chat(replayed):
+    _passed(replayed, "open_webui")
 
 
 def load(name: str) -> Iterator[dict[str, Any]]:
@@ -133,7 +166,7 @@ def check_response(final: Any, previous: Any, store: bool) -> None:
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
 
 
-def test_codex_style_responses_agent(base):
+def replay_codex_style_responses_agent(base: str) -> None:
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
     held: list[dict[str, Any]] = []  # the conversation as a stateless client holds it
     pending: list[dict[str, Any]] = []  # input items not sent yet
@@ -230,7 +263,7 @@ def check_message(final: Any) -> None:
     assert final.usage.input_tokens > 0 and final.usage.output_tokens > 0
 
 
-def test_claude_code_style_messages_agent(base):
+def replay_claude_code_style_messages_agent(base: str) -> None:
     client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120)
     history: list[dict[str, Any]] = []
     counted: list[int] = []
@@ -313,7 +346,7 @@ def check_completion(reply: Any) -> None:
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-def test_open_webui_style_chat(base):
+def replay_open_webui_style_chat(base: str) -> None:
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
     history: list[dict[str, Any]] = []
     prompts: list[int] = []
