@@ -325,7 +325,7 @@ def replay_claude_code_style_messages_agent(base: str) -> None:
             )
             last = final
             turns += 1
-    assert turns == 5 and len(counted) == 4
+    assert turns == 4 and len(counted) == 4
 
 
 # ---- a chat UI on /v1/chat/completions --------------------------------------------------------------
