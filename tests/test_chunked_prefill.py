@@ -35,7 +35,7 @@ async def together(engine: LLMEngine, prompts: list[list[int]], tokens: int = 16
 
 
 def test_greedy_tokens_are_the_same_whatever_the_chunk(models_dir):
-    long, other = ids(1, 1200), ids(2, 700)
+    long, other = ids(1, 600), ids(2, 350)
     prompts = [long, ids(3, 40), other, ids(4, 90)]
     results = []
     for chunk, decode_steps in ((4096, 0), (100, 0), (37, 0), (100, 2)):
@@ -44,8 +44,8 @@ def test_greedy_tokens_are_the_same_whatever_the_chunk(models_dir):
             first = run(together(e, prompts))
             # a later request that begins with the long prompt: its prefix comes from the block cache
             # (kept from chunked prefill) and only its own tail is prefilled
-            later = run(together(e, [long + ids(5, 300)]))
-            assert e.counters()["prefix_hit_tokens"] >= 1000
+            later = run(together(e, [long + ids(5, 150)]))
+            assert e.counters()["prefix_hit_tokens"] >= 500
             results.append(first + later)
         finally:
             run(e.stop())
