@@ -15,22 +15,12 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from support.cluster import HEALTH, Http, key_entry, node_args, serve_orchard  # noqa: E402
 
+from router.console.demo_cluster import CHROMIUM, CHROMIUM_ARGS  # noqa: E402  (the screenshot tools' browser, as the page is tested)
 from router.residency.registry import from_manifest  # noqa: E402
 
 MIB = 1024**2
 ADMIN, USER = "sk-console-admin", "sk-console-user"
 SMALL, BIG = "llama-10m", "smollm2-135m-instruct"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 @pytest.fixture(scope="module")
