@@ -113,14 +113,12 @@ class ResponseStore:
 
     def get(self, response_id: str, owner: str) -> StoredResponse | None:
         """The record of `response_id` if `owner` made it and it has not expired, else None."""
-        if not _ID.match(response_id):
+        found = self._read(response_id)
+        if found is None:
             return None
-        raw = self.kv.get(RECORD + response_id)
-        if raw is None:
-            return None
-        record = StoredResponse.model_validate_json(raw)
+        record, size = found
         if self._expired(record.created_at):
-            self._remove(record, len(raw))
+            self._remove(record, size)
             return None
         return record if record.owner == owner else None
 
@@ -136,16 +134,19 @@ class ResponseStore:
 
     def delete(self, response_id: str, owner: str) -> bool:
         """Delete the record of `response_id` if `owner` made it; whether there was one."""
-        if not _ID.match(response_id):
+        found = self._read(response_id)
+        if found is None or found[0].owner != owner:
             return False
-        raw = self.kv.get(RECORD + response_id)
-        if raw is None:
-            return False
-        record = StoredResponse.model_validate_json(raw)
-        if record.owner != owner:
-            return False
-        self._remove(record, len(raw))
+        record, size = found
+        self._remove(record, size)
         return not self._expired(record.created_at)
+
+    def _read(self, response_id: str) -> tuple[StoredResponse, int] | None:
+        """The stored record of `response_id` and its size in the KV, whoever made it; None if none."""
+        if not _ID.match(response_id):
+            return None
+        raw = self.kv.get(RECORD + response_id)
+        return None if raw is None else (StoredResponse.model_validate_json(raw), len(raw))
 
     # ---- bounds -----------------------------------------------------------------------------
     def sweep_if_due(self) -> int:
