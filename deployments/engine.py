@@ -3,6 +3,7 @@ units policy/ consumes (both reports are the wire's, deployments/wire/reports.py
 sends them on), and per-request failures that never take the engine down."""
 
 import abc
+import queue
 import time
 from typing import Any, Literal
 
@@ -14,6 +15,19 @@ __all__ = ["Engine", "Frozen", "Health", "MemoryReport", "RequestError", "Reques
 
 
 RequestErrorCode = Literal["invalid_request", "context_length_exceeded", "unsupported", "engine_stopped", "internal"]
+
+
+def queued_adds(commands: "queue.SimpleQueue[Any] | queue.Queue[Any]") -> list[Any]:
+    """Empty a stopping engine's command queue: the payloads of the ("add", payload) commands still in
+    it, in order (requests that never reached the batch; the other commands no longer matter)."""
+    added: list[Any] = []
+    while True:
+        try:
+            kind, payload = commands.get_nowait()
+        except queue.Empty:
+            return added
+        if kind == "add":
+            added.append(payload)
 
 
 class RequestError(Exception):

@@ -36,7 +36,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from pydantic import Field
 
-from deployments.engine import Engine, Frozen, MemoryReport, RequestError, RequestErrorCode
+from deployments.engine import Engine, Frozen, MemoryReport, RequestError, RequestErrorCode, queued_adds
 from deployments.engines import buffer_cache
 from deployments.engines.chat_format import chat_inputs, template_kwargs_error, template_supports_tools
 from deployments.engines.constrained import GrammarCompiler, GrammarProcessor
@@ -487,15 +487,8 @@ class LLMEngine(Engine):
     def _answer_unadmitted(self) -> None:
         """Arrivals that never joined the batch (held, or queued when the loop stopped) end too."""
         stopped = Delta(finish_reason="cancelled", error="engine stopped", error_code="engine_stopped")
-        arrivals = list(self._held)
+        arrivals = [*self._held, *queued_adds(self._commands)]
         self._held.clear()
-        while True:
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "add":
-                arrivals.append(payload)
         for arrival in arrivals:
             self._arrived(-1)
             _put(arrival.loop, [(arrival.out, stopped)])

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
-from deployments.engine import Engine, Frozen, MemoryReport, RequestError
+from deployments.engine import Engine, Frozen, MemoryReport, RequestError, queued_adds
 from deployments.engines.sampling import BatchSampler, RowSampling, sample
 from deployments.engines.text_stream import StopStringFilter
 from deployments.estimate import estimate
@@ -384,14 +384,7 @@ class VLMEngine(Engine):
 
     def _end_all(self, streams: dict[int, _Stream], held: deque[_Arrival], error: RequestError) -> None:
         """Every request still here, queued commands included, ends with `error`."""
-        waiting = list(held)
-        while True:
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "add":
-                waiting.append(payload)
+        waiting = [*held, *queued_adds(self._commands)]
         for stream in streams.values():
             stream.pending.append(error)
         _hand_off([(s.arrival, s.pending) for s in streams.values()])
