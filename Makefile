@@ -61,11 +61,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: lint
-	$(PY) -m pytest
+# The suite on two pytest-xdist workers: one runs the modules marked `cluster` in turn (one Ray cluster at
+# a time), the other the tests that need no cluster (tests/conftest.py); lint runs beside them, on the core
+# a cluster test leaves idle while it waits. Lint's output is printed after the suite's.
+test: $(STAMP)
+	@log=$$(mktemp); $(MAKE) --no-print-directory lint >$$log 2>&1 & lint=$$!; \
+	  $(PY) -m pytest -n 2 --dist loadgroup; tests=$$?; \
+	  wait $$lint; linted=$$?; cat $$log; rm -f $$log; \
+	  [ $$linted -eq 0 ] || echo "make test: lint failed"; [ $$tests -eq 0 ] && [ $$linted -eq 0 ]
 
 test-all: lint
-	ORCHARD_PROPERTY_EXAMPLES=1500 $(PY) -m pytest -m ''
+	ORCHARD_PROPERTY_EXAMPLES=1500 $(PY) -m pytest -m '' -n 2 --dist loadgroup
 
 bench-residency: $(STAMP)
 	$(PY) -m bench.residency --markdown docs/residency-simulation.md

@@ -1,6 +1,7 @@
 """The prepared model set's manifest: what the router's model registry reads."""
 
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -56,7 +57,10 @@ def read_manifest(models_dir: str | Path) -> Manifest:
 
 
 def write_manifest(models_dir: Path, manifest: Manifest) -> None:
-    (Path(models_dir) / MANIFEST_NAME).write_text(json.dumps(manifest.model_dump(), indent=2) + "\n")
+    path = Path(models_dir) / MANIFEST_NAME
+    partial = path.with_name(f".{MANIFEST_NAME}.{os.getpid()}")
+    partial.write_text(json.dumps(manifest.model_dump(), indent=2) + "\n")
+    partial.replace(path)  # whole or not at all: a reader (a node, another process) never sees half of it
 
 
 def safetensors_bytes(folder: str | Path) -> int:

@@ -4,6 +4,7 @@ from pathlib import Path
 # Test helpers live in tests/support/ (builders, the policy oracle, cluster set-up), imported as `support.*`.
 sys.path.insert(0, str(Path(__file__).parent))
 
+import fcntl
 import os
 import shutil
 from collections.abc import Iterator
@@ -31,7 +32,10 @@ def models_dir() -> Path:
     from deployments.models import prepare
 
     folder = Path(os.environ.get("ORCHARD_MODELS_DIR", ROOT / "models"))
-    prepare(folder, log=lambda *_: None)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".prepare.lock", "w") as lock:  # `make test` runs two pytest workers: one builds, the other waits
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        prepare(folder, log=lambda *_: None)
     return folder
 
 
@@ -54,13 +58,25 @@ def _module_of(item: pytest.Item) -> pytest.Module | None:
     return item.getparent(pytest.Module)
 
 
+CLUSTER_GROUP = "ray-cluster"
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The modules that share the Ray cluster run first, one after another (in their usual order),
-    so it is started once and gone before any module starts a cluster of its own."""
-    shared = [item for item in items if SHARED_FIXTURE in getattr(item, "fixturenames", ())]
-    modules = {_module_of(item) for item in shared}
-    items[:] = [item for item in items if _module_of(item) in modules] + [item for item in items if _module_of(item) not in modules]
+    """The modules marked `cluster` run first and one after another, and of those the ones that share
+    the Ray cluster come first (in their usual order), so it is started once and gone before any module
+    starts a cluster of its own. Under pytest-xdist (`make test` runs two workers) they are one
+    `xdist_group`: one worker runs them in this order, so there is one Ray cluster at a time, while the
+    other worker runs the tests that need none (they are on the machine's other core)."""
+    shared = {_module_of(item) for item in items if SHARED_FIXTURE in getattr(item, "fixturenames", ())}
+    cluster = {_module_of(item) for item in items if item.get_closest_marker("cluster")}
+    for item in items:
+        if _module_of(item) in shared and _module_of(item) not in cluster:
+            raise pytest.UsageError(f"{item.nodeid} uses the shared Ray cluster: its module needs `pytestmark = pytest.mark.cluster`")
+        if _module_of(item) in cluster:
+            item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
+    order = {module: 0 if module in shared else 1 if module in cluster else 2 for module in {_module_of(item) for item in items}}
+    items.sort(key=lambda item: order[_module_of(item)])  # stable: the usual order within each part
 
 
 @pytest.fixture(scope="module")

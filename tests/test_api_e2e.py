@@ -29,6 +29,8 @@ from support.speech import REFERENCE, words  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
 from router.residency.registry import from_manifest  # noqa: E402
 
+pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
+
 MIB = 1024**2
 WEATHER = {
     "type": "function",

@@ -25,7 +25,7 @@ from support.cluster import serve_orchard
 SMOL = "smollm2-135m-instruct"
 # Three SDK sessions of 3-4 turns over ~2,000-token prompts take about a minute on a 2-core machine:
 # `slow` by the suite's rule (over ~30 s), so `make test-all` runs them and `make test` does not.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 SESSIONS = Path(__file__).parent / "fixtures" / "client_sessions"
 STOP_REASONS = {"end_turn", "max_tokens", "stop_sequence", "tool_use"}

@@ -23,6 +23,8 @@ from support.cluster import HEALTH, Http, free_port, node_args  # noqa: E402
 from cluster.model_servers import find_model_server  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
 
+pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
+
 MIB = 1024**2
 
 

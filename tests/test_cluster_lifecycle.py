@@ -26,6 +26,8 @@ from support.cluster import HEALTH, free_port, node_args, wait_for  # noqa: E402
 from cluster.model_servers import create_model_server, find_model_server, live_model_server_names  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
 
+pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
+
 MIB = 1024**2
 KEY = "sk-orchard-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -35,6 +35,8 @@ from cluster.node_agent import (
 )
 from cluster.node_report import GIB, NodeReport, Readings, measure, probe, read_report
 
+pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 

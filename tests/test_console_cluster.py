@@ -18,6 +18,8 @@ from support.cluster import HEALTH, Http, key_entry, node_args, serve_orchard  #
 from router.console.demo_cluster import CHROMIUM, CHROMIUM_ARGS  # noqa: E402  (the screenshot tools' browser, as the page is tested)
 from router.residency.registry import from_manifest  # noqa: E402
 
+pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
+
 MIB = 1024**2
 ADMIN, USER = "sk-console-admin", "sk-console-user"
 SMALL, BIG = "llama-10m", "smollm2-135m-instruct"

@@ -25,6 +25,8 @@ from deployments.model_server import open_channel, unwrap
 from deployments.wire.failure import STATUS, OrchardError
 from deployments.wire.generation import GenerationRequest
 
+pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
+
 NODE = "head"  # Orchard's name for the one node of the shared cluster
 LLAMA = actor_name("llama-10m", NODE)
 PROMPT = "Once upon a time, in a land far away, there lived a"

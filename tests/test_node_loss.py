@@ -13,6 +13,8 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 from support.cluster import Http, node_args, serve_orchard, wait_for  # noqa: E402
 
+pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
+
 MODEL = "llama-10m"
 MIB = 1024**2
 NEVER_END = {str(t): -100 for t in range(4)}  # llama-10m's special tokens (EOS among them): the stream runs on

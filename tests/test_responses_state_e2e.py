@@ -12,6 +12,8 @@ import requests
 from ray import serve
 from support.cluster import key_entry, serve_orchard, wait_for
 
+pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
+
 SMOL = "smollm2-135m-instruct"
 KEYS = {"ops": "sk-state-ops", "team-a": "sk-state-a", "team-b": "sk-state-b"}
 MAX_RESPONSE_BYTES = 16 * 1024

@@ -18,6 +18,8 @@ from support.cluster import key_entry, serve_orchard  # noqa: E402
 
 from cluster.serve_endpoints import serve_http_host  # noqa: E402
 
+pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
+
 ADMIN, USER = "sk-edge-admin", "sk-edge-user"
 MAX_REQUEST, MAX_AUDIO = 32 * 1024, 64 * 1024
 ANSWER_WITHIN_S = 10  # a server waiting for the body would never answer: the socket times out instead

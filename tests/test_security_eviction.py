@@ -21,6 +21,8 @@ from support.cluster import key_entry, serve_orchard  # noqa: E402
 from cluster.model_servers import live_model_server_names, parse_actor_name  # noqa: E402
 from cluster.ray_api import NAMESPACE  # noqa: E402
 
+pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
+
 MIB = 1024**2
 GIB = 1024**3
 KEY = "sk-orchard-eviction-test"

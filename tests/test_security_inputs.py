@@ -16,6 +16,8 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 from support.cluster import key_entry, serve_orchard, wait_for  # noqa: E402
 
+pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
+
 ADMIN_KEY = "sk-orchard-security-admin"
 USER_KEY = "sk-orchard-security-user"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

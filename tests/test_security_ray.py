@@ -28,6 +28,8 @@ import pytest
 
 from cluster import local
 
+pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 APP = """

@@ -16,6 +16,8 @@ from support.cluster import key_entry, serve_orchard  # noqa: E402
 
 from router.residency.registry import from_manifest  # noqa: E402
 
+pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
+
 MIB = 1024**2
 NEVER_END = {str(t): -100 for t in range(4)}  # llama-10m's special tokens (EOS among them): streams run to max_tokens
 KEYS = {
