@@ -2,7 +2,10 @@
 
 Weights in memory = the sum of the *.safetensors sizes (matched mx.get_active_memory() exactly
 here). KV per token = 2 (K and V) x layers x KV heads x head dim x bytes per element, from
-config.json (its text_config for a VLM); the element size follows the config's dtype."""
+config.json (its text_config for a VLM); the element size follows the config's dtype. With a
+quantized cache (`kv_bits` b, `kv_group_size` g; deployments/engines/quantized_cache.py) an element
+takes b/8 bytes, and every g elements add a scale and a bias in that dtype: 8 bits, groups of 64,
+float16 hold 2 / (1 + 4/64) = 1.88x the tokens in the same bytes."""
 
 import json
 import struct
@@ -32,7 +35,17 @@ def weights_dtype(folder: Path) -> str | None:
     return max(counts, key=counts.__getitem__) if counts else None
 
 
-def kv_bytes_per_token(config: dict, weights_dtype: str | None = None) -> int:
+def dtype_bytes(folder: str | Path) -> int:
+    """Bytes of one KV element of the model in `folder` (its config's dtype, else its weights'; 2 if
+    neither says)."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config") or config
+    dtype = config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or weights_dtype(folder) or "float16"
+    return DTYPE_BYTES.get(dtype, 2)
+
+
+def kv_bytes_per_token(config: dict, weights_dtype: str | None = None, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
     """0 for models without a decoder KV cache (encoders, audio models without these keys)."""
     text = config.get("text_config") or config
     layers = text.get("num_hidden_layers")
@@ -42,12 +55,27 @@ def kv_bytes_per_token(config: dict, weights_dtype: str | None = None) -> int:
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
     kv_heads = text.get("num_key_value_heads") or heads
     dtype = config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or weights_dtype or "float16"
-    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 2)
+    return quantized_kv_bytes(2 * layers * kv_heads * head_dim, DTYPE_BYTES.get(dtype, 2), kv_bits, kv_group_size)
 
 
-def estimate(folder: str | Path, kind: str = "llm") -> FolderEstimate:
-    """Encoders (embedding, rerank) keep no KV cache; decoders do, LLM-based TTS included."""
+def quantized_kv_bytes(elements: int, dtype_bytes: int, kv_bits: int | None, kv_group_size: int = 64) -> int:
+    """Bytes of `elements` cached values: dtype_bytes each unquantized; quantized, kv_bits / 8 each
+    and a scale and a bias of dtype_bytes for each kv_group_size of them (mx.quantize's layout)."""
+    if kv_bits is None:
+        return elements * dtype_bytes
+    return -(-elements * kv_bits // 8) + 2 * dtype_bytes * -(-elements // kv_group_size)
+
+
+def kv_bytes_quantized(kv_bytes: int, dtype_bytes: int, kv_bits: int | None, kv_group_size: int = 64) -> int:
+    """An unquantized per-token figure (a registry entry's kv_bytes_per_token, a manifest's) as the
+    quantized cache holds it."""
+    return quantized_kv_bytes(kv_bytes // dtype_bytes, dtype_bytes, kv_bits, kv_group_size)
+
+
+def estimate(folder: str | Path, kind: str = "llm", kv_bits: int | None = None, kv_group_size: int = 64) -> FolderEstimate:
+    """Encoders (embedding, rerank) keep no KV cache; decoders do, LLM-based TTS included.
+    `kv_bits`: an LLM engine's quantized cache (its llm_engine options)."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    kv = 0 if kind in ("embedding", "rerank") else kv_bytes_per_token(config, weights_dtype(folder))
+    kv = 0 if kind in ("embedding", "rerank") else kv_bytes_per_token(config, weights_dtype(folder), kv_bits, kv_group_size)
     return FolderEstimate(weight_bytes=safetensors_bytes(folder), kv_bytes_per_token=kv)

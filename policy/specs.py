@@ -22,6 +22,9 @@ class ModelSpec(Frozen):
     kind: ModelKind
     # Sizes take integers or strings such as "4.5GiB" or "160KiB".
     weight_bytes: ByteSize
+    # What the instance's KV cache holds per token: with a quantized cache (an LLM's kv_bits) the
+    # registry gives the quantized size (deployments/estimate.py), so the reservation below shrinks
+    # with it and a node holds more instances.
     kv_bytes_per_token: ByteSize = ByteSize(0)
     reserve_context_tokens: int = Field(default=4096, ge=0)
     reserve_concurrency: int = Field(default=1, ge=1)

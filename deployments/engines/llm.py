@@ -42,6 +42,7 @@ from deployments.engines.chat_format import chat_inputs, template_kwargs_error, 
 from deployments.engines.constrained import GrammarCompiler, GrammarProcessor
 from deployments.engines.options import LLMEngineOptions
 from deployments.engines.prefix_cache import PrefixCache, sliceable
+from deployments.engines.quantized_cache import KV_BITS, KV_GROUP_SIZES, fresh_caches, quantizable
 from deployments.engines.sampling import BatchSampler, RowSampling
 from deployments.engines.text_stream import StopStringFilter
 from deployments.estimate import kv_bytes_per_token
@@ -152,8 +153,15 @@ class LLMEngine(Engine):
         max_prefill_tokens: int = 16384,
         prompt_cache_min_tokens: int = 256,
         prefill_cache_keep_mib: int | None = None,
+        kv_bits: int | None = None,  # a quantized KV cache (quantized_cache.py): 8 or 4 bits, None: the model's dtype
+        kv_group_size: int = 64,
     ):
         super().__init__(name, path)
+        if kv_bits is not None and kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {KV_BITS} (or None), not {kv_bits}")
+        if kv_group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, not {kv_group_size}")
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.max_batch = max_batch
         self.prefill_batch = min(prefill_batch, max_batch)  # a group never exceeds the batch
         self.prefill_step = prefill_step
@@ -263,7 +271,10 @@ class LLMEngine(Engine):
         self.model, self.tokenizer, config = mlx_lm.load(self.path, return_config=True)  # type: ignore[misc]  # a 3-tuple with return_config
         self.weight_bytes = safetensors_bytes(self.path)
         self.context_length = self._context_length or int(config.get("max_position_embeddings") or 4096)
-        self.kv_bytes_per_token = kv_bytes_per_token(config)
+        self.kv_bytes_per_token = kv_bytes_per_token(config, kv_bits=self.kv_bits, kv_group_size=self.kv_group_size)
+        self._layers = len(make_prompt_cache(self.model))
+        if self.kv_bits is not None:
+            self._check_quantizable(config)
         buffer_cache.keep(self, self.cache_keep_bytes())
         self.eos_ids = sorted(self.tokenizer.eos_token_ids)
         self.vocab_size = _logits_width(self.model, self.tokenizer)
@@ -276,6 +287,19 @@ class LLMEngine(Engine):
         )
         self.generator = self._new_generator()
 
+    def _check_quantizable(self, config: dict) -> None:
+        """kv_bits is refused at load, with the reason, for a model whose cache is not plain KV in
+        every layer (a sliding window's or an SSM's cache has no batched quantized form here) or
+        whose head dimension the group size does not divide (mx.quantize's groups)."""
+        layers = make_prompt_cache(self.model)
+        kinds = sorted({type(c).__name__ for c in layers})
+        if not quantizable(layers):
+            raise ValueError(f"kv_bits needs a plain KV cache in every layer; {self.name}'s layers use {', '.join(kinds)}")
+        text = config.get("text_config") or config
+        head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+        if head_dim % self.kv_group_size:
+            raise ValueError(f"kv_group_size {self.kv_group_size} does not divide {self.name}'s head dimension {head_dim}")
+
     def _new_prompt_cache(self) -> PrefixCache | LRUPromptCache:
         """Shared blocks when every layer's cache is a plain KVCache; otherwise (a sliding window,
         an SSM's state: not a prefix that can be cut) mlx-lm's whole-entry LRUPromptCache."""
@@ -284,7 +308,9 @@ class LLMEngine(Engine):
             logger.info("%s: its KV cache cannot be cut into blocks; prefixes are reused whole (LRUPromptCache)", self.name)
             self.prefix_cache_kind = "lru"
         if self.prefix_cache_kind == "blocks":
-            return PrefixCache(block_tokens=self.prefix_block_tokens, max_bytes=self.prompt_cache_bytes)
+            return PrefixCache(
+                block_tokens=self.prefix_block_tokens, max_bytes=self.prompt_cache_bytes, kv_bits=self.kv_bits, kv_group_size=self.kv_group_size
+            )
         return LRUPromptCache(max_size=max(1, self._prompt_cache_entries), max_bytes=self.prompt_cache_bytes)
 
     def _new_generator(self) -> BatchGenerator:
@@ -768,6 +794,8 @@ class LLMEngine(Engine):
             else:
                 cache, rest = None, tokens
         cached = len(tokens) - len(rest)
+        if cache is None and self.kv_bits is not None:  # mlx-lm would make a plain one
+            cache = fresh_caches(self._layers, self.kv_bits, self.kv_group_size)
         sampling = RowSampling.of(request.temperature, request.top_p, request.min_p, request.top_k, request.seed, vocab)
         stream = _Stream(
             request=request,

@@ -64,3 +64,12 @@ class LLMEngineOptions(BaseModel):
     # With blocks: a group is cut where right-padding its prefill to its longest uncached prompt
     # would cost more than this many times its own tokens (0: never cut).
     prefill_pad_ratio: float = Field(default=2.0, ge=0)
+    # A quantized KV cache (deployments/engines/quantized_cache.py): keys and values held in
+    # `kv_bits` bits (8 or 4) with a scale and a bias per `kv_group_size` of them, so an instance's KV
+    # reservation, its running requests' caches and its prefix cache all take about half (8 bits) or
+    # a quarter (4 bits) of a 16-bit cache's bytes, and a node holds more instances (the registry
+    # reserves the quantized size). None: the model's own dtype. Only models whose every layer is a
+    # plain KV cache (no sliding window, no SSM state) take it; others fail to load with the reason.
+    # SmolLM2-135M, greedy: bench/results/engine-kv-quant.json, docs/engines.md.
+    kv_bits: Literal[4, 8] | None = None
+    kv_group_size: Literal[32, 64, 128] = 64

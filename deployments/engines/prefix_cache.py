@@ -21,6 +21,10 @@ Only models whose every layer cache is mlx-lm's plain `KVCache` can be cut into 
 (sliding-window) cache holds a window, not a prefix, and an SSM's state is one array for the whole
 prefix. `sliceable` tells them apart; the engine keeps mlx-lm's LRUPromptCache for the rest.
 
+With `kv_bits` (quantized_cache.py) the blocks hold the quantized keys and values as they are, each
+an mx.quantize triple cut on the sequence axis like a plain array: a prefix is not quantized twice,
+and the cache holds as many more tokens in `max_bytes` as the quantized cache does.
+
 Every method runs on the engine's MLX thread (the arrays belong to its stream)."""
 
 import heapq
@@ -32,6 +36,32 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from deployments.engines.quantized_cache import QuantizedKVCache
+
+# A layer's keys (or values) in a block: one array, or mx.quantize's triple with kv_bits
+Kv = Any
+
+
+def _cut(x: Kv, start: int, end: int | None = None) -> Kv:
+    if isinstance(x, tuple):
+        return tuple(a[..., start:end, :] for a in x)
+    return x[..., start:end, :]
+
+
+def _join(parts: list[Kv]) -> Kv:
+    """Blocks' keys (or values) along the sequence axis, as one fresh array (or triple)."""
+    if isinstance(parts[0], tuple):
+        return tuple(mx.concatenate(list(p), axis=2) if len(parts) > 1 else mx.array(p[0]) for p in zip(*parts, strict=True))
+    return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(parts[0])
+
+
+def _own(x: Kv) -> Kv:
+    return tuple(mx.array(a) for a in x) if isinstance(x, tuple) else mx.array(x)
+
+
+def _arrays(x: Kv) -> list[mx.array]:
+    return list(x) if isinstance(x, tuple) else [x]
+
 
 def sliceable(layer_caches: Sequence[Any]) -> bool:
     """Whether a model's fresh cache (mlx-lm's make_prompt_cache) can be cut into blocks."""
@@ -42,8 +72,8 @@ def sliceable(layer_caches: Sequence[Any]) -> bool:
 class _Block:
     tokens: tuple[int, ...]
     parent: "_Block | None"
-    keys: list[mx.array] = field(default_factory=list)  # one (1, heads, len(tokens), dim) array per layer
-    values: list[mx.array] = field(default_factory=list)
+    keys: list[Kv] = field(default_factory=list)  # one (1, heads, len(tokens), dim) array (or triple) per layer
+    values: list[Kv] = field(default_factory=list)
     nbytes: int = 0
     children: dict[tuple[int, ...], "_Block"] = field(default_factory=dict)
     used: int = 0  # the cache's clock at its last use
@@ -69,13 +99,14 @@ def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 class PrefixCache:
     """KV of kept token sequences, shared block by block (see the module's docstring)."""
 
-    def __init__(self, block_tokens: int = 128, max_bytes: int = 512 * 2**20):
+    def __init__(self, block_tokens: int = 128, max_bytes: int = 512 * 2**20, kv_bits: int | None = None, kv_group_size: int = 64):
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be at least 1, not {block_tokens}")
         if max_bytes < 0:
             raise ValueError(f"max_bytes must not be negative, not {max_bytes}")
         self.block_tokens = block_tokens
         self.max_bytes = max_bytes
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size  # the blocks' form: what fetch gives back
         self._root = _Block(tokens=(), parent=None)
         self._clock = itertools.count(1)
         self._leaves: list[tuple[int, int, _Block]] = []  # (used, tie, block): a heap, stale entries skipped
@@ -120,7 +151,7 @@ class PrefixCache:
         """How many leading tokens of `tokens` are cached, found without copying anything."""
         return sum(n for _, n in self._path(tokens, len(tokens)))
 
-    def fetch(self, tokens: Sequence[int], limit: int, min_tokens: int = 1) -> tuple[list[KVCache] | None, int]:
+    def fetch(self, tokens: Sequence[int], limit: int, min_tokens: int = 1) -> tuple[list[Any] | None, int]:
         """A fresh per-layer cache holding the longest cached prefix of tokens[:limit] and its
         length, or (None, 0) when fewer than `min_tokens` (at least 1) are cached."""
         self.stats["prefix_lookups"] += 1
@@ -132,13 +163,11 @@ class PrefixCache:
         for block, _ in path:
             block.used = now
         self._push(path[-1][0])  # the path's leaf-most block; the others are inner or get pushed when they become leaves
-        layers = []
+        layers: list[Any] = []
         for layer in range(len(path[0][0].keys)):
-            cache = KVCache()
-            keys = [b.keys[layer] if n == len(b.tokens) else b.keys[layer][..., :n, :] for b, n in path]
-            values = [b.values[layer] if n == len(b.tokens) else b.values[layer][..., :n, :] for b, n in path]
-            cache.keys = mx.concatenate(keys, axis=2) if len(keys) > 1 else mx.array(keys[0])
-            cache.values = mx.concatenate(values, axis=2) if len(values) > 1 else mx.array(values[0])
+            cache = KVCache() if self.kv_bits is None else QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
+            cache.keys = _join([b.keys[layer] if n == len(b.tokens) else _cut(b.keys[layer], 0, n) for b, n in path])
+            cache.values = _join([b.values[layer] if n == len(b.tokens) else _cut(b.values[layer], 0, n) for b, n in path])
             cache.offset = reused
             layers.append(cache)
         self.stats["prefix_hits"] += 1
@@ -147,8 +176,8 @@ class PrefixCache:
 
     # ---- insertion -------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], layer_caches: Sequence[Any]) -> int:
-        """Keep the KV of `tokens` (`layer_caches`: one mlx-lm KVCache per layer holding exactly
-        their keys and values, as a finished request's is): only the blocks not held already are
+        """Keep the KV of `tokens` (`layer_caches`: one mlx-lm KVCache, or QuantizedKVCache with
+        kv_bits, per layer holding exactly their keys and values, as a finished request's is): only the blocks not held already are
         copied. Evicts down to max_bytes afterwards. Returns the bytes added."""
         n = min(len(tokens), min(c.offset for c in layer_caches))
         node, at, size, added = self._root, 0, self.block_tokens, 0
@@ -161,7 +190,7 @@ class PrefixCache:
                 child = next((c for c in node.children.values() if c.tokens[: len(block)] == block), None)
             if child is None:
                 child = self._block(node, block, layer_caches, at)
-                fresh += child.keys + child.values
+                fresh += [a for kv in child.keys + child.values for a in _arrays(kv)]
                 added += child.nbytes
                 for other in [
                     c for c in node.children.values() if c is not child and len(c.tokens) < len(block) and block[: len(c.tokens)] == c.tokens
@@ -181,10 +210,10 @@ class PrefixCache:
     def _block(self, parent: _Block, tokens: tuple[int, ...], layer_caches: Sequence[Any], at: int) -> _Block:
         end = at + len(tokens)
         # copies, never views of the request's arrays (a view would keep all of them alive)
-        keys = [mx.array(c.keys[..., at:end, :]) for c in layer_caches]
-        values = [mx.array(c.values[..., at:end, :]) for c in layer_caches]
+        keys = [_own(_cut(c.keys, at, end)) for c in layer_caches]
+        values = [_own(_cut(c.values, at, end)) for c in layer_caches]
         block = _Block(tokens=tokens, parent=parent, keys=keys, values=values)
-        block.nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values, strict=True))
+        block.nbytes = sum(a.nbytes for kv in keys + values for a in _arrays(kv))
         parent.children[tokens] = block
         self._blocks += 1
         self._bytes += block.nbytes

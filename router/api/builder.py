@@ -154,10 +154,10 @@ def check_exposure(principals: list[Principal], host: str | None) -> None:
     )
 
 
-def console_settings(models: list[dict], models_dir: str, policy: dict, dashboard_url: str | None) -> ConsoleSettings:
+def console_settings(models: list[dict], models_dir: str, policy: dict, dashboard_url: str | None, llm_engine: dict | None = None) -> ConsoleSettings:
     """What every ingress's console knows of the registry (kinds, roles, memory split, keep-warm; the
     residency service's catalog, read the same way) and where the Ray dashboard is."""
-    catalog, _ = from_config(models, models_dir)
+    catalog, _ = from_config(models, models_dir, llm_engine)
     config = PolicyConfig.model_validate(policy)
     return ConsoleSettings(models={name: facts_of(spec, config) for name, spec in catalog.items()}, dashboard_url=dashboard_url)
 
@@ -188,6 +188,6 @@ def build_app(args: dict) -> serve.Application:
         route_linger_s=a.route_linger_s,
         prefix_affinity_max_extra_in_flight=a.prefix_affinity_max_extra_in_flight,
         gil_switch_ms=a.ingress_gil_switch_ms,
-        console_settings=console_settings(models, models_dir, a.policy, a.dashboard_url),
+        console_settings=console_settings(models, models_dir, a.policy, a.dashboard_url, a.llm_engine.model_dump()),
         responses_store=a.responses_store.model_dump(),
     )

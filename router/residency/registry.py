@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import ByteSize, Field, ValidationError, ValidationInfo, field_validator
 
 from deployments.engines.options import LLMEngineOptions
-from deployments.estimate import estimate
+from deployments.estimate import dtype_bytes, estimate, kv_bytes_quantized
 from deployments.manifest import ManifestEntry, read_manifest
 from deployments.tool_family import folder_template, infer_folder_family, infer_reasoning
 from policy import ModelSpec
@@ -91,9 +91,10 @@ def hub_folder(repo_id: str) -> str:
     return "models--" + repo_id.replace("/", "--")
 
 
-def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, ModelSpec], dict[str, ManifestEntry]]:
+def from_config(models: list[dict], models_dir: str | Path, llm_engine: dict | None = None) -> tuple[dict[str, ModelSpec], dict[str, ManifestEntry]]:
     """(catalog for policy/, manifest entries for the model servers). Sizes not given are measured
-    from the model's folder."""
+    from the model's folder. `llm_engine`: the app's LLM engine options, under each text model's
+    own: a quantized KV cache (kv_bits) is reserved at its quantized size."""
     models_dir = Path(models_dir)
     catalog: dict[str, ModelSpec] = {}
     entries: dict[str, ManifestEntry] = {}
@@ -102,8 +103,12 @@ def from_config(models: list[dict], models_dir: str | Path) -> tuple[dict[str, M
         folder = Path(model.path or "") if absolute else models_dir / (model.path or model.name)
         weight: int | None = model.weight_bytes
         kv: int | None = model.kv_bytes_per_token
+        engine = LLMEngineOptions.model_validate((llm_engine or {}) | (model.llm_engine or {})) if model.kind == "llm" else LLMEngineOptions()
+        bits, group = engine.kv_bits, engine.kv_group_size
+        if kv is not None and bits is not None:  # a given figure is the unquantized cache's (as a manifest's)
+            kv = kv_bytes_quantized(kv, dtype_bytes(folder) if not model.hub_id and folder.is_dir() else 2, bits, group)
         if (weight is None or kv is None) and not model.hub_id and folder.is_dir():
-            size = estimate(folder, model.kind)
+            size = estimate(folder, model.kind, bits, group)
             weight = size.weight_bytes if weight is None else weight
             kv = size.kv_bytes_per_token if kv is None else kv
         if weight is None:

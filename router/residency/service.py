@@ -48,7 +48,7 @@ class ResidencyService:
         fetch_max_bytes_per_s: float | None = None,
         report_timeout_s: float = 2.0,
     ):
-        catalog, entries = from_config(models, models_dir)
+        catalog, entries = from_config(models, models_dir, (server_options or {}).get("llm_engine"))  # kv_bits shrinks the reservation
         self.effects = RayEffects(entries, models_dir, server_options=server_options, fetch_max_bytes_per_s=fetch_max_bytes_per_s)
         self.effects.listeners.append(metrics.on_event)
         self.controller = ResidencyController(catalog, PolicyConfig.model_validate(policy), self.effects, entries=entries)
