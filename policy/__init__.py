@@ -8,7 +8,7 @@ from policy.cluster_state import ClusterState, FailedLoad, InstanceRef, Instance
 from policy.config import CostWeights, PolicyConfig
 from policy.copies import plan_copies
 from policy.count_only import count_only_lru
-from policy.decisions import Blocker, Decision, LoadFailure, Place, Reject, Unload, Use, Wait
+from policy.decisions import Blocker, Blockers, Decision, LoadFailure, Place, Reject, Unload, Use, Wait
 from policy.failures import failed_load_backoff
 from policy.locality import fetch_seconds, fetch_source
 from policy.memory import free_bytes, required_bytes
@@ -20,6 +20,7 @@ from policy.transitions import clear_failed, learn_bandwidth, mark_failed, mark_
 __all__ = [
     "BackgroundCopy",
     "Blocker",
+    "Blockers",
     "ClusterState",
     "CostWeights",
     "DEVICE_KINDS",

@@ -3,8 +3,7 @@ that makes room. Ordering is where strategies differ; safety (protections) is th
 
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from policy.caps import CapExcess
 from policy.cluster_state import ClusterState, InstanceRef, InstanceState, RefKey
@@ -156,9 +155,10 @@ class SortedAsRead:
         return done[index]
 
 
-@dataclass(frozen=True)
-class Need:
-    """What must be freed for one node: bytes on that node, and members of each broken cap."""
+class Need(NamedTuple):
+    """What must be freed for one node: bytes on that node, and members of each broken cap. A
+    named tuple, not a frozen dataclass: a decision makes one per node, and a frozen dataclass
+    costs three times as much to build."""
 
     node_id: str
     memory_bytes: int

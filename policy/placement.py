@@ -6,20 +6,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
-
-from pydantic import TypeAdapter
+from operator import attrgetter, itemgetter
+from typing import NamedTuple
 
 from policy.caps import CapExcess, global_cap_excesses, node_cap_excesses, node_caps_set
 from policy.cluster_state import ClusterState, InstanceRef, InstanceState, NodeState, RefKey
 from policy.config import PolicyConfig
-from policy.decisions import PASSING_PROTECTIONS, Blocker, Decision, LoadFailure, Place, Reject, Use, Wait
+from policy.decisions import PASSING_PROTECTIONS, Blockers, Decision, LoadFailure, Place, Reject, Use, Wait
 from policy.eviction import Candidate, Need, SortedAsRead, eviction_orders, select_victims, set_cost
 from policy.failures import NOT_RETRIED_BECAUSE, backoff_left, failed_load_backoff, failure_text, failures_after, load_failed, reject_marked
 from policy.memory import (
     estimated_load_seconds,
-    ever_available_bytes,
     gib,
-    margin_bytes,
     overhead_bytes,
     required_bytes,
 )
@@ -50,9 +48,9 @@ class Plan:
     free_after: int
 
 
-@dataclass(frozen=True)
-class NodeShortfall:
-    """Why one eligible node cannot take the model, even after every eviction allowed."""
+class NodeShortfall(NamedTuple):
+    """Why one eligible node cannot take the model, even after every eviction allowed. A named
+    tuple, as eviction.Need is: a refusal makes one per eligible node."""
 
     node: NodeState
     memory_short_bytes: int
@@ -108,9 +106,10 @@ class _Planner:
         self._elsewhere: dict[bool, SortedAsRead] = {}
         self._caps_only: tuple[tuple[Candidate, ...] | None] | None = None  # (victims,) once known
         self._costs: dict[tuple[Candidate, ...], tuple] = {}
+        self.margin_bytes, self.margin_fraction = snap.config.safety_margin_bytes, snap.config.safety_margin_fraction
 
     def need(self, node: NodeState, device: DeviceKind) -> Need:
-        memory = self.required + margin_bytes(node, self.config) - self.snap.free(node)
+        memory = self.required + self.margin_bytes + int(self.margin_fraction * node.usable_bytes) - self.snap.free(node)  # memory.margin_bytes
         excesses = self.global_excesses
         if self.node_caps:
             excesses += tuple(node_cap_excesses(self.spec, node, device, self.snap.state, self.config))
@@ -232,22 +231,47 @@ class _Planner:
         return False
 
     @cached_property
+    def _alive_instances(self) -> int:
+        return sum(len(cs) for cs in self.snap.candidates_by_node.values())
+
+    def _counts_everything(self, e: CapExcess) -> bool:
+        """Whether the cap counts every instance on an alive node (max_instances does): its members
+        are a subset of those, so as many is all of them."""
+        return len(e.members) == self._alive_instances
+
+    @cached_property
     def unmet_cluster_caps(self) -> tuple[CapExcess, ...]:
         """Cluster-wide caps the pool cannot relieve: the same for every node."""
+        if not self.global_excesses:
+            return ()
+        pooled = sum(len(cs) for cs in self.pool.values())
+        if all(self._counts_everything(e) for e in self.global_excesses):
+            return tuple(e for e in self.global_excesses if pooled < e.excess)  # the pool are all members
         keys = {c.key for cs in self.pool.values() for c in cs}
-        return tuple(e for e in self.global_excesses if len(keys & e.members) < e.excess)
+        return tuple(e for e in self.global_excesses if (pooled if self._counts_everything(e) else len(keys & e.members)) < e.excess)
+
+    @cached_property
+    def _unmet_cluster_members(self) -> frozenset[RefKey] | None:
+        """The members of the unmet cluster-wide caps, or None when they are every instance."""
+        unmet = self.unmet_cluster_caps
+        if any(self._counts_everything(e) for e in unmet):
+            return None
+        return frozenset().union(*(e.members for e in unmet))
 
     @cached_property
     def cluster_blockers(self) -> tuple[tuple[Candidate, ...], dict[str, tuple[int, int]]]:
         """The protected members of the unmet cluster-wide caps in the state's order, and where
         each node's instances are in that tuple."""
-        members = frozenset().union(*(e.members for e in self.unmet_cluster_caps))
         found: list[Candidate] = []
         spans: dict[str, tuple[int, int]] = {}
-        if members:
+        if self.unmet_cluster_caps:
+            members = self._unmet_cluster_members
             for node_id, cs in self.snap.candidates_by_node.items():
                 start = len(found)
-                found.extend(c for c in cs if c.protection is not None and c.key in members)
+                if members is None:
+                    found.extend([c for c in cs if c.protection is not None])
+                else:
+                    found.extend([c for c in cs if c.protection is not None and c.key in members])
                 spans[node_id] = (start, len(found))
         return tuple(found), spans
 
@@ -255,19 +279,28 @@ class _Planner:
         """The memory and the caps still short after every allowed eviction. Only this node's
         evictions relieve its memory and its own caps."""
         own_pool = self.pool.get(node.node_id, ())
-        memory_short = need.memory_bytes - sum(c.bytes for c in own_pool)
-        own_keys = {c.key for c in own_pool}
+        memory_short = need.memory_bytes - sum([c.bytes for c in own_pool])
         node_caps = need.excesses[len(self.global_excesses) :]
+        if not node_caps:
+            return memory_short, self.unmet_cluster_caps
+        own_keys = {c.key for c in own_pool}
         return memory_short, self.unmet_cluster_caps + tuple(e for e in node_caps if len(own_keys & e.members) < e.excess)
 
     def shortfall(self, node: NodeState, need: Need) -> NodeShortfall:
-        """What is still missing after every allowed eviction, and the protected instances behind it."""
+        """What is still missing after every allowed eviction, and the protected instances behind it:
+        all of the node's protected instances when memory is short, else the members of the caps
+        still exceeded."""
         memory_short, unmet = self.short(node, need)
-        own = tuple(
-            c
-            for c in self.snap.candidates_by_node.get(node.node_id, ())
-            if c.protection is not None and (memory_short > 0 or any(c.key in e.members for e in unmet))
-        )
+        protected = [c for c in self.snap.candidates_by_node.get(node.node_id, ()) if c.protection is not None]
+        if memory_short > 0 or not protected:
+            own = tuple(protected)
+        else:
+            members = self._unmet_cluster_members if self.unmet_cluster_caps else frozenset()
+            node_unmet = unmet[len(self.unmet_cluster_caps) :]
+            if members is None:  # a cap still exceeded counts every instance
+                own = tuple(protected)
+            else:
+                own = tuple(c for c in protected if c.key in members or any(c.key in e.members for e in node_unmet))
         cluster, spans = self.cluster_blockers
         return NodeShortfall(node, max(0, memory_short), unmet, own, cluster, spans.get(node.node_id, (0, 0)))
 
@@ -373,10 +406,7 @@ def _shortfall_text(s: NodeShortfall, free: int, cluster_names: _ClusterNames) -
     return ", ".join(parts)
 
 
-_BLOCKERS = TypeAdapter(tuple[Blocker, ...])
-
-
-def blockers_of(shortfalls: list[NodeShortfall]) -> tuple[Blocker, ...]:
+def blockers_of(shortfalls: list[NodeShortfall]) -> Blockers:
     """Every protected instance the shortfalls name, once, in the order they first name it."""
     seen: dict[RefKey, Candidate] = {}
     taken: list[tuple[Candidate, ...]] = []
@@ -388,21 +418,23 @@ def blockers_of(shortfalls: list[NodeShortfall]) -> tuple[Blocker, ...]:
             taken.append(s.cluster_blockers)
         for c in named:
             seen.setdefault(c.key, c)
-    # Validated in one call: at scale a refusal names a thousand blockers, and building the models
-    # one at a time was most of its cost.
-    return _BLOCKERS.validate_python(
-        [{"instance": {"node_id": node_id, "model": model}, "protection": c.protection, "bytes": c.bytes} for (node_id, model), c in seen.items()]
+    found = seen.values()
+    return Blockers(
+        node_ids=tuple(map(itemgetter(0), seen)),
+        models=tuple(map(itemgetter(1), seen)),
+        protections=tuple(map(attrgetter("protection"), found)),  # every blocker is protected: None fails here
+        bytes=tuple(map(attrgetter("bytes"), found)),
     )
 
 
-def _retry_after(shortfall_blockers: tuple[Blocker, ...], snap: Snapshot) -> float:
+def _retry_after(blockers: Blockers, snap: Snapshot) -> float:
     """Soonest a passing protection may end: a young instance's remaining age, else the poll period."""
     config = snap.config
     waits = [config.retry_poll_s]
-    for b in shortfall_blockers:
-        if b.protection == "young":
-            node = snap.nodes.get(b.instance.node_id)
-            inst = node.instance(b.instance.model) if node else None
+    for node_id, model, protection in zip(blockers.node_ids, blockers.models, blockers.protections, strict=True):
+        if protection == "young":
+            node = snap.nodes.get(node_id)
+            inst = node.instance(model) if node else None
             if inst is not None:
                 waits.append(max(0.1, config.min_residency_s - (snap.now - inst.loaded_at)))
     return min(waits)
@@ -465,7 +497,7 @@ def ensure(
 def _behind_drain(model: str, node: NodeState, inst: InstanceState, waited_s: float, config: PolicyConfig) -> Wait | Reject:
     """P3 for a draining copy with no other place for the model: wait, as P8 waits for busy instances."""
     message = f"model {model} is draining on {node.node_id} to make room for another (a swap, W1); it is placed again once it has left"
-    blockers = (Blocker(instance=InstanceRef(node_id=node.node_id, model=model), protection="draining", bytes=inst.bytes),)
+    blockers = Blockers(node_ids=(node.node_id,), models=(model,), protections=("draining",), bytes=(inst.bytes,))
     if config.contention == "wait" and waited_s < config.wait_timeout_s:
         return Wait(model=model, code="busy", message=message, blockers=blockers, retry_after_s=config.retry_poll_s)
     return Reject(model=model, code="busy", message=message, blockers=blockers, retry_after_s=config.retry_poll_s)
@@ -500,7 +532,7 @@ def _refuse(planner: _Planner, shortfalls: list[NodeShortfall], eligible: list[N
             + (f" ({'; '.join(constraints)})" if constraints else ""),
         )
     need = required_bytes(spec, config)
-    capacities = {n.node_id: ever_available_bytes(n, config, snap.free(n)) for n in eligible}
+    capacities = {n.node_id: snap.ever_available(n) for n in eligible}
     if all(need > capacities[n.node_id] for n in eligible):
         largest = max(eligible, key=lambda n: capacities[n.node_id])
         return Reject(

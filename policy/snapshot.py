@@ -11,9 +11,10 @@ from functools import cached_property
 
 from policy.cluster_state import ClusterState, InstanceRef, NodeState, RefKey
 from policy.config import PolicyConfig
-from policy.eviction import Candidate, keep_valuer, protection_of, ready_copies
+from policy.decisions import Protection
+from policy.eviction import Candidate, keep_valuer, ready_copies
 from policy.locality import bandwidth, stored_anywhere
-from policy.memory import free_bytes
+from policy.memory import margin_bytes
 from policy.specs import ModelSpec
 
 
@@ -29,14 +30,31 @@ class Snapshot:
             None if oracle_keep_values is None else {(r.node_id, r.model): v for r, v in oracle_keep_values.items()}
         )
         self._free: dict[str, int] = {}
+        self._ours: dict[str, int] = {}
         self._keep_values: dict[Candidate, float] = {}
 
+    def ours(self, node: NodeState) -> int:
+        """memory.ours_bytes, once per node."""
+        found = self._ours.get(node.node_id)
+        if found is None:
+            found = self._ours[node.node_id] = sum([i.bytes for i in node.instances])
+        return found
+
     def free(self, node: NodeState) -> int:
-        """memory.free_bytes, once per node."""
+        """memory.free_bytes, once per node (written out with ours(): the same figure,
+        tests/test_policy_scale.py checks it)."""
         found = self._free.get(node.node_id)
         if found is None:
-            found = self._free[node.node_id] = free_bytes(node)
+            found = node.usable_bytes - node.foreign_bytes - self.ours(node)
+            headroom = node.reported_headroom_bytes
+            if headroom is not None and headroom < found:
+                found = headroom
+            self._free[node.node_id] = found
         return found
+
+    def ever_available(self, node: NodeState) -> int:
+        """memory.ever_available_bytes, from the figures above."""
+        return self.free(node) + self.ours(node) - margin_bytes(node, self.config)
 
     @cached_property
     def nodes(self) -> dict[str, NodeState]:
@@ -89,7 +107,8 @@ class Snapshot:
     @cached_property
     def candidates_by_node(self) -> dict[str, tuple[Candidate, ...]]:
         """Every instance on an alive node, with its protection, by node in the state's order, each
-        node's instances in its order."""
+        node's instances in its order. The protection is eviction.protection_of written out (a
+        decision asks it of every instance; the same answer, tests/test_policy_scale.py checks it)."""
         now, min_residency_s, catalog = self.now, self.config.min_residency_s, self.state.catalog
         by_node = {}
         for node in self.state.nodes:
@@ -99,7 +118,20 @@ class Snapshot:
             for inst in node.instances:
                 model = inst.model
                 spec = catalog[model]
-                copies = self.ready_copies.get(model, 0) if spec.min_copies > 0 else 0
-                found.append(Candidate((node_id, model), inst, spec, protection_of(inst, spec, copies, now, min_residency_s)))
+                status = inst.status
+                protection: Protection | None
+                if spec.pinned:
+                    protection = "pinned"
+                elif status == "ready" and spec.min_copies > 0 and self.ready_copies.get(model, 0) <= spec.min_copies:
+                    protection = "min_copies"
+                elif status != "ready":
+                    protection = status  # loading or draining
+                elif inst.in_flight > 0:
+                    protection = "busy"
+                elif now - inst.loaded_at < min_residency_s:
+                    protection = "young"
+                else:
+                    protection = None
+                found.append(Candidate((node_id, model), inst, spec, protection))
             by_node[node_id] = tuple(found)
         return by_node

@@ -317,7 +317,7 @@ def test_p10_a_marked_model_is_rejected_at_once_with_retry_after_counting_down()
     for elapsed, left in [(0.0, 30.0), (10.0, 20.0), (29.5, 0.5)]:
         d = ensure("broken", st, NOW + elapsed, PLAIN)
         assert isinstance(d, Reject) and d.code == "load_failed" and d.retry_after_s == pytest.approx(left)
-        assert d.blockers == ()
+        assert not d.blockers
     assert "bad_files" in d.message and "n1" in d.message and "incomplete metadata" in d.message
     assert "tried again in" in d.message and "operator loads it" in d.message
 

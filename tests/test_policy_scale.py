@@ -104,3 +104,83 @@ def test_candidates_sorted_as_read_come_in_the_sorted_order():
             assert [read[i] for i in range(len(read))] == sorted(candidates, key=order.__getitem__)
             with pytest.raises(IndexError):
                 read[len(read)]
+
+
+def _varied_state():
+    """The benchmark's instances with every protection: pinned and min_copies models, loading,
+    draining, busy and young instances; some nodes with a reported headroom, some dead."""
+    from policy import ClusterState
+
+    state, _, _, _ = scenarios(20, models=200)["place-evict"]
+    catalog = {
+        name: s.model_copy(update={"pinned": i % 11 == 0, "min_copies": 1 if i % 7 == 0 else 0, "max_copies": 2})
+        for i, (name, s) in enumerate(state.catalog.items())
+    }
+    nodes = []
+    for n, node in enumerate(state.nodes):
+        instances = []
+        for i, inst in enumerate(node.instances):
+            change = [{}, {"status": "loading"}, {"status": "draining"}, {"in_flight": 2}, {"loaded_at": NOW - 3.0}, {"in_flight": 0}][(n + i) % 6]
+            instances.append(inst.model_copy(update=change))
+        headroom = [None, 0, 5 * 1024**3, 100 * 1024**3][n % 4]
+        nodes.append(node.model_copy(update={"instances": tuple(instances), "reported_headroom_bytes": headroom, "alive": n % 9 != 4}))
+    return ClusterState(nodes=tuple(nodes), catalog=catalog)
+
+
+def test_the_snapshots_protection_is_protection_of():
+    from policy import PolicyConfig
+    from policy.eviction import protection_of, ready_copies
+    from policy.snapshot import Snapshot
+
+    state, config = _varied_state(), PolicyConfig()
+    copies = ready_copies(state)
+    snap = Snapshot(state, NOW, config)
+    seen = set()
+    for node in state.nodes:
+        candidates = snap.candidates_by_node.get(node.node_id)
+        if not node.alive:
+            assert candidates is None
+            continue
+        assert [c.inst for c in candidates] == list(node.instances)
+        for c in candidates:
+            spec = state.catalog[c.inst.model]
+            expected = protection_of(c.inst, spec, copies.get(spec.name, 0) if spec.min_copies > 0 else 0, NOW, config.min_residency_s)
+            assert c.protection == expected, (node.node_id, c.inst)
+            seen.add(expected)
+    assert seen == {None, "pinned", "min_copies", "loading", "draining", "busy", "young"}
+
+
+def test_the_snapshots_free_memory_is_memorys():
+    from policy import PolicyConfig
+    from policy.memory import ever_available_bytes, free_bytes
+    from policy.snapshot import Snapshot
+
+    state, config = _varied_state(), PolicyConfig()
+    snap = Snapshot(state, NOW, config)
+    for node in state.nodes:
+        assert snap.free(node) == free_bytes(node)
+        assert snap.ever_available(node) == ever_available_bytes(node, config)
+
+
+def test_a_refusal_at_scale_names_its_blockers_as_columns_that_read_as_blockers():
+    """The contention scenario's Wait names every busy instance: as columns, read back one by one
+    as Blocker values, in the state's order, and the same after a trip through JSON."""
+    from policy import Blocker, InstanceRef, Wait
+    from policy.decisions import Blockers
+
+    state, model, config, _ = scenarios(20, models=200)["contention"]
+    decision = ensure(model, state, NOW, config)
+    assert isinstance(decision, Wait) and decision.code == "busy"
+    expected = [
+        Blocker(instance=InstanceRef(node_id=node.node_id, model=inst.model), protection="busy", bytes=inst.bytes)
+        for node in state.nodes
+        for inst in node.instances
+    ]
+    assert len(decision.blockers) == len(expected) and list(decision.blockers) == expected
+    assert decision.blockers[3] == expected[3]
+    assert decision.blockers.keys_of("busy") == [(b.instance.node_id, b.instance.model) for b in expected]
+    assert decision.blockers.keys_of("young") == []
+    assert Wait.model_validate_json(decision.model_dump_json()) == decision
+    assert Blockers.model_validate(expected) == decision.blockers  # written as rows, read as columns
+    with pytest.raises(ValueError, match="one entry per blocker"):
+        Blockers(node_ids=("n1",), models=(), protections=(), bytes=())

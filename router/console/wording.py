@@ -4,7 +4,7 @@ other reader say the same thing the same way."""
 
 from deployments.wire.events import ClusterEvent
 from policy import Decision, Place, Reject, Use, Wait
-from policy.decisions import Blocker
+from policy.decisions import Blocker, Blockers
 
 MIB = 1024**2
 GIB = 1024**3
@@ -114,7 +114,7 @@ def event_sentence(e: ClusterEvent) -> str:
     return f"{e.kind}: {m}{on}{why}"  # a kind added later reads plainly until it has its sentence
 
 
-def _blockers(blockers: tuple[Blocker, ...]) -> str:
+def _blockers(blockers: Blockers) -> str:
     by: dict[str, list[Blocker]] = {}
     for b in blockers:
         by.setdefault(b.protection, []).append(b)

@@ -109,7 +109,7 @@ class Asks:
             ask.busy_blocked = decision.code == "busy"
             if ask.busy_blocked and not ask.announced:
                 ask.announced = True
-                blocker = decision.blockers[0].instance.node_id if decision.blockers else None
+                blocker = decision.blockers.node_ids[0] if decision.blockers else None
                 self.loop._record("waiting", model=model, node_id=blocker, reason=decision.message)
             self.loop._schedule(min(decision.retry_after_s, self.loop.config.swap_after_s) if ask.busy_blocked else decision.retry_after_s)
             return False
@@ -167,7 +167,7 @@ class Asks:
                 ask.placed = self.loop.placements.begin(decision)
             return False
         assert isinstance(decision, Reject)
-        revoking = any(self.loop.leases.revoke_idle(b.instance) for b in decision.blockers if b.protection == "busy")
+        revoking = any(self.loop.leases.revoke_idle_each(decision.blockers.keys_of("busy")))
         if decision.code == "blocked" and revoking and now - ask.started < self.loop.revoke_grace_s:
             self.loop._schedule(self.loop.config.retry_poll_s)  # idle standing leases in the way come back
             return False
@@ -198,7 +198,7 @@ class Asks:
         refusal should wait for them instead (contention "fail", within revoke_grace_s)."""
         if not isinstance(decision, Wait | Reject) or decision.code != "busy":
             return False
-        pending = [self.loop.leases.revoke_idle(b.instance) for b in decision.blockers if b.protection == "busy"]
+        pending = list(self.loop.leases.revoke_idle_each(decision.blockers.keys_of("busy")))
         return any(pending) and isinstance(decision, Reject) and now - started < self.loop.revoke_grace_s
 
 

@@ -18,6 +18,7 @@ The book reads no clock: the loop passes `now`."""
 import asyncio
 import itertools
 import uuid
+from collections.abc import Iterable, Iterator
 
 from deployments.wire.leases import LeaseRecord, RoutesView
 from policy import InstanceRef
@@ -104,7 +105,18 @@ class LeaseBook:
         """Ask back the standing leases that keep `ref` busy while idle (their holder reports
         nothing in flight, or has not reported since the grant). True when standing leases alone
         hold it: one in use may be idle by the next report, so the caller decides again then."""
-        on = self.on(ref)
+        return self._revoke_idle(self.on(ref))
+
+    def revoke_idle_each(self, instances: Iterable[tuple[str, str]]) -> Iterator[bool]:
+        """revoke_idle of each instance, (node_id, model), in order, as it is read: the book is
+        read once for all of them (a refusal at scale names a thousand busy instances, and reading
+        the book once for each was most of what the loop did with it)."""
+        by_instance: dict[tuple[str, str], list[LeaseRecord]] = {}
+        for lease in self._leases.values():
+            by_instance.setdefault((lease.node_id, lease.model), []).append(lease)
+        return (self._revoke_idle(by_instance.get(key, [])) for key in instances)
+
+    def _revoke_idle(self, on: list[LeaseRecord]) -> bool:
         if not on or any(lease.holder is None for lease in on):
             return False  # a request's own lease: busy indeed
         idle = [
