@@ -214,13 +214,21 @@ class NodeAgent:
             return flight.cancelled.is_set()
 
     def fetch(
-        self, manifest: dict, sources: list[str], max_bytes_per_s: float | None = None, keep: list[str] | None = None, speculative: bool = False
+        self,
+        manifest: dict,
+        sources: list[str],
+        max_bytes_per_s: float | None = None,
+        keep: list[str] | None = None,
+        speculative: bool = False,
+        lanes: int | None = None,
     ) -> dict:
         """Copy `manifest`'s folder into this store from the first source node (Orchard names) whose
         agent serves it to the end, resuming from the partial files after a source fails. Callers for
         the same folder share one copy. `speculative` (a background copy, rule L4): the folder counts
-        as the least recently used one until a model server loads from it. Returns {"ok": True,
-        "bytes", "seconds", "source"} or {"ok": False, "code", "message"}; never raises."""
+        as the least recently used one until a model server loads from it. `lanes`: the stream's
+        connections at most (this node's cluster.stream.copy_lanes() by default). Returns {"ok": True,
+        "bytes", "seconds", "source", "transport", "lanes"} or {"ok": False, "code", "message"}; never
+        raises."""
         wanted = StoreManifest.model_validate(manifest)
         existing = self.store.manifest(wanted.folder)
         if existing is not None and existing.files == wanted.files:  # asked from a view older than the last copy
@@ -236,7 +244,7 @@ class NodeAgent:
             flight.finished.wait()
             return flight.result
         try:
-            flight.result = self._with_room(flight, keep, lambda: self._copy(flight, max_bytes_per_s))
+            flight.result = self._with_room(flight, keep, lambda: self._copy(flight, max_bytes_per_s, lanes))
             if speculative and flight.result["ok"]:
                 self.store.mark_unused(wanted.folder)
         except Exception as e:  # an I/O error outside the copy's own handling (a store folder that cannot be made)
@@ -333,7 +341,7 @@ class NodeAgent:
             "revision": info.sha,
         }
 
-    def _copy(self, flight: _Fetch, max_bytes_per_s: float | None = None) -> dict:
+    def _copy(self, flight: _Fetch, max_bytes_per_s: float | None = None, lanes: int | None = None) -> dict:
         """From each source in turn until one serves the folder to the end: over its direct stream, or
         through Ray calls to its agent when the stream cannot be opened; a source that fails is left
         for the next one, which resumes from the partial files."""
@@ -382,7 +390,7 @@ class NodeAgent:
             except (ray.exceptions.RayError, TimeoutError) as e:  # Ray calls are the way, if any is
                 why = f"open_stream: {type(e).__name__}"
             try:
-                copied = copy_folder(self.store, flight.manifest, offer, read, step, progress, why)
+                copied = copy_folder(self.store, flight.manifest, offer, read, step, progress, why, lanes)
             except StoreError as e:
                 if e.code in ("checksum", "disk_full", "io_error", "bad_request", "cancelled"):
                     return {"ok": False, "code": e.code, "message": e.message}
@@ -398,6 +406,7 @@ class NodeAgent:
                 "seconds": time.time() - flight.started,
                 "source": node,
                 "transport": copied.transport,
+                "lanes": copied.lanes,
             }
             return result | ({"fallback": copied.fallback} if copied.transport == "ray" else {})
         return {"ok": False, "code": "source_gone", "message": f"no source could serve {folder} ({'; '.join(tried) or 'no sources'})"}

@@ -23,6 +23,7 @@ import errno
 import hashlib
 import os
 import shutil
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -368,27 +369,22 @@ class Store:
 
 
 class _Receiving:
-    """One `Store.receive`: its hash thread, its ring of receive buffers, its byte counts.
+    """One `Store.receive`: its byte counts, its files' verdicts, and one lane per thread that fills
+    files. A transport may fill several files at once, one per thread (cluster/stream.py's parallel
+    connections); each thread gets a lane of its own on its first buffer.
 
-    sha256 runs on a thread of its own, in the order the bytes were written, so that hashing overlaps
-    receiving and writing what comes next (hashlib releases the GIL; one core hashes 1.2-1.7 GB/s,
-    about what a stream moves). A stream is received into the ring's buffers piece by piece as the
-    socket gives them; each piece is written at once, and a buffer's bytes are hashed in one job
-    once it is full or its file ends. A buffer is handed out again only once the job that read it is
-    done; chunks that come as bytes (the Ray path) are hashed one job each, RECEIVE_DEPTH at most
-    waiting."""
+    A lane is a ring of RECEIVE_DEPTH reusable buffers of RECEIVE_BYTES and a hash thread of its own:
+    sha256 runs beside the receiving, in the order the bytes were written (hashlib releases the GIL on
+    large buffers), so receiving and writing one piece overlaps hashing the last, and lanes side by
+    side hash on as many cores as they have. No piece is allocated: the socket writes into the ring."""
 
     def __init__(self, folder: str, progress: Callable[[int], None]):
         self.folder = folder
         self.progress = progress
         self.done = 0
         self.received = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-sha256")
-        self._ring: list[bytearray] = []
-        self._busy: list[Future | None] = []  # per buffer of the ring, the last job that reads it
-        self._turn = -1
-        self._batch: tuple = ()  # (sha, buffer, start, end): received bytes of the current buffer not yet given to the hash thread
-        self._jobs: deque[Future] = deque()  # jobs hashing chunks that came as bytes
+        self._lock = threading.Lock()  # counts, verdicts and lanes are shared by the filling threads
+        self._lanes: dict[int, _Lane] = {}
         self._open: list[IncomingFile] = []
         self._checks: list[IncomingFile] = []
 
@@ -398,14 +394,68 @@ class _Receiving:
     def __exit__(self, *exc) -> None:
         for f in self._open:
             f.close()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for lane in self._lanes.values():
+            lane.close()
 
     def start(self, resumed: int) -> None:
         self.done = resumed
         self.progress(self.done)
 
     def opened(self, f: IncomingFile) -> None:
-        self._open.append(f)
+        with self._lock:
+            self._open.append(f)
+
+    def lane(self) -> _Lane:
+        """The calling thread's lane, made on its first use."""
+        with self._lock:
+            lane = self._lanes.get(threading.get_ident())
+            if lane is None:
+                lane = self._lanes[threading.get_ident()] = _Lane(len(self._lanes))
+            return lane
+
+    def finished(self, f: IncomingFile) -> None:
+        with self._lock:
+            self._checks.append(f)
+
+    def wrote(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            self.received += n
+            self.progress(self.done)
+        self.check(wait=False)
+
+    def check(self, wait: bool) -> None:
+        """Verify the files whose digest is known (all of them with `wait`); StoreError(checksum) for
+        the first that differs from the manifest, which is removed."""
+        while True:
+            with self._lock:
+                ready = [f for f in self._checks if wait or f.verdict_ready()]
+                if not ready:
+                    return
+                self._checks.remove(ready[0])
+            ready[0].verify()
+
+    def verify_all(self) -> None:
+        self.check(wait=True)
+
+
+class _Lane:
+    """One filling thread's ring of receive buffers and its hash thread (see _Receiving). A stream is
+    received into the ring piece by piece as the socket gives them; each piece is written at once, and
+    a buffer's bytes are hashed in one job once it is full or its file ends. A buffer is handed out
+    again only once the job that read it is done; chunks that come as bytes (the Ray path) are hashed
+    one job each, RECEIVE_DEPTH at most waiting."""
+
+    def __init__(self, number: int):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"orchard-sha256-{number}")
+        self._ring: list[bytearray] = []
+        self._busy: list[Future | None] = []  # per buffer of the ring, the last job that reads it
+        self._turn = -1
+        self._batch: tuple = ()  # (sha, buffer, start, end): received bytes of the current buffer not yet given to the hash thread
+        self._jobs: deque[Future] = deque()  # jobs hashing chunks that came as bytes
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def buffer(self) -> memoryview:
         """The next buffer of the ring, once no hash job reads it any more."""
@@ -439,33 +489,18 @@ class _Receiving:
             self._jobs.popleft().result()
         self._jobs.append(self._pool.submit(sha.update, chunk))
 
-    def digest(self, f: IncomingFile, sha) -> Future:
-        """The file's hex digest once every byte written before is hashed; checked by `check`."""
+    def digest(self, sha) -> Future:
+        """The hex digest once every byte this lane gave the hash thread before is hashed."""
         self._flush()
-        self._checks.append(f)
         return self._pool.submit(sha.hexdigest)
-
-    def wrote(self, n: int) -> None:
-        self.done += n
-        self.received += n
-        self.progress(self.done)
-        self.check(wait=False)
-
-    def check(self, wait: bool) -> None:
-        """Verify the files whose digest is known (all of them with `wait`); StoreError(checksum) for
-        the first that differs from the manifest, which is removed."""
-        while self._checks and (wait or self._checks[0].verdict_ready()):
-            self._checks.pop(0).verify()
-
-    def verify_all(self) -> None:
-        self.check(wait=True)
 
 
 class IncomingFile:
     """One file of a copy: written under .partial from `offset` on, hashed as its bytes arrive and
     verified against the manifest's sha256 once its last byte is in. A transport fills it with
     `write(chunk)`, or without a copy with `buffer()` (receive into it) and `commit(n)` for each piece
-    of that buffer the socket gives, in order."""
+    of that buffer the socket gives, in order; one thread at a time fills a file, several files may be
+    filled at once from threads of their own."""
 
     def __init__(self, expected: StoredFile, target: Path, receiving: _Receiving):
         self.expected = expected
@@ -479,6 +514,7 @@ class IncomingFile:
         self._sha = hashlib.sha256()
         self._out: BinaryIO | None = None
         self._digest: Future | None = None
+        self._lane: _Lane | None = None  # the lane that hashes this file's bytes, in order
         self._buffer = memoryview(b"")  # the last buffer handed out, and how much of it is received
         self._filled = 0
 
@@ -501,11 +537,16 @@ class IncomingFile:
             self._receiving.opened(self)
         return self._out
 
+    def _hasher(self) -> _Lane:
+        if self._lane is None:
+            self._lane = self._receiving.lane()
+        return self._lane
+
     def buffer(self) -> memoryview:
         """A buffer to receive this file's next bytes into, at most `missing`: receive into it in order,
         `commit(n)` after each piece."""
         self._opened()
-        self._buffer = self._receiving.buffer()[: self.missing]
+        self._buffer = self._hasher().buffer()[: self.missing]
         self._filled = 0
         return self._buffer
 
@@ -513,12 +554,12 @@ class IncomingFile:
         """The next `n` bytes of the buffer are received: written now, hashed soon after."""
         start, self._filled = self._filled, self._filled + n
         self._write(self._buffer[start : self._filled])
-        self._receiving.hash_piece(self._sha, self._buffer, start, self._filled)
+        self._hasher().hash_piece(self._sha, self._buffer, start, self._filled)
         self._advance(n)
 
     def write(self, chunk: bytes) -> None:
         self._write(chunk)
-        self._receiving.hash_chunk(self._sha, chunk)
+        self._hasher().hash_chunk(self._sha, chunk)
         self._advance(len(chunk))
 
     def _write(self, data: bytes | memoryview) -> None:
@@ -540,11 +581,12 @@ class IncomingFile:
         self._receiving.wrote(n)
 
     def finish(self) -> None:
-        """Every byte is in: closed, and its digest asked of the hash thread (once)."""
+        """Every byte is in: closed, and its digest asked of the hash thread that hashed it (once)."""
         if self._digest is None:
             self._opened()
             self.close()
-            self._digest = self._receiving.digest(self, self._sha)
+            self._digest = self._hasher().digest(self._sha)
+            self._receiving.finished(self)
 
     def close(self) -> None:
         if self._out is not None:
