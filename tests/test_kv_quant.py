@@ -17,6 +17,7 @@ from deployments.engines.options import LLMEngineOptions
 from deployments.engines.prefix_cache import PrefixCache
 from deployments.engines.quantized_cache import BatchQuantizedKVCache, QuantizedKVCache, quantizable
 from deployments.estimate import kv_bytes_per_token, quantized_kv_bytes
+from deployments.models import open_engine
 from deployments.wire.generation import GenerationRequest
 from policy import PolicyConfig
 from policy.memory import required_bytes
@@ -185,6 +186,16 @@ def test_the_reservation_counts_the_quantized_cache(models_dir):
     policy = PolicyConfig(instance_overhead_bytes=16 * 2**20)
     node = 4 * 2**30
     assert node // required_bytes(quant["llama-10m"], policy) >= 2.5 * (node // required_bytes(base, policy))
+    # the entry's options reach the engine (as the residency effects pass them), which holds what was reserved
+    _, quant_entries = from_config([entry | {"llm_engine": {"kv_bits": 8}}], models_dir)
+    engine = open_engine(quant_entries["llama-10m"], models_dir, **(quant_entries["llama-10m"].llm_engine or {}))
+    assert isinstance(engine, LLMEngine) and engine.kv_bits == 8
+    run(engine.load())
+    try:
+        assert engine.kv_bytes_per_token == quant["llama-10m"].kv_bytes_per_token
+        assert engine.memory().kv_bytes_reserved == 4096 * engine.kv_bytes_per_token  # reserve_context_tokens, one stream
+    finally:
+        run(engine.stop())
 
 
 def test_bad_settings_are_refused(models_dir):
