@@ -93,6 +93,7 @@ def test_a_batch_holds_about_half_a_16_bit_cache():
     plain.update_and_fetch(k, k)
     quant.update_and_fetch(k, k)
     assert plain.nbytes / quant.nbytes == pytest.approx(2 / (1 + 4 / 64))  # 1.88x the tokens in the same bytes
+    assert QuantizedKVCache().nbytes == 0 and BatchQuantizedKVCache([0]).nbytes == 0  # a request waiting to join is counted too
     assert quantizable([KVCache(), KVCache()]) and not quantizable([KVCache(), RotatingKVCache(max_size=8)])
 
 

@@ -52,6 +52,11 @@ class QuantizedKVCache(_SingleQuantizedKVCache):
     def size(self) -> int:
         return self.offset
 
+    @property
+    def nbytes(self) -> int:
+        """0 while empty (mlx-lm's own fails then: a request waiting to join a batch holds one)."""
+        return triple_nbytes(self.keys) + triple_nbytes(self.values)
+
 
 def quantizable(layer_caches: Sequence[Any]) -> bool:
     """Whether a model's fresh cache (mlx-lm's make_prompt_cache) is plain KV in every layer."""
