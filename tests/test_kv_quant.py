@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache as SingleQuantizedKVCache, RotatingKVCache
 from pydantic import ValidationError
 
 from deployments.engines.llm import LLMEngine
@@ -95,6 +95,21 @@ def test_a_batch_holds_about_half_a_16_bit_cache():
     assert plain.nbytes / quant.nbytes == pytest.approx(2 / (1 + 4 / 64))  # 1.88x the tokens in the same bytes
     assert QuantizedKVCache().nbytes == 0 and BatchQuantizedKVCache([0]).nbytes == 0  # a request waiting to join is counted too
     assert quantizable([KVCache(), KVCache()]) and not quantizable([KVCache(), RotatingKVCache(max_size=8)])
+
+
+def test_a_batch_of_one_gives_mlx_lms_own_quantized_logits(engines):
+    """The batched cache against mlx-lm's single-stream QuantizedKVCache (what `generate --kv-bits`
+    uses) on llama-10m: the same quantized keys and values, so the same logits, step after step."""
+    model = engines[8].model
+    prompt = mx.array([engines[8].tokenizer.encode("Once upon a time, in a land far away")])
+    single = [SingleQuantizedKVCache(group_size=64, bits=8) for _ in model.layers]
+    batched = [BatchQuantizedKVCache([0], group_size=64, bits=8) for _ in model.layers]
+    plain = [KVCache() for _ in model.layers]
+    a, b, c = model(prompt, cache=single), model(prompt, cache=batched), model(prompt, cache=plain)
+    for _ in range(4):
+        assert mx.array_equal(a[:, -1], b[:, -1]) and not mx.array_equal(a[:, -1], c[:, -1])  # quantized, alike
+        step = a[:, -1:].argmax(axis=-1)
+        a, b, c = model(step, cache=single), model(step, cache=batched), model(step, cache=plain)
 
 
 @pytest.fixture(scope="module")
