@@ -218,6 +218,7 @@ class LLMEngine(Engine):
         # groups admitted into the batch, and where a request's first token waits inside the engine:
         # from start() to joining the batch (preparation and hold), and to its first token
         # (admit_prep_s: the part of admit_wait_s before the MLX thread had it: templating, tokenizing;
+        # held_steps: the engine's steps from arriving in the MLX thread to joining, the hold's own cost;
         # join_steps: the engine's steps from joining to the first token), and how long a request
         # that ran to its end spent inside the engine, from start() to its last delta's hand-off
         # (a client's time per request less this is the path's, both ways)
@@ -228,6 +229,7 @@ class LLMEngine(Engine):
             "admit_prep_s": 0.0,
             "first_token_s": 0.0,
             "first_tokens": 0,
+            "held_steps": 0,
             "join_steps": 0,
             "finished_s": 0.0,
             "finished_requests": 0,
@@ -592,6 +594,7 @@ class LLMEngine(Engine):
                 _put(arrival.loop, [(arrival.out, _failure(e))])
                 continue
             stream.started, stream.joined_step = arrival.started, self._steps
+            self._admitted["held_steps"] += self._steps - arrival.step
             self._admitted["admit_wait_s"] += now - arrival.started
             self._admitted["admit_prep_s"] += arrival.prepared - arrival.started
             streams[arrival.rid] = stream
