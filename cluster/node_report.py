@@ -93,6 +93,7 @@ class FetchResult(Frozen):
     revision: str | None = None  # the Hub's commit it downloaded
     transport: str | None = None  # "stream" (direct between agents) or "ray" (chunks over Ray calls)
     fallback: str | None = None  # why the stream was not used
+    lanes: int = 0  # the stream's connections (cluster/stream.py copy_lanes); 0: none used
     removed: list[str] = Field(default_factory=list)  # folders removed for room (the disk budget)
 
 
