@@ -44,6 +44,8 @@ ORCHARDS: dict[str, dict[str, Any]] = {  # app args, and "via": the address the 
     "orchard-holdrows16": {"llm_engine": {"admit_hold_min_rows": 16}},  # held only while 16+ rows decode
     "orchard-holdrows32": {"llm_engine": {"admit_hold_min_rows": 32}},  # ... 32+ rows
     "orchard-hold0-pb8": {"llm_engine": {"admit_hold_steps": 0, "prefill_batch": 8}},  # the bare loop's admission: no hold, groups of 8
+    "orchard-mpt1024": {"llm_engine": {"max_prefill_tokens": 1024}},  # prefill groups of at most 1,024 uncached tokens (--agent: turns in lockstep)
+    "orchard-mpt2048": {"llm_engine": {"max_prefill_tokens": 2048}},  # ... 2,048
     "orchard-igil0.1": {"ingress_gil_switch_ms": 0.1},  # the ingress replica's GIL switch interval 0.1 ms (Python's: 5)
     "orchard-keep0": {"llm_engine": {"prefill_cache_keep_mib": 0}},  # mlx-lm's own: MLX's buffer cache cleared after every prefill chunk
     "orchard-keep1g": {"llm_engine": {"prefill_cache_keep_mib": 1024}},  # 1 GiB of it kept (shipped: the KV reservation)
@@ -260,6 +262,11 @@ def _through(base: str, model: str, a: argparse.Namespace, n: int) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if "--agent" in args:  # the agent-shaped workload: its own options (bench/peers/agent.py)
+        from bench.peers.agent import main as agent_main
+
+        return agent_main([x for x in args if x != "--agent"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models-dir", type=Path, default=ROOT / "models")
     ap.add_argument("--model", default="llama-10m")
@@ -277,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         help="start every server first, then run the cells in turns (round by round, each stream count, every server and bare; "
         "the order rotated each round), so a machine whose speed drifts (the H200's moved by a quarter within a run) weighs on all alike",
     )
+    ap.add_argument("--agent", action="store_true", help="the agent-shaped workload instead (bench/peers/agent.py; its own options: --agent --help)")
     ap.add_argument("--short", action="store_true", help="short requests instead (issue 11's goal 3): 1-token chats and 1-string embeddings")
     ap.add_argument("--clients", type=int, nargs="+", default=[8, 32], help="--short: concurrent clients")
     ap.add_argument("--embedding-model", default="all-minilm-l6-v2")
@@ -384,7 +392,9 @@ def report(a: argparse.Namespace, results: dict[str, Any], failed: dict[str, str
         if a.interleave:
             head = head.replace("Each server runs alone", "Every server is up at once and the cells take turns (`--interleave`)")
             head = head.replace("before and after the servers: the ceiling", "taking its turn in every round: the ceiling")
-        a.markdown.write_text(head + text)
+        old = a.markdown.read_text() if a.markdown.exists() else ""
+        kept = old[old.index("\n## ") :] if "\n## " in old else ""  # sections of their own (--agent's) stay
+        a.markdown.write_text(head + text + kept)
         print(f"wrote {a.markdown}")
     return 0
 
