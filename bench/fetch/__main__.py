@@ -274,10 +274,12 @@ def other_machine(path: Path) -> str:
         return ""
     kept = json.loads(path.read_text())
     m = kept["machine"]
+    name = m.get("name") or f"another machine ({m['cpus']} cores)"
     return "\n".join(
         [
-            f"\n\n## On {m.get('name', 'another machine')}: {m['cpus']} cores\n",
-            f"`{kept.get('command', 'python -m bench.fetch')}`, {kept.get('when', '')}; the JSON is `{path.as_posix()}`.",
+            f"\n\n## On {name}\n",
+            f"`{kept.get('command', 'python -m bench.fetch')}`, {kept.get('when', '')}; the JSON is `{path.as_posix()}`. "
+            "Ray and pydantic went there as cp312 wheels (the host has neither), on its own Python 3.12.",
             *copy_table(kept["copy"]),
             f"\ncopy/tcp {kept['copy']['ratio']:.2f}",
         ]
@@ -359,7 +361,7 @@ What each part buys, on the 16-core host below (2 GiB in 33 files, one run each,
 
 | lanes | copy | copy/tcp | copy / the link alone |
 |---:|---:|---:|---:|
-| 1 | 1,299-1,373 | 0.52-0.59x | 0.22-0.25x |
+| 1 | 1,299-1,373 | 0.52-0.59x | 0.22-0.24x |
 | 2 | 2,601 | 1.13x | 0.44x |
 | 4 (its copy_lanes()) | 4,487 | 1.79x | 0.82x |
 | 8 | 6,321 | 2.45x | 1.02x |
@@ -376,13 +378,16 @@ the JSON of each run is in `bench/results/fetch-h200*.json`.)
 Why this VM cannot reach 0.8: both nodes are Ray nodes on one 2-core VM, so the "link" is loopback, the
 same two cores copying memory. The plain stream needs about 0.4 CPU-seconds for 537 MB; the copy needs
 that plus sha256 of every byte, 0.33 CPU-seconds more (1.5-1.7 GB/s with SHA-NI on one core), which is
-longer than the whole plain stream takes; copy_lanes() is 1 here (a second lane finds no core free). A
-profile of the receiving agent (py-spy, one lane) shows its receiving thread waiting for the hash thread
-about half the time, in recv_into a fifth and in write a sixth; the hash thread is the critical path. The
-VM is shared with other work (the load average at the start is in the JSON), so single runs vary by 2x
-or more; the table gives every run. The Ray-call path moved about 350 MB/s here. On a Mac cluster the
-link (10 GbE: 1.2 GB/s; a Thunderbolt bridge: 1-2.5 GB/s) is the limit rather than the CPU, and a Mac
-has the cores for its lanes; that has not been measured.
+longer than the whole plain stream takes. A profile of the receiving agent (py-spy, one lane) shows its
+receiving thread waiting for the hash thread about half the time, in recv_into a fifth and in write a
+sixth: the hash is the critical path. copy_lanes() is 1 here: two lanes moved 1,050 MB/s against one
+lane's 947 in one run (0.53x against 0.48x; `--lanes 2 --no-first-token`), too little for four busy
+threads on a node that also serves models. Three runs of `make bench-fetch` here, one after another:
+copy/tcp 0.54, 0.46, 0.43 (the copy 812-988 MB/s, the plain stream 1,581-2,167 MB/s); the table below is
+the last. The VM is shared with other work (the load average at the start is in the JSON), so single
+runs vary by 2x or more; the table gives every run. The Ray-call path moved about 350 MB/s here. On a
+Mac cluster the link (10 GbE: 1.2 GB/s; a Thunderbolt bridge: 1-2.5 GB/s) is the limit rather than the
+CPU, and a Mac has the cores for its lanes; that has not been measured.
 """
 
 
