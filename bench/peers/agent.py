@@ -115,8 +115,8 @@ class HTTPChat:
 
 
 def turn(sent: float, first: float | None, last: float | None, completion: int, prompt: int, cached: int | None, text: str) -> Turn:
-    if first is None or last is None:
-        raise RuntimeError(f"a turn produced no content ({completion} completion tokens)")
+    if first is None or last is None:  # an end of sequence sampled first (temperature 1): its first token is the end
+        first = last = time.perf_counter()
     itl = (last - first) / (completion - 1) if completion > 1 else None
     return Turn(first - sent, itl, completion, prompt, cached, text)
 
