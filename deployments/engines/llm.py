@@ -150,7 +150,7 @@ class LLMEngine(Engine):
         admit_hold_steps: int = 4,  # these five: the served defaults (deployments/engines/options.py)
         admit_quiet_steps: int = 1,
         admit_hold_min_rows: int = 0,
-        max_prefill_tokens: int = 16384,
+        max_prefill_tokens: int = 1024,
         prompt_cache_min_tokens: int = 256,
         prefill_cache_keep_mib: int | None = None,
         kv_bits: int | None = None,  # a quantized KV cache (quantized_cache.py): 8 or 4 bits, None: the model's dtype
@@ -211,7 +211,8 @@ class LLMEngine(Engine):
         self._last_arrival = 0  # the step count when the last arrival reached the MLX thread
         # Prompt tokens admitted and not yet through prefill, at most (one longer prompt alone may
         # exceed it): a group of 32 long prompts would otherwise prefill 32 x prefill_step tokens in
-        # one step, stalling every stream and spiking memory. 16384 = mlx-lm's own worst case (8 x 2048).
+        # one step, stalling every stream and spiking memory, and every first token of the group would
+        # wait for all of it (options.py says why 1,024).
         self.max_prefill_tokens = max_prefill_tokens
         self._prefilling: dict[int, int] = {}  # request id -> prompt tokens it still prefills (MLX thread)
         self._due = False  # held arrivals of a group already let in, waiting only for prefill room

@@ -39,9 +39,12 @@ class LLMEngineOptions(BaseModel):
     # Sequences prefilled together (mlx-lm's prefill_batch_size; its default is 8).
     prefill_batch: int = Field(default=32, ge=1, le=256)
     # ... and at most this many prompt tokens admitted and not yet prefilled (one longer prompt
-    # alone excepted): groups of long prompts are split, so no step prefills more than mlx-lm's
-    # default could (8 x 2048) and memory does not spike.
-    max_prefill_tokens: int = Field(default=16384, ge=1)
+    # alone excepted): groups of long prompts are split, so memory does not spike and a group's first
+    # tokens do not all wait for its longest prefill. 1,024: agent turns (a long cached prefix, a few
+    # hundred new tokens each) that arrive together come out in groups of a few, not one of 32;
+    # short prompts still join 32 at a time (docs/peers-benchmark.md: CPU, 24 conversations,
+    # turn-2/3 first tokens 0.64x vllm-mlx's where 16,384 gave 1.4x).
+    max_prefill_tokens: int = Field(default=1024, ge=1)
     # A prompt prefix is kept and reused only from this many tokens: below it, copying and merging
     # the cached KV costs more than prefilling the prefix again.
     prompt_cache_min_tokens: int = Field(default=256, ge=0)
