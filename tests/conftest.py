@@ -58,23 +58,17 @@ def _module_of(item: pytest.Item) -> pytest.Module | None:
     return item.getparent(pytest.Module)
 
 
-CLUSTER_GROUP = "ray-cluster"
-
-
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules marked `cluster` run first and one after another, and of those the ones that share
     the Ray cluster come first (in their usual order), so it is started once and gone before any module
-    starts a cluster of its own. Under pytest-xdist (`make test` runs two workers) they are one
-    `xdist_group`: one worker runs them in this order, so there is one Ray cluster at a time, while the
-    other worker runs the tests that need none (they are on the machine's other core)."""
+    starts a cluster of its own. `make test` runs them in one pytest process and the other tests in a
+    second one beside it (the Makefile), so there is one Ray cluster at a time."""
     shared = {_module_of(item) for item in items if SHARED_FIXTURE in getattr(item, "fixturenames", ())}
     cluster = {_module_of(item) for item in items if item.get_closest_marker("cluster")}
     for item in items:
         if _module_of(item) in shared and _module_of(item) not in cluster:
             raise pytest.UsageError(f"{item.nodeid} uses the shared Ray cluster: its module needs `pytestmark = pytest.mark.cluster`")
-        if _module_of(item) in cluster:
-            item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
     order = {module: 0 if module in shared else 1 if module in cluster else 2 for module in {_module_of(item) for item in items}}
     items.sort(key=lambda item: order[_module_of(item)])  # stable: the usual order within each part
 

@@ -1,6 +1,6 @@
 """The suite's own rule (tests/conftest.py): a module that starts or uses a Ray cluster is marked
-`cluster`, so that `make test`'s two pytest-xdist workers never run two clusters at once (one worker
-runs every such module in turn; the other runs the tests that need no cluster)."""
+`cluster`, so that `make test`'s two pytest processes never run two clusters at once (one runs every
+such module in turn; the other runs the tests that need no cluster)."""
 
 import ast
 import re
