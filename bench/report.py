@@ -4,12 +4,16 @@ import json
 from pathlib import Path
 
 
-def publish(results: dict, text: str, json_path: str, markdown_path: str | None, page: tuple[str, str] = ("", "")) -> None:
-    """`page`: the Markdown page's head and tail around the table."""
-    print(text)
+def write_json(results: dict, json_path: str | Path) -> None:
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {json_path}")
+
+
+def publish(results: dict, text: str, json_path: str, markdown_path: str | None, page: tuple[str, str] = ("", "")) -> None:
+    """`page`: the Markdown page's head and tail around the table."""
+    print(text)
+    write_json(results, json_path)
     if markdown_path:
         Path(markdown_path).write_text(page[0] + text + page[1])
         print(f"wrote {markdown_path}")

@@ -25,7 +25,6 @@ Prints a table, writes JSON (bench/results/engine-kv-quant.json). No Ray, no HTT
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -42,6 +41,7 @@ import mlx_lm
 from mlx_lm.models.cache import BatchKVCache
 
 from bench.engine.__main__ import prompts
+from bench.report import write_json
 from deployments.engines.llm import LLMEngine
 from deployments.engines.quantized_cache import BatchQuantizedKVCache
 from deployments.estimate import kv_bytes_per_token
@@ -283,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.engine.kv_quant " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": str(mx.default_device()), "mlx": MLX_VERSION},
     }
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {a.json}")
+    write_json(result, a.json)
     return 0
 
 

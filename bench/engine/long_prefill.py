@@ -14,7 +14,6 @@ Writes JSON (bench/results/engine-long-prefill.json)."""
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -27,6 +26,7 @@ import deployments  # noqa: F401  (OpenBLAS before MLX)
 # isort: split
 import mlx.core as mx
 
+from bench.report import write_json
 from deployments.engines.llm import LLMEngine
 from deployments.wire.generation import GenerationRequest
 
@@ -166,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": str(mx.default_device())},
         "variants": rows,
     }
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {a.json}")
+    write_json(result, a.json)
     return 0
 
 

@@ -10,7 +10,6 @@ the clients and the engines). Prints a table, writes JSON (default bench/results
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import os
 import platform
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+from bench.report import write_json
 from cluster.local import SERVE_ENV, session_token_env  # does not import Ray
 
 os.environ.update(session_token_env())  # Ray's token auth, as every Orchard cluster runs
@@ -202,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "machine": {"python": platform.python_version(), "processor": platform.machine(), "cores": os.cpu_count()},
     }
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {a.json}")
+    write_json(result, a.json)
     return 0
 
 
