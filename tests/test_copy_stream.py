@@ -2,10 +2,9 @@
 the files split into lanes balanced by bytes, each lane on its own connection with the one ticket, the
 listener closing once the copy's lanes are in; every file verified and sealed; one lane failing stops
 the others at once (a source that goes silent on one lane does not hold the copy for READ_S), keeping
-what each received for a resume; a rate cap's step is called by one lane at a time; a bad byte in one
+what each received for a resume (over one lane, as over three); a rate cap's step is called by one lane at a time; a bad byte in one
 lane's file fails the copy and seals nothing."""
 
-import hashlib
 import json
 import os
 import socket
@@ -14,6 +13,7 @@ import time
 from typing import Any
 
 import pytest
+from support.stores import no_ray, same, source_store
 
 import cluster.store
 from cluster.store import PARTIAL, Store, StoreError
@@ -40,25 +40,6 @@ def small_buffers(monkeypatch):
     monkeypatch.setattr(cluster.store, "RECEIVE_BYTES", 64 * 1024)
 
 
-def _source(tmp_path) -> Store:
-    base = tmp_path / "a" / "m"
-    base.mkdir(parents=True)
-    for i, size in enumerate(SIZES):
-        (base / f"f{i}.bin").write_bytes(os.urandom(size))
-    (base / "config.json").write_text("{}")
-    return Store(tmp_path / "a")
-
-
-def _no_ray(path: str, offset: int) -> bytes:
-    raise AssertionError("the Ray-call path was used")
-
-
-def _same(source: Store, target: Store) -> bool:
-    manifest = source.manifest("m")
-    assert manifest is not None
-    return all(hashlib.sha256((target.folder("m") / f.path).read_bytes()).hexdigest() == f.sha256 for f in manifest.files)
-
-
 class _Sized:
     def __init__(self, name: str, missing: int):
         self.path, self.missing = name, missing
@@ -77,15 +58,15 @@ def test_files_split_into_lanes_balanced_by_bytes_each_lane_in_the_files_order()
 
 
 def test_a_folder_copies_over_several_lanes_verified_and_sealed_and_the_listener_closes(tmp_path):
-    source = _source(tmp_path)
+    source = source_store(tmp_path, SIZES)
     manifest = source.served_manifest("m")
     server = StreamServer(source, "m", "127.0.0.1")
     target = Store(tmp_path / "b")
     seen: list[int] = []
-    copied = copy_folder(target, manifest, server.offer, _no_ray, progress=seen.append, lanes=4)
+    copied = copy_folder(target, manifest, server.offer, no_ray, progress=seen.append, lanes=4)
     assert copied.transport == "tcp" and copied.lanes == 4 and copied.bytes == manifest.total_bytes
     assert seen[-1] == manifest.total_bytes and seen == sorted(seen)
-    assert target.manifest("m") is not None and not (tmp_path / "b" / PARTIAL / "m").exists() and _same(source, target)
+    assert target.manifest("m") is not None and not (tmp_path / "b" / PARTIAL / "m").exists() and same(source, target)
     assert server.closed.wait(5) and server.sent == manifest.total_bytes and server.lanes == 4
     with pytest.raises(ConnectionRefusedError):  # the copy's lanes are in: the listener is gone
         socket.create_connection((server.offer.host, server.offer.port), timeout=5)
@@ -106,7 +87,7 @@ def test_the_node_chooses_its_lanes_and_a_bad_choice_is_a_clear_error(monkeypatc
 
 
 def test_a_lane_count_over_the_limit_is_refused_without_an_answer(tmp_path):
-    server = StreamServer(_source(tmp_path), "m", "127.0.0.1")
+    server = StreamServer(source_store(tmp_path, SIZES), "m", "127.0.0.1")
     request = StreamRequest(ticket=server.offer.ticket, folder="m", files=()).model_dump(mode="json") | {"lanes": MAX_LANES + 1}
     with socket.create_connection((server.offer.host, server.offer.port), timeout=5) as conn:
         body = json.dumps(request).encode()
@@ -115,8 +96,9 @@ def test_a_lane_count_over_the_limit_is_refused_without_an_answer(tmp_path):
     assert server.sent == 0 and not server.closed.is_set()
 
 
-def test_a_cut_off_copy_stops_every_lane_and_resumes_from_their_offsets(tmp_path):
-    source = _source(tmp_path)
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_a_cut_off_copy_stops_every_lane_and_resumes_from_their_offsets(tmp_path, lanes):
+    source = source_store(tmp_path, SIZES)
     manifest = source.served_manifest("m")
     target = Store(tmp_path / "b")
     received = [0]
@@ -127,21 +109,21 @@ def test_a_cut_off_copy_stops_every_lane_and_resumes_from_their_offsets(tmp_path
             raise StoreError("cancelled", "cut off")
 
     with pytest.raises(StoreError) as e:
-        copy_folder(target, manifest, StreamServer(source, "m", "127.0.0.1").offer, _no_ray, step=cut, lanes=3)
+        copy_folder(target, manifest, StreamServer(source, "m", "127.0.0.1").offer, no_ray, step=cut, lanes=lanes)
     assert e.value.code == "cancelled"  # the first failure, not the broken connections that followed it
     kept = target.inventory()["partial"]["m"]
     assert 300_000 < kept < manifest.total_bytes and target.manifest("m") is None
     server = StreamServer(source, "m", "127.0.0.1")
-    copied = copy_folder(target, manifest, server.offer, _no_ray, lanes=3)
+    copied = copy_folder(target, manifest, server.offer, no_ray, lanes=lanes)
     assert copied.bytes == manifest.total_bytes - kept  # only what the first copy's lanes had not written
     assert server.closed.wait(5) and server.sent == copied.bytes
-    assert target.manifest("m") is not None and _same(source, target)
+    assert target.manifest("m") is not None and same(source, target)
 
 
 def test_steps_come_from_one_lane_at_a_time(tmp_path):
     """A rate cap waits inside step: called by lanes at once, each would wait for itself and the cap
     would hold per lane, not for the copy."""
-    source = _source(tmp_path)
+    source = source_store(tmp_path, SIZES)
     inside = threading.Lock()
     overlaps, calls = [0], [0]
     pause = threading.Event()
@@ -157,13 +139,13 @@ def test_steps_come_from_one_lane_at_a_time(tmp_path):
             inside.release()
 
     copied = copy_folder(
-        Store(tmp_path / "b"), source.served_manifest("m"), StreamServer(source, "m", "127.0.0.1").offer, _no_ray, step=capped, lanes=4
+        Store(tmp_path / "b"), source.served_manifest("m"), StreamServer(source, "m", "127.0.0.1").offer, no_ray, step=capped, lanes=4
     )
     assert copied.lanes == 4 and calls[0] > 10 and overlaps[0] == 0
 
 
 def test_a_bad_byte_in_one_lanes_file_fails_the_copy_and_nothing_is_sealed(tmp_path):
-    source = _source(tmp_path)
+    source = source_store(tmp_path, SIZES)
     manifest = source.seal("m")
     path = tmp_path / "a" / "m" / "f2.bin"
     data = bytearray(path.read_bytes())
@@ -171,7 +153,7 @@ def test_a_bad_byte_in_one_lanes_file_fails_the_copy_and_nothing_is_sealed(tmp_p
     path.write_bytes(bytes(data))
     target = Store(tmp_path / "b")
     with pytest.raises(StoreError) as e:
-        copy_folder(target, manifest, StreamServer(source, "m", "127.0.0.1").offer, _no_ray, lanes=4)
+        copy_folder(target, manifest, StreamServer(source, "m", "127.0.0.1").offer, no_ray, lanes=4)
     assert e.value.code == "checksum" and "f2.bin" in e.value.message
     assert target.manifest("m") is None and not (tmp_path / "b" / "m").exists()
     assert not (tmp_path / "b" / PARTIAL / "m" / "f2.bin").exists()  # the bad file is fetched again, whole
@@ -180,7 +162,7 @@ def test_a_bad_byte_in_one_lanes_file_fails_the_copy_and_nothing_is_sealed(tmp_p
 def test_a_lane_whose_source_breaks_off_ends_the_copy_at_once_while_the_others_are_silent(tmp_path):
     """A source that answers every lane, sends half a file on one and closes it, and sends nothing on
     the others (their connections open): the copy ends with StreamBroken now, not after READ_S."""
-    source = _source(tmp_path)
+    source = source_store(tmp_path, SIZES)
     manifest = source.served_manifest("m")
     listener = socket.create_server(("127.0.0.1", 0))
     offer = StreamOffer(host="127.0.0.1", port=listener.getsockname()[1], ticket="t" * 43)
@@ -208,7 +190,7 @@ def test_a_lane_whose_source_breaks_off_ends_the_copy_at_once_while_the_others_a
     started = time.monotonic()
     try:
         with pytest.raises(StreamBroken):
-            copy_folder(target, manifest, offer, _no_ray, lanes=3)
+            copy_folder(target, manifest, offer, no_ray, lanes=3)
     finally:
         done.set()
         listener.close()

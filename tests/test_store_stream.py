@@ -1,15 +1,14 @@
 """The direct stream between node agents (cluster/stream.py) on real sockets and files, no Ray: a folder
 streams into a store hashed as it arrives and sealed; a connection without the ticket gets nothing and
 leaves the stream to the one with it; names outside the source's manifest are refused; the listener is
-on the address it was given only, and closes after its transfer or when nobody came; a cut-off stream
-resumes from its offsets; a byte changed at the source fails the copy and seals nothing; a port that
-refuses falls back to the Ray-call path and says so."""
+on the address it was given only, and closes after its transfer or when nobody came; a byte changed
+at the source fails the copy and seals nothing; a port that refuses falls back to the Ray-call path and
+says so. A cut-off copy resuming from its offsets, over one lane or several: test_copy_stream.py."""
 
-import hashlib
-import os
 import socket
 
 import pytest
+from support.stores import no_ray, same, source_store
 
 import cluster.store
 from cluster.store import MANIFEST, PARTIAL, Store, StoreError
@@ -33,19 +32,6 @@ def small_buffers(monkeypatch):
     monkeypatch.setattr(cluster.store, "RECEIVE_BYTES", 64 * 1024)
 
 
-def _source(tmp_path) -> Store:
-    base = tmp_path / "a" / "m"
-    (base / "sub").mkdir(parents=True)
-    for i, size in enumerate(SIZES):
-        (base / ("sub" if i == 1 else "") / f"f{i}.bin").write_bytes(os.urandom(size))
-    (base / "config.json").write_text("{}")
-    return Store(tmp_path / "a")
-
-
-def _no_ray(path: str, offset: int) -> bytes:
-    raise AssertionError("the Ray-call path was used")
-
-
 def _ask(offer: StreamOffer, request: StreamRequest) -> tuple[StreamReply, bytes]:
     """A raw client: the reply, and every byte sent after it."""
     with socket.create_connection((offer.host, offer.port), timeout=5) as conn:
@@ -57,34 +43,23 @@ def _ask(offer: StreamOffer, request: StreamRequest) -> tuple[StreamReply, bytes
     return reply, rest
 
 
-def _same(source: Store, target: Store, folder: str = "m") -> bool:
-    manifest = source.manifest(folder)
-    assert manifest is not None
-    return all(
-        hashlib.sha256((target.folder(folder) / f.path).read_bytes()).hexdigest()
-        == f.sha256
-        == hashlib.sha256((source.folder(folder) / f.path).read_bytes()).hexdigest()
-        for f in manifest.files
-    )
-
-
 def test_a_folder_streams_into_a_store_verified_and_sealed_and_the_listener_closes(tmp_path):
-    source = _source(tmp_path)
+    source = source_store(tmp_path, SIZES, nested=1)
     manifest = source.served_manifest("m")
     server = StreamServer(source, "m", "127.0.0.1")
     target = Store(tmp_path / "b")
     seen: list[int] = []
-    copied = copy_folder(target, manifest, server.offer, _no_ray, progress=seen.append)
+    copied = copy_folder(target, manifest, server.offer, no_ray, progress=seen.append)
     assert copied.transport == "tcp" and copied.bytes == manifest.total_bytes == server.sent
     assert seen[-1] == manifest.total_bytes and seen == sorted(seen)
-    assert target.manifest("m") is not None and not (tmp_path / "b" / PARTIAL / "m").exists() and _same(source, target)
+    assert target.manifest("m") is not None and not (tmp_path / "b" / PARTIAL / "m").exists() and same(source, target)
     assert server.closed.wait(5)
     with pytest.raises(ConnectionRefusedError):  # one transfer per ticket: the listener is gone
         socket.create_connection((server.offer.host, server.offer.port), timeout=5)
 
 
 def test_a_connection_without_the_ticket_gets_nothing_and_the_stream_waits_for_the_ticket(tmp_path):
-    source = _source(tmp_path)
+    source = source_store(tmp_path, SIZES, nested=1)
     server = StreamServer(source, "m", "127.0.0.1")
     everything = (FileRange(path="f0.bin", offset=0),)
     for ticket, folder in (("x" * 43, "m"), (server.offer.ticket[:-1] + "A", "m"), (server.offer.ticket, "other")):
@@ -99,12 +74,12 @@ def test_a_connection_without_the_ticket_gets_nothing_and_the_stream_waits_for_t
         assert answer == b""
     assert server.sent == 0 and not server.closed.is_set()
     target = Store(tmp_path / "b")
-    assert copy_folder(target, source.served_manifest("m"), server.offer, _no_ray).transport == "tcp" and _same(source, target)
+    assert copy_folder(target, source.served_manifest("m"), server.offer, no_ray).transport == "tcp" and same(source, target)
 
 
 @pytest.mark.parametrize("name", ["../../../etc/passwd", "sub/../f0.bin", "/etc/passwd", MANIFEST, "extra.bin", ".git/config"])
 def test_names_outside_the_sources_manifest_are_refused(tmp_path, name):
-    source = _source(tmp_path)
+    source = source_store(tmp_path, SIZES, nested=1)
     source.seal("m")
     (tmp_path / "a" / "m" / "extra.bin").write_bytes(b"written after sealing")
     (tmp_path / "a" / "m" / ".git").mkdir()
@@ -115,7 +90,7 @@ def test_names_outside_the_sources_manifest_are_refused(tmp_path, name):
 
 
 def test_the_listener_is_on_its_address_only_and_closes_when_nobody_comes(tmp_path):
-    source = _source(tmp_path)
+    source = source_store(tmp_path, SIZES, nested=1)
     server = StreamServer(source, "m", "127.0.0.1", idle_s=0.1)
     with pytest.raises(ConnectionRefusedError):  # not on every interface: another loopback address finds nothing
         socket.create_connection(("127.0.0.2", server.offer.port), timeout=5)
@@ -127,29 +102,8 @@ def test_the_listener_is_on_its_address_only_and_closes_when_nobody_comes(tmp_pa
     assert e.value.code == "not_found"
 
 
-def test_a_cut_off_stream_resumes_from_its_offsets(tmp_path):
-    source = _source(tmp_path)
-    manifest = source.served_manifest("m")
-    target = Store(tmp_path / "b")
-    received = [0]
-
-    def cut(n: int) -> None:  # the copy stops after ~200 KB, as a cancelled one does between buffers
-        received[0] += n
-        if received[0] > 200_000:
-            raise StoreError("cancelled", "cut off")
-
-    with pytest.raises(StoreError):
-        copy_folder(target, manifest, StreamServer(source, "m", "127.0.0.1").offer, _no_ray, step=cut)
-    kept = target.inventory()["partial"]["m"]
-    assert 200_000 < kept < manifest.total_bytes and target.manifest("m") is None
-    server = StreamServer(source, "m", "127.0.0.1")
-    copied = copy_folder(target, manifest, server.offer, _no_ray)
-    assert copied.bytes == server.sent == manifest.total_bytes - kept  # only what the first stream had not written
-    assert target.manifest("m") is not None and _same(source, target)
-
-
 def test_a_byte_changed_at_the_source_fails_the_copy_and_nothing_is_sealed(tmp_path):
-    source = _source(tmp_path)
+    source = source_store(tmp_path, SIZES, nested=1)
     manifest = source.seal("m")
     path = tmp_path / "a" / "m" / "f0.bin"
     data = bytearray(path.read_bytes())
@@ -157,7 +111,7 @@ def test_a_byte_changed_at_the_source_fails_the_copy_and_nothing_is_sealed(tmp_p
     path.write_bytes(bytes(data))
     target = Store(tmp_path / "b")
     with pytest.raises(StoreError) as e:
-        copy_folder(target, manifest, StreamServer(source, "m", "127.0.0.1").offer, _no_ray)
+        copy_folder(target, manifest, StreamServer(source, "m", "127.0.0.1").offer, no_ray)
     assert e.value.code == "checksum" and "f0.bin" in e.value.message
     assert target.manifest("m") is None and not (tmp_path / "b" / "m").exists()
     assert not (tmp_path / "b" / PARTIAL / "m" / "f0.bin").exists()  # the bad file is fetched again, whole
@@ -165,7 +119,7 @@ def test_a_byte_changed_at_the_source_fails_the_copy_and_nothing_is_sealed(tmp_p
 
 
 def test_a_port_that_refuses_falls_back_to_the_ray_path_and_says_so(tmp_path):
-    source = _source(tmp_path)
+    source = source_store(tmp_path, SIZES, nested=1)
     manifest = source.served_manifest("m")
     closed = socket.create_server(("127.0.0.1", 0))
     port = closed.getsockname()[1]
@@ -174,4 +128,4 @@ def test_a_port_that_refuses_falls_back_to_the_ray_path_and_says_so(tmp_path):
     target = Store(tmp_path / "b")
     copied = copy_folder(target, manifest, offer, lambda path, offset: source.read("m", path, offset, 50_000))
     assert copied.transport == "ray" and "refused" in copied.fallback and copied.bytes == manifest.total_bytes
-    assert target.manifest("m") is not None and _same(source, target)
+    assert target.manifest("m") is not None and same(source, target)
