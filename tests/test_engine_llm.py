@@ -6,6 +6,7 @@ import time
 
 import pytest
 from pydantic import ValidationError
+from support.engine_runs import greedy, join_and_leave
 
 from deployments.engine import RequestError
 from deployments.engines.llm import LLMEngine
@@ -35,10 +36,6 @@ def engine(models_dir):
     run(e.stop())
 
 
-def greedy(prompt: str, n: int = 24, **kw) -> GenerationRequest:
-    return GenerationRequest(prompt=prompt, max_tokens=n, temperature=0, **kw)
-
-
 def test_concurrent_requests_give_the_tokens_of_solo_runs(engine):
     async def both():
         together = await asyncio.gather(*(engine.complete(greedy(p)) for p in PROMPTS))
@@ -51,22 +48,8 @@ def test_concurrent_requests_give_the_tokens_of_solo_runs(engine):
 
 
 def test_requests_joining_and_leaving_mid_batch(engine):
-    async def scenario():
-        solo = {p: (await engine.complete(greedy(p, 40))).token_ids for p in PROMPTS}
-        first = [asyncio.create_task(engine.complete(greedy(p, 40))) for p in PROMPTS[:4]]
-        cancelled = engine.generate(greedy("This one is cancelled after three deltas", 200))
-        seen = 0
-        async for _ in cancelled:
-            seen += 1
-            if seen == 3:
-                break
-        await cancelled.aclose()
-        later = [asyncio.create_task(engine.complete(greedy(p, 40))) for p in PROMPTS[4:]]
-        results = await asyncio.gather(*first, *later)
-        return solo, results
-
-    solo, results = run(scenario())
-    assert [r.token_ids for r in results] == [solo[p] for p in PROMPTS]
+    solo, results = run(join_and_leave(engine, PROMPTS, first=4, tokens=40))
+    assert results == [solo[p] for p in PROMPTS]
     assert engine.running_requests() == 0
 
 

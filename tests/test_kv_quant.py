@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache as SingleQuantizedKVCache, RotatingKVCache
 from pydantic import ValidationError
+from support.engine_runs import greedy, join_and_leave
 
 from deployments.engines.llm import LLMEngine
 from deployments.engines.options import LLMEngineOptions
@@ -18,7 +19,6 @@ from deployments.engines.prefix_cache import PrefixCache
 from deployments.engines.quantized_cache import BatchQuantizedKVCache, QuantizedKVCache, quantizable
 from deployments.estimate import kv_bytes_per_token, quantized_kv_bytes
 from deployments.models import open_engine
-from deployments.wire.generation import GenerationRequest
 from policy import PolicyConfig
 from policy.memory import required_bytes
 from router.residency.registry import from_config
@@ -36,10 +36,6 @@ PROMPTS = [
 
 def run(coro):
     return asyncio.run(coro)
-
-
-def greedy(prompt: str, n: int = 32) -> GenerationRequest:
-    return GenerationRequest(prompt=prompt, max_tokens=n, temperature=0)
 
 
 def kv_of(seed: int, n: int) -> tuple[mx.array, mx.array]:
@@ -133,24 +129,8 @@ def test_batched_greedy_with_8_bits_agrees_with_the_plain_cache(engines):
 
 
 def test_requests_joining_and_leaving_a_quantized_batch_keep_their_tokens(engines):
-    e = engines[8]
-
-    async def scenario():
-        alone = {p: (await e.complete(greedy(p, 24))).token_ids for p in PROMPTS[:4]}
-        first = [asyncio.create_task(e.complete(greedy(p, 24))) for p in PROMPTS[:2]]
-        cancelled = e.generate(greedy("This one leaves after three deltas", 200))
-        seen = 0
-        async for _ in cancelled:
-            seen += 1
-            if seen == 3:
-                break
-        await cancelled.aclose()
-        later = [asyncio.create_task(e.complete(greedy(p, 24))) for p in PROMPTS[2:4]]
-        together = await asyncio.gather(*first, *later)
-        return alone, together
-
-    alone, together = run(scenario())
-    assert [d.token_ids for d in together] == [alone[p] for p in PROMPTS[:4]]
+    alone, together = run(join_and_leave(engines[8], PROMPTS[:4], first=2, tokens=24))
+    assert together == [alone[p] for p in PROMPTS[:4]]
 
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite the rule you follow. " * 4
