@@ -23,7 +23,7 @@ import ray
 from pydantic import Field
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.node_report import NodeReport, gib_to_bytes, read_report
+from cluster.node_report import NodeReport, StoreReport, gib_to_bytes, read_report
 from cluster.store import CHUNK_BYTES as CHUNK, ENV_STORE, Store, StoreError, StoreManifest, default_root
 from cluster.stream import StreamBroken, StreamOffer, StreamServer, copy_folder
 from policy._frozen import Frozen
@@ -164,7 +164,8 @@ class NodeAgent:
             used_by_orchard_bytes=used_by_orchard_bytes,
             device_override=i.device,
         )
-        return report.model_copy(update={"store": self.store_report()}).model_dump(mode="json")
+        # validated, not put in as the dict it is: a dict in the typed field made pydantic warn on every dump
+        return report.model_copy(update={"store": StoreReport.model_validate(self.store_report())}).model_dump(mode="json")
 
     def store_report(self) -> dict:
         with self._lock:
