@@ -28,6 +28,7 @@ import deployments  # noqa: F401  (OpenBLAS before MLX)
 # isort: split
 import mlx.core as mx
 
+from bench.engine import phases
 from deployments.engines.llm import LLMEngine
 from deployments.wire.generation import GenerationRequest
 
@@ -157,13 +158,37 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+def _settings(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, _, raw = pair.partition("=")
+        value: Any = raw
+        for kind in (int, float):
+            try:
+                value = kind(raw)
+                break
+            except ValueError:
+                pass
+        out[key] = value
+    return out
+
+
 def run_variant(path: str, name: str, settings: dict, system: str, concurrency: int, a: argparse.Namespace) -> dict:
-    engine = LLMEngine(Path(path).name, path, max_batch=max(64, concurrency), **settings)
+    engine = LLMEngine(Path(path).name, path, max_batch=max(64, concurrency), **(settings | _settings(a.set)))
     asyncio.run(engine.load())
     try:
         asyncio.run(engine.complete(GenerationRequest(messages=[{"role": "user", "content": "warm up"}], max_tokens=4, temperature=0)))
         mx.reset_peak_memory()
-        return asyncio.run(cell(engine, system, concurrency, a.per_slot, a.turns, a.tokens))
+        if not a.phases:
+            return asyncio.run(cell(engine, system, concurrency, a.per_slot, a.turns, a.tokens))
+        with phases.timed() as seen:
+            started = time.perf_counter()
+            result = asyncio.run(cell(engine, system, concurrency, a.per_slot, a.turns, a.tokens))
+        result["profile"] = phases.summary(seen, time.perf_counter() - started)
+        for name, p in sorted(result["profile"]["phases"].items(), key=lambda kv: -kv[1]["seconds"]):
+            print(f"    {name}: {p['calls']} calls, {p['seconds']:.2f} s, {p['ms_per_call']:.1f} ms each", flush=True)
+        print(f"    distinct prefill attention shapes: {result['profile']['distinct_prefill_attention_shapes']}", flush=True)
+        return result
     finally:
         asyncio.run(engine.stop())
 
@@ -178,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system-tokens", type=int, default=1100)
     ap.add_argument("--variants", nargs="+", default=["lru", "blocks"], choices=sorted(VARIANTS), help="the first is the baseline")
     ap.add_argument("--rounds", type=int, default=1, help="every variant this many times per concurrency, in turns")
+    ap.add_argument("--phases", action="store_true", help="time the engine's phases (bench.engine.phases: synchronized, so slower)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an LLMEngine argument for every variant (an int, float or word)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "engine-agent.json")
     a = ap.parse_args(argv)
     path = str(a.model)
