@@ -43,6 +43,10 @@ class InstanceState(Frozen):
     # What the instance holds or has reserved: weights + KV reservation + overhead, as measured once
     # loaded, as planned while loading.
     bytes: int = Field(ge=0)
+    # What its kept prompt prefixes hold now (an LLM's prefix cache, at most its engine's
+    # prompt_cache_bytes), as its last memory report said: memory the instance holds on its node
+    # beside `bytes`, which it gives back on asking without being evicted (rule X4).
+    prefix_cache_bytes: int = Field(default=0, ge=0)
     status: InstanceStatus = "ready"
     in_flight: int = Field(default=0, ge=0)
     last_used: float

@@ -25,7 +25,7 @@ def plan_copies(state: ClusterState, now: float, config: PolicyConfig) -> tuple[
         if not below_minimum and not saturated:
             continue
         plan, _, _ = plan_placement(spec, work, now, config)
-        if plan is None or (plan.victims and not below_minimum):
+        if plan is None or ((plan.victims or plan.shrink) and not below_minimum):
             continue
         place = place_from_plan(spec, plan, config)
         places.append(place)

@@ -82,7 +82,9 @@ class Use(Frozen):
 
 
 class Place(Frozen):
-    """Load `model` on `node_id` after unloading `evict` (in order)."""
+    """Load `model` on `node_id` after unloading `evict` (in order) and, when the node is short as it
+    is, asking the instances in `shrink` (its other ready ones with kept prompt prefixes) to give
+    their prefix caches back (rule X4)."""
 
     decision: Literal["place"] = "place"
     model: str
@@ -90,6 +92,7 @@ class Place(Frozen):
     device: DeviceKind
     bytes: int
     evict: tuple[InstanceRef, ...] = ()
+    shrink: tuple[InstanceRef, ...] = ()
     reason: str = ""
 
 

@@ -27,7 +27,11 @@ class Candidate:
         self.protection = protection
         # Keep-warm instances are given up only when nothing else will do (rule E5).
         self.tier = 1 if spec.keep_warm else 0
-        self.bytes = inst.bytes  # read often: a plain attribute reads faster than a pydantic field
+        # What evicting it frees beyond what its node's caches give back first (rule X4): a ready
+        # instance's kept prompt prefixes are counted with the node's reclaimable memory, so only
+        # its `bytes` here; any other's go with it. Read often: a plain attribute reads faster
+        # than a pydantic field.
+        self.bytes = inst.bytes if inst.status == "ready" else inst.bytes + inst.prefix_cache_bytes
 
     @property
     def ref(self) -> InstanceRef:

@@ -19,8 +19,18 @@ def margin_bytes(node: NodeState, config: PolicyConfig) -> int:
     return config.safety_margin_bytes + int(config.safety_margin_fraction * node.usable_bytes)
 
 
+def held_bytes(inst: InstanceState) -> int:
+    """What the instance holds on its node: `bytes` and its kept prompt prefixes."""
+    return inst.bytes + inst.prefix_cache_bytes
+
+
 def ours_bytes(node: NodeState) -> int:
-    return sum(i.bytes for i in node.instances)
+    return sum(held_bytes(i) for i in node.instances)
+
+
+def reclaimable_bytes(node: NodeState) -> int:
+    """What the node's ready instances would give back of their kept prompt prefixes (rule X4)."""
+    return sum(i.prefix_cache_bytes for i in node.instances if i.status == "ready")
 
 
 def free_bytes(node: NodeState) -> int:

@@ -46,6 +46,9 @@ class Plan:
     device: DeviceKind
     victims: tuple[Candidate, ...]
     free_after: int
+    # X4: the node's other ready instances whose kept prompt prefixes are given back first (when
+    # the node is short of the room as it is), and the bytes they hold.
+    shrink: tuple[Candidate, ...] = ()
 
 
 class NodeShortfall(NamedTuple):
@@ -115,6 +118,23 @@ class _Planner:
             excesses += tuple(node_cap_excesses(self.spec, node, device, self.snap.state, self.config))
         return Need(node.node_id, memory, excesses)
 
+    def reclaimed(self, node: NodeState, need: Need) -> Need:
+        """X4: a node short of the room as it is counts what its ready instances' kept prompt
+        prefixes hold as room: they are given back before anything is evicted there."""
+        if need.memory_bytes <= 0:
+            return need
+        reclaimable = self.snap.reclaimable(node)
+        return need._replace(memory_bytes=need.memory_bytes - reclaimable) if reclaimable else need
+
+    def shrink(self, node: NodeState, victims: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
+        """The instances whose caches a plan on the node short as it is gives back: its ready ones
+        with kept prompt prefixes, less its victims (whose caches go with them)."""
+        return tuple(
+            c
+            for c in self.snap.candidates_by_node.get(node.node_id, ())
+            if c.inst.prefix_cache_bytes and c.inst.status == "ready" and c not in victims
+        )
+
     @cached_property
     def pool(self) -> dict[str, tuple[Candidate, ...]]:
         """The candidates that may be evicted, by node."""
@@ -182,10 +202,10 @@ class _Planner:
         local = sorted(self.pool.get(need.node_id, ()), key=key)
         return select_victims(local, self.elsewhere(pressure), need, key)
 
-    def rank(self, node: NodeState, victims: tuple[Candidate, ...]) -> tuple[tuple, int]:
+    def rank(self, node: NodeState, victims: tuple[Candidate, ...], shrinks: bool) -> tuple[tuple, int]:
         """The node's place in the preference (lowest first), and what its plan leaves free."""
         node_id = node.node_id
-        freed_here = sum(v.bytes for v in victims if v.key[0] == node_id)
+        freed_here = sum(v.bytes for v in victims if v.key[0] == node_id) + (self.snap.reclaimable(node) if shrinks else 0)
         free_after = self.snap.free(node) + freed_here - self.required
         fetch_s = self.snap.fetch_seconds(self.spec, node)  # L1: where the model is ready soonest
         if not victims:
@@ -198,26 +218,32 @@ class _Planner:
 
     def best(self, eligible: list[NodeState]) -> tuple[Plan | None, list[NodeShortfall]]:
         """The best plan over the eligible nodes; when there is none, every node's shortfall. A node
-        that fits without eviction beats any that evicts (P7): then no evicting plan is made."""
+        that fits as it is beats any that must give back kept prompt prefixes (X4), which beats any
+        that evicts (P7): then no later kind of plan is made."""
         needs = []
         for node in eligible:
             device = device_for(self.spec, node)
             assert device is not None
             needs.append((node, device, self.need(node, device)))
-        options: list[tuple[NodeState, DeviceKind, tuple[Candidate, ...]]] = [(node, device, ()) for node, device, need in needs if _fits_as_is(need)]
+        options: list[tuple[NodeState, DeviceKind, tuple[Candidate, ...], bool]] = [
+            (node, device, (), False) for node, device, need in needs if _fits_as_is(need)
+        ]
         short: list[tuple[NodeState, Need]] = []
         if not options:
-            for node, device, need in needs:
-                victims = self.victims(need)
-                if victims is None:
-                    short.append((node, need))
-                else:
-                    options.append((node, device, victims))
+            reclaimed = [(node, device, self.reclaimed(node, need), need.memory_bytes > 0) for node, device, need in needs]
+            options = [(node, device, (), True) for node, device, need, shrinks in reclaimed if shrinks and _fits_as_is(need)]
+            if not options:
+                for node, device, need, shrinks in reclaimed:
+                    victims = self.victims(need)
+                    if victims is None:
+                        short.append((node, need))
+                    else:
+                        options.append((node, device, victims, shrinks))
         if not options:
             return None, [self.shortfall(node, need) for node, need in short]
-        ranked = [(*self.rank(node, victims), node, device, victims) for node, device, victims in options]
-        _, free_after, node, device, victims = min(ranked, key=lambda r: r[0])
-        return Plan(node, device, victims, free_after), []
+        ranked = [(*self.rank(node, victims, shrinks), node, device, victims, shrinks) for node, device, victims, shrinks in options]
+        _, free_after, node, device, victims, shrinks = min(ranked, key=lambda r: r[0])
+        return Plan(node, device, victims, free_after, self.shrink(node, victims) if shrinks else ()), []
 
     def any_plan(self, eligible: list[NodeState]) -> bool:
         """Whether some eligible node has a plan. Which one does not matter here, so no victims are
@@ -225,7 +251,7 @@ class _Planner:
         for node in eligible:
             device = device_for(self.spec, node)
             assert device is not None
-            memory_short, unmet = self.short(node, self.need(node, device))
+            memory_short, unmet = self.short(node, self.reclaimed(node, self.need(node, device)))
             if memory_short <= 0 and not unmet:
                 return True
         return False
@@ -391,12 +417,13 @@ class _ClusterNames:
         return found
 
 
-def _shortfall_text(s: NodeShortfall, free: int, cluster_names: _ClusterNames) -> str:
+def _shortfall_text(s: NodeShortfall, free: int, reclaimable: int, cluster_names: _ClusterNames) -> str:
     held = "; ".join(
         f"{_PROTECTION_WORDS[prot]} {', '.join(names)} hold {gib(nbytes)}" for prot, (names, nbytes) in sorted(cluster_names.held(s).items())
     )
     here = s.node.node_id
-    parts = [f"on {here}: {gib(free)} free of {gib(s.node.usable_bytes)} usable"]
+    kept = f" (and {gib(reclaimable)} of kept prompt prefixes, given back first)" if reclaimable else ""
+    parts = [f"on {here}: {gib(free)} free{kept} of {gib(s.node.usable_bytes)} usable"]
     if s.memory_short_bytes > 0:
         parts.append(f"{gib(s.memory_short_bytes)} short after every allowed eviction")
     if held:
@@ -504,15 +531,25 @@ def _behind_drain(model: str, node: NodeState, inst: InstanceState, waited_s: fl
 
 
 def place_from_plan(spec: ModelSpec, plan: Plan, config: PolicyConfig) -> Place:
-    reason = "fits without eviction" if not plan.victims else "evicting " + ", ".join(str(v.ref) for v in plan.victims)
+    if plan.victims:
+        reason = "evicting " + ", ".join(str(v.ref) for v in plan.victims)
+    else:
+        reason = "fits after giving back kept prompt prefixes" if plan.shrink else "fits without eviction"
+    if plan.shrink:
+        reason += f" ({_shrink_text(plan.shrink)})" if not plan.victims else f", after giving back kept prompt prefixes ({_shrink_text(plan.shrink)})"
     return Place(
         model=spec.name,
         node_id=plan.node.node_id,
         device=plan.device,
         bytes=required_bytes(spec, config),
         evict=tuple(v.ref for v in plan.victims),
+        shrink=tuple(c.ref for c in plan.shrink),
         reason=reason,
     )
+
+
+def _shrink_text(shrink: Sequence[Candidate]) -> str:
+    return f"{gib(sum(c.inst.prefix_cache_bytes for c in shrink))} held by " + ", ".join(c.key[1] for c in shrink)
 
 
 def _refuse(planner: _Planner, shortfalls: list[NodeShortfall], eligible: list[NodeState], waited_s: float) -> Wait | Reject:
@@ -547,7 +584,7 @@ def _refuse(planner: _Planner, shortfalls: list[NodeShortfall], eligible: list[N
     waiting_helps = _Planner(spec, snap, passing_evictable=True, global_excesses=planner.global_excesses).any_plan(eligible)
     ordered = sorted(shortfalls, key=lambda s: -capacities[s.node.node_id])
     cluster_names = _ClusterNames(planner.cluster_blockers[0])
-    detail = "; ".join(_shortfall_text(s, snap.free(s.node), cluster_names) for s in ordered[:3])
+    detail = "; ".join(_shortfall_text(s, snap.free(s.node), snap.reclaimable(s.node), cluster_names) for s in ordered[:3])
     if len(ordered) > 3:
         detail += f"; and {len(ordered) - 3} more nodes"
     blockers = blockers_of(shortfalls)
@@ -592,15 +629,19 @@ def retry_after_failure(failure: LoadFailure, state: ClusterState, now: float, c
         assert device is not None
         planner = _Planner(spec, Snapshot(state, now, config), passing_evictable=False)
         more = tuple(c for c in planner.snap.candidates_by_node.get(node.node_id, ()) if c.protection is None)
-        need = planner.need(node, device)
+        as_is = planner.need(node, device)
+        need = planner.reclaimed(node, as_is)
         if more and need.met_by(more):
+            shrink = planner.shrink(node, more) if as_is.memory_bytes > 0 else ()
             return Place(
                 model=spec.name,
                 node_id=node.node_id,
                 device=device,
                 bytes=required_bytes(spec, config),
                 evict=tuple(c.ref for c in more),
-                reason="retrying after running out of memory, evicting every evictable instance",
+                shrink=tuple(c.ref for c in shrink),
+                reason="retrying after running out of memory, evicting every evictable instance"
+                + (f", after giving back kept prompt prefixes ({_shrink_text(shrink)})" if shrink else ""),
             )
     decision = ensure(failure.model, state, now, config, exclude_nodes=frozenset({failure.node_id}))
     if isinstance(decision, Place):

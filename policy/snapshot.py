@@ -31,13 +31,21 @@ class Snapshot:
         )
         self._free: dict[str, int] = {}
         self._ours: dict[str, int] = {}
+        self._reclaimable: dict[str, int] = {}
         self._keep_values: dict[Candidate, float] = {}
 
     def ours(self, node: NodeState) -> int:
         """memory.ours_bytes, once per node."""
         found = self._ours.get(node.node_id)
         if found is None:
-            found = self._ours[node.node_id] = sum([i.bytes for i in node.instances])
+            found = self._ours[node.node_id] = sum([i.bytes + i.prefix_cache_bytes for i in node.instances])
+        return found
+
+    def reclaimable(self, node: NodeState) -> int:
+        """memory.reclaimable_bytes, once per node."""
+        found = self._reclaimable.get(node.node_id)
+        if found is None:
+            found = self._reclaimable[node.node_id] = sum([i.prefix_cache_bytes for i in node.instances if i.status == "ready"])
         return found
 
     def free(self, node: NodeState) -> int:

@@ -3,6 +3,7 @@ simulator both apply them, so the policy is always judged against the state it w
 
 from policy.cluster_state import ClusterState, FailedLoad, FetchSource, InstanceRef, InstanceState, NodeState
 from policy.decisions import LoadFailure, Place
+from policy.memory import held_bytes
 
 
 def _replace_node(state: ClusterState, node: NodeState) -> ClusterState:
@@ -21,7 +22,7 @@ def _set_instances(state: ClusterState, node: NodeState, instances: tuple[Instan
     took or gave back, so it stays a projection of "now" until the next report replaces it."""
     update: dict[str, object] = {"instances": instances}
     if node.reported_headroom_bytes is not None:
-        delta = sum(i.bytes for i in node.instances) - sum(i.bytes for i in instances)
+        delta = sum(held_bytes(i) for i in node.instances) - sum(held_bytes(i) for i in instances)
         update["reported_headroom_bytes"] = node.reported_headroom_bytes + delta
     return _replace_node(state, node.model_copy(update=update))
 
@@ -39,14 +40,27 @@ def remove_instance(state: ClusterState, ref: InstanceRef) -> ClusterState:
 
 
 def apply_place(state: ClusterState, place: Place, now: float) -> ClusterState:
-    """Evict the victims and add the new instance as loading, holding its planned bytes."""
+    """Evict the victims, count the caches it shrinks as given back (X4), and add the new instance
+    as loading, holding its planned bytes."""
     for ref in place.evict:
         state = remove_instance(state, ref)
+    for ref in place.shrink:
+        state = set_prefix_cache(state, ref, 0)
     node = _node(state, place.node_id)
     if node.instance(place.model) is not None:
         raise ValueError(f"{place.model} is already on {place.node_id}")
     new = InstanceState(model=place.model, device=place.device, bytes=place.bytes, status="loading", last_used=now, loaded_at=now)
     return _set_instances(state, node, node.instances + (new,))
+
+
+def set_prefix_cache(state: ClusterState, ref: InstanceRef, nbytes: int) -> ClusterState:
+    """What the instance's kept prompt prefixes hold now (its memory report, or 0 once given back).
+    An instance the state no longer holds is left alone."""
+    node = state.node(ref.node_id)
+    inst = node.instance(ref.model) if node is not None else None
+    if inst is None or inst.prefix_cache_bytes == nbytes:
+        return state
+    return _update_instance(state, ref, prefix_cache_bytes=nbytes)
 
 
 def mark_loaded(state: ClusterState, ref: InstanceRef, now: float, load_seconds: float, measured_bytes: int | None = None) -> ClusterState:

@@ -186,6 +186,25 @@ def test_explicit_load_unload_and_cluster_view(orchard):
     assert "placed" in kinds and "loaded" in kinds and "unloaded" in kinds
 
 
+def test_an_llms_kept_prompt_prefixes_are_counted_in_its_footprint(orchard):
+    """X4: after a long prompt the LLM keeps its prefix; the watcher reads it from the instance's
+    memory report and /v1/cluster lists it per instance and in the node's ours_bytes, not as
+    other processes' memory."""
+    http, client = orchard["http"], orchard["client"]
+    prompt = " ".join(f"word{i}" for i in range(600))  # over prompt_cache_min_tokens: kept after it runs
+    assert client.completions.create(model="llama-10m", prompt=prompt, max_tokens=2, temperature=0).usage.completion_tokens >= 1
+    deadline = time.monotonic() + 15
+    while True:
+        nodes = http.get("/v1/cluster").json()["nodes"]
+        (node,) = [n for n in nodes if any(i["model"] == "llama-10m" for i in n["instances"])]
+        (inst,) = [i for i in node["instances"] if i["model"] == "llama-10m"]
+        if inst["prefix_cache_bytes"] > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert inst["prefix_cache_bytes"] > 0
+    assert node["memory"]["ours_bytes"] == sum(i["bytes"] + i["prefix_cache_bytes"] for i in node["instances"])
+
+
 def test_filling_a_node_evicts(orchard):
     http = orchard["http"]
     assert http.post("/v1/models/whisper-tiny-en/unload").status_code == 200

@@ -184,6 +184,26 @@ def test_a_nodes_bar_splits_its_usable_memory_into_weights_kv_other_processes_ma
     assert view.nodes[1].ingress_url == "http://127.0.0.1:30001" and not view.nodes[2].alive and "dead" in view.nodes[2].words
 
 
+def test_an_instances_kept_prompt_prefixes_are_its_own_segment_not_other_processes():
+    """X4: big's 50 MiB of kept prefixes are its memory (GET /v1/cluster lists them per instance and
+    in ours_bytes, out of foreign): a `cache` segment of big's beside its KV, and the node's words
+    say how much of what the instances hold they would give back."""
+    cluster, models = scene()
+    head = cluster["nodes"][0]
+    head["instances"][0]["prefix_cache_bytes"] = 50 * MIB
+    head["memory"]["ours_bytes"] += 50 * MIB
+    view = compose(cluster, models, ConsoleSettings(models=FACTS), now=100.0).nodes[0]
+    assert [(s.kind, s.model, s.bytes) for s in view.segments][:4] == [
+        ("weights", "big", 564 * MIB),
+        ("kv", "big", 100 * MIB),
+        ("cache", "big", 50 * MIB),
+        ("weights", "emb", 154 * MIB),
+    ]
+    assert [(s.kind, s.bytes) for s in view.segments][4:] == [("foreign", 100 * MIB), ("margin", 56 * MIB)]
+    assert sum(s.bytes for s in view.segments) == view.usable_bytes
+    assert "868 MiB held by 2 instance(s) (50 MiB of it kept prompt prefixes, given back before any eviction)" in view.words
+
+
 def test_an_overcommitted_node_shows_by_how_much():
     cluster, models = scene()
     cluster["nodes"][1]["memory"]["foreign_bytes"] = 450 * MIB

@@ -782,7 +782,7 @@ def test_a_node_report_short_of_the_room_holds_the_load_back_until_the_wait_fail
         c.release((await c.acquire("a")).lease_id)
         fx.stop_gate = asyncio.Event()
         waiting = asyncio.create_task(c.acquire("b"))
-        await fx.run_for(0.1)  # a is evicted for b (X4's report first found nothing else there); its stop waits
+        await fx.run_for(0.1)  # a is evicted for b; its stop waits
         fx.foreign["n1"] = 4 * GIB  # something else takes the memory meanwhile
         fx.stop_gate.set()
         await fx.run_for(0.1)
@@ -799,30 +799,101 @@ def test_a_node_report_short_of_the_room_holds_the_load_back_until_the_wait_fail
     assert error.code.startswith("model_")
 
 
+def cached_node(c, fx, cache_gb: float, other_gb: float = 0.0) -> None:
+    """a's kept prompt prefixes on n1 hold cache_gb (its process's memory), something else other_gb;
+    the watcher's round reads both (the instance's memory report, then the node's)."""
+    fx.caches[("a", "n1")] = int(cache_gb * GIB)
+    fx.foreign["n1"] = int(other_gb * GIB)
+    fx.report_caches("n1")
+    fx.report("n1")
+
+
 def test_kept_prompt_prefixes_are_given_back_before_a_model_is_evicted_for_room():
-    """X4: n1 holds a (3 GiB) and 3 GiB of a's kept prompt prefixes, which the node's report counts as
-    used; b (4 GiB) would evict a. The instances there give back their caches first, and the report
-    after that shows room for b beside a: nothing is evicted. When the caches free too little, the
-    eviction goes ahead after that one report."""
+    """X4: n1 (8 GiB) holds a (3 GiB) and 3 GiB of a's kept prompt prefixes; b (4 GiB) does not fit
+    as it is. The policy counts the caches as reclaimable: a gives them back, the load waits for
+    that and a report showing the room, and b loads beside a: nothing is evicted. When the caches
+    would free too little, a is evicted at once (its cache goes with it), with no shrink first."""
 
     async def scenario(cache_gb, b_gb=4.0, other_gb=0.0):
         c, fx = make([spec("a", gb=3), spec("b", gb=b_gb)], nodes=(("n1", 8),))
         c.release((await c.acquire("a")).lease_id)
-        fx.caches["n1"] = int(cache_gb * GIB)
-        fx.foreign["n1"] = int((cache_gb + other_gb) * GIB)
-        fx.report("n1")
+        cached_node(c, fx, cache_gb, other_gb)
         c.release((await asyncio.wait_for(c.acquire("b"), 2)).lease_id)
         await c.settle()
         return c, fx
 
     c, fx = run(scenario(3))
-    assert fx.shrunk == [["a@n1#1"]] and [r.model for r, _ in fx.stopped] == []
+    assert fx.shrunk == [["a@n1#1"]] and [r.model for r, _ in fx.stopped] == [] and fx.overcommits == []
     assert {i.model for i in c.state.node("n1").instances} == {"a", "b"}
+    (placed,) = [e for e in c.events() if e.kind == "placed" and e.model == "b"]
+    assert "kept prompt prefixes" in placed.reason
     (shrunk,) = [e for e in c.events() if e.kind == "caches_shrunk"]
-    assert shrunk.node_id == "n1" and shrunk.bytes == 3 * GIB
-    c, fx = run(scenario(0.5, b_gb=4.5, other_gb=1.0))  # 3.5 GiB free, 4.0 after the shrink: a goes
-    assert fx.shrunk == [["a@n1#1"]] and [r.model for r, _ in fx.stopped] == ["a"]
+    assert (shrunk.model, shrunk.node_id, shrunk.bytes) == ("a", "n1", 3 * GIB)
+    (loading,) = [e for e in c.events() if e.kind == "loading" and e.model == "b"]
+    assert "its report measured" in loading.reason  # it waited for the shrink and a report after it
+    c, fx = run(scenario(0.5, b_gb=4.5, other_gb=1.0))  # 3.5 GiB free, 4.0 with a's cache given back: a goes
+    assert fx.shrunk == [] and [r.model for r, _ in fx.stopped] == ["a"] and fx.overcommits == []
     assert {i.model for i in c.state.node("n1").instances} == {"b"}
+
+
+def test_a_cache_that_would_not_shrink_counts_as_other_memory_and_the_eviction_goes_ahead():
+    """X4: a's 3 GiB of kept prefixes do not come back (its shrink frees nothing). The placement that
+    counted on them fails at once, having loaded nothing; the bytes count as other processes' memory,
+    so the request's next decision evicts a instead of asking it again, and b loads without
+    overcommitting n1."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=3), spec("b", gb=4)], nodes=(("n1", 8),))
+        c.release((await c.acquire("a")).lease_id)
+        fx.stuck = {"a"}
+        cached_node(c, fx, 3)
+        c.release((await asyncio.wait_for(c.acquire("b"), 2)).lease_id)
+        await c.settle()
+        fx.report_caches("n1")  # a's memory report after that still says 3 GiB: not reclaimable now
+        return c, fx
+
+    c, fx = run(scenario())
+    assert fx.shrunk == [["a@n1#1"]] and [r.model for r, _ in fx.stopped] == ["a"] and fx.overcommits == []
+    assert [p.model for p in fx.started] == ["a", "b"]
+    (failed,) = [e for e in c.events() if e.kind == "load_failed"]
+    assert "gave back nothing" in failed.reason and failed.model == "b"
+    (none,) = [e for e in c.events() if e.kind == "caches_shrunk"]
+    assert none.bytes == 0 and "3.0 GiB" in none.reason
+
+    async def pinned():  # a cannot be evicted: b is refused, and a's cache is not asked for again
+        c, fx = make([spec("a", gb=3, pinned=True), spec("b", gb=4)], nodes=(("n1", 8),))
+        c.release((await c.acquire("a")).lease_id)
+        fx.stuck = {"a"}
+        cached_node(c, fx, 3)
+        with pytest.raises(OrchardError):
+            await asyncio.wait_for(c.acquire("b"), 2)
+        cached_node(c, fx, 3)  # the next round: a's memory report still says 3 GiB
+        return c, fx, c.what_if("b")
+
+    c, fx, decision = run(pinned())
+    assert fx.shrunk == [["a@n1#1"]] and decision.decision != "place"
+    node = c.state.node("n1")
+    assert node.instance("a").prefix_cache_bytes == 0 and node.foreign_bytes == 3 * GIB  # other processes' memory for now
+
+
+def test_an_instances_kept_prefixes_are_its_memory_not_other_processes():
+    """X4: the instance's reported prefix cache is in its footprint (`prefix_cache_bytes`, held_bytes,
+    GET /v1/cluster's ours_bytes), and the node's foreign memory is only what is not ours."""
+    from router.residency import views
+
+    async def scenario():
+        c, fx = make([spec("a", gb=3)], nodes=(("n1", 8),))
+        c.release((await c.acquire("a")).lease_id)
+        cached_node(c, fx, 2, other_gb=1)
+        return c, views.cluster(c)
+
+    c, view = run(scenario())
+    node = c.state.node("n1")
+    assert node.instance("a").prefix_cache_bytes == 2 * GIB and node.foreign_bytes == 1 * GIB
+    assert c.held_bytes("n1") == 5 * GIB
+    (listed,) = view["nodes"]
+    assert listed["memory"]["ours_bytes"] == 5 * GIB and listed["memory"]["foreign_bytes"] == 1 * GIB
+    assert listed["instances"][0]["prefix_cache_bytes"] == 2 * GIB
 
 
 def test_a_placement_without_stops_on_its_node_loads_at_once():

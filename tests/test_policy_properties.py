@@ -4,7 +4,19 @@ the brute-force oracle of the spec (tests/support/policy_oracle.py)."""
 import os
 
 from hypothesis import HealthCheck, given, settings, strategies as st
-from support.policy_oracle import all_refs, backoff_left, backoff_s, device_on, eligible, evictable, feasible_after, fetch_s, need_bytes, protection
+from support.policy_oracle import (
+    all_refs,
+    backoff_left,
+    backoff_s,
+    device_on,
+    eligible,
+    evictable,
+    expected_shrink,
+    feasible_after,
+    fetch_s,
+    need_bytes,
+    protection,
+)
 
 from policy import (
     ClusterState,
@@ -67,6 +79,7 @@ def instances(draw, spec: ModelSpec, devices):
         model=spec.name,
         device=device,
         bytes=spec.weight_bytes + draw(st.sampled_from([0, GIB // 4, GIB])),
+        prefix_cache_bytes=draw(st.sampled_from([0, 0, 0, GIB // 2, 2 * GIB])),  # kept prompt prefixes (X4)
         status=draw(st.sampled_from(["ready"] * 6 + ["loading", "draining"])),
         in_flight=draw(st.sampled_from([0, 0, 0, 0, 1, 3])),
         last_used=last_used,
@@ -207,7 +220,8 @@ def test_every_decision_obeys_the_spec(request):
     nodes = [n for n in state.nodes if eligible(state, spec, n)]
     unprotected = evictable(state, NOW, config)
     fits_untouched = [n for n in nodes if feasible_after(state, spec, n.node_id, set(), config)]
-    feasible_at_all = [n for n in nodes if feasible_after(state, spec, n.node_id, unprotected, config)]
+    fits_by_shrinking = [n for n in nodes if feasible_after(state, spec, n.node_id, set(), config, shrink=True)]
+    feasible_at_all = [n for n in nodes if feasible_after(state, spec, n.node_id, unprotected, config, shrink=True)]
 
     if isinstance(decision, Place):
         node = state.node(decision.node_id)
@@ -218,18 +232,24 @@ def test_every_decision_obeys_the_spec(request):
             vnode = state.node(v.node_id)
             assert vnode.alive and protection(state, vnode, v.model, NOW, config) is None
         assert decision.bytes == need_bytes(spec, config)
-        assert feasible_after(state, spec, node.node_id, victims, config)  # P5, P6
+        shrinks = not feasible_after(state, spec, node.node_id, set(), config, memory_only=True)  # short as it is
+        assert set(decision.shrink) == expected_shrink(state, spec, node.node_id, victims, config)  # X4
+        assert len(set(decision.shrink)) == len(decision.shrink)
+        assert feasible_after(state, spec, node.node_id, victims, config, shrink=shrinks)  # P5, P6
         for v in victims:  # E6: minimal
-            assert not feasible_after(state, spec, node.node_id, victims - {v}, config)
-        if fits_untouched:  # P7
-            assert not victims
-            frees = {n.node_id: n for n in fits_untouched}
-            assert node.node_id in frees
-            soonest = min(fetch_s(state, spec, n, config) for n in fits_untouched)  # L1
-            assert fetch_s(state, spec, node, config) == soonest
+            assert not feasible_after(state, spec, node.node_id, victims - {v}, config, shrink=shrinks)
+        for candidates in (fits_untouched, fits_by_shrinking):  # P7, then X4: kept prefixes before any eviction
+            if candidates:
+                assert not victims
+                assert node.node_id in {n.node_id for n in candidates}
+                soonest = min(fetch_s(state, spec, n, config) for n in candidates)  # L1
+                assert fetch_s(state, spec, node, config) == soonest
+                break
+        if fits_untouched:
+            assert not decision.shrink
         if any(state.catalog[v.model].keep_warm for v in victims):  # E5
             no_warm = evictable(state, NOW, config, keep_warm_too=False)
-            assert not any(feasible_after(state, spec, n.node_id, no_warm, config) for n in nodes)
+            assert not any(feasible_after(state, spec, n.node_id, no_warm, config, shrink=True) for n in nodes)
         return
 
     # Wait or Reject: nothing may be feasible with every unprotected instance gone (completeness).
@@ -247,7 +267,7 @@ def test_every_decision_obeys_the_spec(request):
         everything = {r for _, r in all_refs(state)}
         assert not any(feasible_after(state, spec, n.node_id, everything, config, memory_only=True) for n in nodes)
         return
-    waiting_helps = any(feasible_after(state, spec, n.node_id, evictable(state, NOW, config, passing_too=True), config) for n in nodes)
+    waiting_helps = any(feasible_after(state, spec, n.node_id, evictable(state, NOW, config, passing_too=True), config, shrink=True) for n in nodes)
     if waiting_helps:  # P8
         if config.contention == "wait" and waited < config.wait_timeout_s:
             assert isinstance(decision, Wait) and decision.code == "busy" and decision.retry_after_s > 0
@@ -304,13 +324,14 @@ def test_plan_copies_starts_only_valid_copies(state, config):
         assert len(live) < spec.max_copies  # C3
         if len(live) >= spec.min_copies:  # C2: a scale-up, which must not evict
             assert live and all(i.status == "ready" and i.in_flight >= spec.reserve_concurrency for i in live)
-            assert place.evict == ()
+            assert place.evict == () and place.shrink == ()  # nor costs other models their kept prefixes
         assert backoff_left(work, spec.name, NOW, config) is None  # P10: no copy within the back-off
         node = work.node(place.node_id)
         assert eligible(work, spec, node)
         for v in place.evict:
             assert protection(work, work.node(v.node_id), v.model, NOW, config) is None
-        assert feasible_after(work, spec, node.node_id, set(place.evict), config)
+        assert set(place.shrink) == expected_shrink(work, spec, node.node_id, set(place.evict), config)  # X4
+        assert feasible_after(work, spec, node.node_id, set(place.evict), config, shrink=bool(place.shrink))
         work = apply_place(work, place, NOW)
 
 
@@ -410,7 +431,7 @@ def load_failures(draw, pressure=False):
         n.node_id
         for n in state.nodes
         if eligible(state, spec, n)
-        and feasible_after(state, spec, n.node_id, {r for r in evictable(state, NOW, config) if r.node_id == n.node_id}, config)
+        and feasible_after(state, spec, n.node_id, {r for r in evictable(state, NOW, config) if r.node_id == n.node_id}, config, shrink=True)
     ]
     node_id = draw(st.sampled_from(roomy if roomy and draw(st.booleans()) else [n.node_id for n in state.nodes] * 4 + ["gone"]))
     node = state.node(node_id)
@@ -450,7 +471,8 @@ def test_retry_after_failure_evicts_only_for_a_first_out_of_memory(case):
     assert eligible(state, spec, node)
     for v in decision.evict:  # E1-E4 hold for the retry too
         assert protection(state, state.node(v.node_id), v.model, NOW, config) is None
-    assert feasible_after(state, spec, node.node_id, set(decision.evict), config)  # P5, P6
+    assert set(decision.shrink) == expected_shrink(state, spec, node.node_id, set(decision.evict), config)  # X4
+    assert feasible_after(state, spec, node.node_id, set(decision.evict), config, shrink=bool(decision.shrink))  # P5, P6
     if decision.node_id == failure.node_id:  # evict-all on the failing node, and nowhere else
         here = {r for r in evictable(state, NOW, config) if r.node_id == failure.node_id}
         assert decision.evict and set(decision.evict) == here

@@ -504,6 +504,100 @@ def test_e8_no_victims_on_other_nodes_for_a_memory_shortfall():
     assert all(v.node_id == d.node_id for v in d.evict)
 
 
+# X4 (the policy's part): kept prompt prefixes are the instance's memory, given back before an eviction
+def cached(model: str, gb: float, cache_gb: float, **kw):
+    """An instance holding `gb` and `cache_gb` of kept prompt prefixes."""
+    return inst(model, gb, prefix_cache_bytes=int(cache_gb * GIB), **kw)
+
+
+def test_x4_a_node_short_as_it_is_gives_back_kept_prefixes_instead_of_evicting():
+    """a holds 6 GiB and 4 GiB of kept prefixes on 16: 6 GiB free, b needs 8. The caches given back
+    make the room: nothing is evicted."""
+    a, b = spec("a", gb=6), spec("b", gb=8)
+    st = cluster([node("n1", 16, cached("a", 6, 4, last_used=1))], [a, b])
+    d = ensure("b", st, NOW, PLAIN)
+    assert isinstance(d, Place) and d.evict == () and d.shrink == (ref("a", "n1"),)
+    assert "kept prompt prefixes" in d.reason and "4.0 GiB" in d.reason
+    after = apply_place(st, d, NOW)  # the caches count as given back at once, as victims do (X1)
+    assert after.node("n1").instance("a").prefix_cache_bytes == 0
+
+
+def test_x4_a_placement_that_fits_as_it_is_gives_nothing_back():
+    a, b = spec("a", gb=6), spec("b", gb=4)
+    st = cluster([node("n1", 16, cached("a", 6, 4))], [a, b])
+    d = ensure("b", st, NOW, PLAIN)
+    assert isinstance(d, Place) and d.evict == () and d.shrink == ()
+
+
+def test_x4_a_node_that_fits_as_it_is_beats_one_that_must_give_back_its_caches():
+    """n1 would fit b once its caches are given back, n2 fits it as it is, though only n1 holds b's
+    weights: kept prefixes are other users' (as an eviction would be), a fetch only this request's."""
+    a, b = spec("a", gb=6), spec("b", gb=8)
+    st = cluster([node("n1", 16, cached("a", 6, 4), stored=frozenset({"b"})), node("n2", 8, stored=frozenset({"a"}))], [a, b])
+    d = ensure("b", st, NOW, PLAIN)
+    assert isinstance(d, Place) and d.node_id == "n2" and d.shrink == ()
+
+
+def test_x4_a_node_that_fits_by_giving_back_caches_beats_one_that_evicts():
+    a, b, c = spec("a", gb=6), spec("b", gb=6), spec("c", gb=8)
+    st = cluster([node("n1", 16, cached("a", 6, 4)), node("n2", 12, inst("b", 6, last_used=1))], [a, b, c])
+    d = ensure("c", st, NOW, PLAIN)
+    assert isinstance(d, Place) and d.node_id == "n1" and d.evict == () and d.shrink == (ref("a", "n1"),)
+
+
+def test_x4_an_eviction_still_needed_counts_the_caches_given_back_and_spares_what_it_can():
+    """16 GiB: a (4 + 2 of kept prefixes, busy), b (3), c (5), both idle; 2 free; new needs 8. Caches
+    give back 2, so 4 more are needed: c alone (lru would take b first, but b's 3 fall short of 4 and
+    c covers it, so b is spared, E6). The victims' own caches go with them: only a shrinks."""
+    a, b, c, new = spec("a", gb=4), spec("b", gb=3), spec("c", gb=5), spec("new", gb=8)
+    st = cluster([node("n1", 16, cached("a", 4, 2, in_flight=1), cached("b", 3, 0, last_used=1), cached("c", 5, 0, last_used=2))], [a, b, c, new])
+    d = ensure("new", st, NOW, PLAIN.model_copy(update={"eviction": "lru"}))
+    assert isinstance(d, Place) and d.evict == (ref("c", "n1"),) and d.shrink == (ref("a", "n1"),)
+    st = cluster([node("n1", 16, cached("a", 4, 2, in_flight=1), cached("c", 5, 1, last_used=2))], [a, c, new])  # c's cache goes with c
+    d = ensure("new", st, NOW, PLAIN)
+    assert isinstance(d, Place) and d.evict == (ref("c", "n1"),) and d.shrink == (ref("a", "n1"),)
+
+
+def test_x4_an_instances_caches_count_in_what_the_node_could_ever_give():
+    """P5's too_large and P8's blockers count an instance's kept prefixes as its memory: b (14 GiB)
+    fits a 16 GiB node whose a holds 6 + 4 of kept prefixes once a is gone; while a is pinned, the
+    refusal says the caches were counted as given back first."""
+    a, b = spec("a", gb=6), spec("b", gb=14)
+    st = cluster([node("n1", 16, cached("a", 6, 4, last_used=1))], [a, b])
+    d = ensure("b", st, NOW, PLAIN)
+    assert isinstance(d, Place) and d.evict == (ref("a", "n1"),) and d.shrink == ()
+    pinned = cluster([node("n1", 16, cached("a", 6, 4, last_used=1))], [a.model_copy(update={"pinned": True}), b])
+    d = ensure("b", pinned, NOW, PLAIN)
+    assert isinstance(d, Reject) and d.code == "blocked"
+    assert "6.0 GiB free (and 4.0 GiB of kept prompt prefixes, given back first)" in d.message and "4.0 GiB short" in d.message
+
+
+def test_x4_only_ready_instances_give_back_their_caches():
+    """A draining instance's kept prefixes leave with it, not before: not reclaimable."""
+    a, b = spec("a", gb=6), spec("b", gb=8)
+    st = cluster([node("n1", 16, cached("a", 6, 4, status="draining"))], [a, b])
+    d = ensure("b", st, NOW, PLAIN)
+    assert isinstance(d, Wait | Reject) and d.code == "busy"
+
+
+def test_x4_a_scale_up_copy_gives_no_caches_back_but_a_min_copies_one_may():
+    """C2 never costs another model its place, nor its kept prefixes; C1 may evict, and shrinks first.
+    n2 holds a (6 GiB and 4 of kept prefixes) on 10: 0 free, 4 once a shrinks."""
+    a = spec("a", gb=6)
+    busy = spec("busy", gb=4, max_copies=2, reserve_concurrency=1)
+    nodes = [node("n1", 4, inst("busy", 4, in_flight=1)), node("n2", 10, cached("a", 6, 4))]
+    assert plan_copies(cluster(nodes, [a, busy]), NOW, PLAIN) == ()
+    (d,) = plan_copies(cluster(nodes, [a, busy.model_copy(update={"min_copies": 2})]), NOW, PLAIN)
+    assert d.node_id == "n2" and d.evict == () and d.shrink == (ref("a", "n2"),)
+
+
+def test_x4_an_out_of_memory_retry_gives_back_the_caches_it_does_not_evict():
+    a, b, c = spec("a", gb=4, pinned=True), spec("b", gb=4), spec("c", gb=8)
+    st = cluster([node("n1", 16, cached("a", 4, 3), cached("b", 4, 1, last_used=1))], [a, b, c])  # 4 free
+    d = retry_after_failure(LoadFailure(model="c", node_id="n1", reason="out_of_memory"), st, NOW, PLAIN)
+    assert isinstance(d, Place) and d.evict == (ref("b", "n1"),) and d.shrink == (ref("a", "n1"),)
+
+
 # The transitions used by the controller and the simulator
 def test_transitions_track_a_request_lifecycle():
     a = spec("a", gb=2)

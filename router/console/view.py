@@ -65,7 +65,7 @@ class ConsoleSettings(_Out):
     dashboard_url: str | None = None
 
 
-SegmentKind = Literal["weights", "kv", "foreign", "margin", "free", "over"]
+SegmentKind = Literal["weights", "kv", "cache", "foreign", "margin", "free", "over"]
 
 
 class Segment(_Out):
@@ -216,6 +216,9 @@ def _segments(node: dict[str, Any], facts: dict[str, ModelFacts], margin: int) -
         )
         if kv:
             out.append(Segment(kind="kv", bytes=kv, model=inst["model"], label=f"{inst['model']} KV reserved: {size(kv)}"))
+        cache = inst.get("prefix_cache_bytes") or 0  # the instance's own, given back before an eviction (X4)
+        if cache:
+            out.append(Segment(kind="cache", bytes=cache, model=inst["model"], label=f"{inst['model']} kept prompt prefixes: {size(cache)}"))
     foreign = mem["foreign_bytes"]
     if foreign:
         out.append(Segment(kind="foreign", bytes=foreign, label=f"other processes: {size(foreign)}"))
@@ -245,8 +248,10 @@ def _node(
         words = f"{node['node_id']} is dead: nothing is placed there"
     else:
         room = max(0, free - margin)
+        cached = sum(i.get("prefix_cache_bytes") or 0 for i in node["instances"])
+        kept = f" ({size(cached)} of it kept prompt prefixes, given back before any eviction)" if cached else ""
         words = (
-            f"{node['node_id']}: {size(mem['ours_bytes'])} held by {len(node['instances'])} instance(s), {size(mem['foreign_bytes'])} by other processes, "
+            f"{node['node_id']}: {size(mem['ours_bytes'])} held by {len(node['instances'])} instance(s){kept}, {size(mem['foreign_bytes'])} by other processes, "
             f"{size(room)} of room for another model (after the {size(margin)} margin) out of {size(mem['usable_bytes'])} usable"
         )
         if mem.get("headroom_bytes") is not None:

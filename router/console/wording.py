@@ -110,7 +110,9 @@ def event_sentence(e: ClusterEvent) -> str:
         case "cancelled":
             return f"{m}{on} was cancelled{why}"
         case "caches_shrunk":
-            return f"the instances{on} gave back their kept prompt prefixes{held}{why}"
+            if e.model is None:  # before X4 named the instance
+                return f"the instances{on} gave back their kept prompt prefixes{held}{why}"
+            return f"{m}{on} gave back its kept prompt prefixes{held}{why}" if e.bytes else f"{m}{on} gave back no kept prompt prefixes{why}"
     return f"{e.kind}: {m}{on}{why}"  # a kind added later reads plainly until it has its sentence
 
 

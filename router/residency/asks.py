@@ -95,9 +95,6 @@ class Asks:
             decision = ensure(model, self.loop.state, now, self.loop.config, waited_s=now - ask.started, exclude_nodes=self.loop.removals.on(model))
             if not isinstance(decision, Place):
                 break
-            if decision.evict and self.loop.placements.squeezing(decision.node_id, now):
-                self.loop._schedule(self.loop.config.retry_poll_s)
-                return False  # X4: the caches there shrink first, then a fresh report decides again
             if not self.loop.placements.begin(decision, for_requests=not ask.operator):
                 return self._waiting_for_fetch(ask, decision, now)
         if isinstance(decision, Use):
@@ -163,8 +160,7 @@ class Asks:
         if (model, node_id) in self.loop.removals.pending:
             raise OrchardError("files_in_use", f"the files of {model} are being removed from {node_id}'s store: load it there after", "node")
         if isinstance(decision, Place):
-            if not (decision.evict and self.loop.placements.squeezing(decision.node_id, now)):  # X4
-                ask.placed = self.loop.placements.begin(decision)
+            ask.placed = self.loop.placements.begin(decision)
             return False
         assert isinstance(decision, Reject)
         revoking = any(self.loop.leases.revoke_idle_each(decision.blockers.keys_of("busy")))

@@ -22,12 +22,13 @@ from deployments.wire.leases import LeaseRecord, RoutesView
 from policy import ClusterState, InstanceRef, InstanceState, LoadFailure, ModelSpec, NodeState, Place, PolicyConfig, plan_copies, sweep
 from policy.decisions import Decision
 from policy.eviction import ready_copies
-from policy.memory import gib
-from policy.transitions import apply_place, clear_failed, mark_failed, mark_loaded, remove_instance, set_in_flight
+from policy.memory import gib, held_bytes
+from policy.transitions import apply_place, clear_failed, mark_failed, mark_loaded, remove_instance, set_in_flight, set_prefix_cache
 from router.residency.asks import Ask, Asks
 from router.residency.clock import Clock, MonotonicClock, Timer, until
 from router.residency.demand import Demand
 from router.residency.events import (
+    CachesReported,
     ClusterEvent,
     EventKind,
     FetchDone,
@@ -82,9 +83,11 @@ class ResidencyController:
         self._timer: tuple[float, Timer] | None = None
 
     # ---- happenings in --------------------------------------------------------------------------
-    def apply(self, event: NodeReported | NodeLost | InstanceDied | LoadDone | LoadFailed | StopDone | FetchDone) -> None:
+    def apply(self, event: NodeReported | CachesReported | NodeLost | InstanceDied | LoadDone | LoadFailed | StopDone | FetchDone) -> None:
         if isinstance(event, NodeReported):
             self._node_reported(event)
+        elif isinstance(event, CachesReported):
+            self._caches_reported(event)
         elif isinstance(event, NodeLost):
             self._node_lost(event)
         elif isinstance(event, InstanceDied):
@@ -114,7 +117,7 @@ class ResidencyController:
         old = self.state.node(r.node_id)
         instances = old.instances if old is not None and old.alive else ()
         waiting = self.placements.awaiting_bytes(r.node_id)
-        ours = sum(i.bytes for i in instances) - waiting
+        ours = sum(held_bytes(i) for i in instances) - waiting  # kept prompt prefixes included (X4): not foreign
         self.sites.reported(r.node_id, r.ray_node_id, r.store, self.clock.now() if r.asked_at is None else r.asked_at, r.chip)
         room, copying = (self.sites.room(r.node_id), bool(r.store.fetching)) if r.store is not None else (None, False)
         self.placements.reported(r.node_id, self.clock.now() if r.asked_at is None else r.asked_at, r.free_bytes, room, copying)
@@ -137,6 +140,22 @@ class ResidencyController:
         if old is None or not old.alive:
             self._record("node_up", node_id=r.node_id, bytes=r.usable_bytes, reason=f"{gib(r.usable_bytes)} usable")
         self.placements.check(r.node_id)
+
+    def _caches_reported(self, r: CachesReported) -> None:
+        """X4: what each ready instance's kept prompt prefixes hold now is part of its footprint. An
+        instance being asked to give them back is left as the placement counted it (0) until that
+        ends; one whose last shrink freed nothing it was counted for reads 0 for `exit_wait_s`, so its
+        cache is other processes' memory (the next report puts it in foreign) and the next decision
+        evicts instead of asking it again."""
+        node = self.state.node(r.node_id)
+        if node is None or not node.alive:
+            return
+        for model, nbytes in r.prefix_cache_bytes.items():
+            ref = InstanceRef(node_id=r.node_id, model=model)
+            inst = node.instance(model)
+            if inst is None or inst.status != "ready" or self.placements.shrinking(ref):
+                continue
+            self.state = set_prefix_cache(self.state, ref, 0 if self.placements.unshrinkable(ref) else nbytes)
 
     def _node_lost(self, lost: NodeLost) -> None:
         """Drop the node's instances and leases; requests for its models are placed elsewhere."""
@@ -291,7 +310,7 @@ class ResidencyController:
     def held_bytes(self, node_id: str) -> int:
         """What our instances on the node hold or are loading (those waiting for room hold nothing yet)."""
         node = self.state.node(node_id)
-        return (sum(i.bytes for i in node.instances) if node is not None else 0) - self.placements.awaiting_bytes(node_id)
+        return (sum(held_bytes(i) for i in node.instances) if node is not None else 0) - self.placements.awaiting_bytes(node_id)
 
     def restore(self, events: list[ClusterEvent], pins: dict[str, bool]) -> None:
         """What a previous controller left in the operator's store: its event log (numbering goes on

@@ -8,6 +8,7 @@ import hashlib
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -50,6 +51,7 @@ class RayEffects:
         self.drain_timeout_s = drain_timeout_s
         self.exit_timeout_s = exit_timeout_s  # after a stop, how long its process may take to be gone
         self.report_wanted = asyncio.Event()  # the controller wants fresh node reports (the service's watcher waits on it)
+        self._handles: dict[str, Any] = {}  # model servers' actor handles by name, for their memory reports (X4)
         self.listeners: list = []
         self.server_options = server_options or {}  # ModelServer options (coalescing)
 
@@ -146,6 +148,24 @@ class RayEffects:
             raise
         except Exception as e:  # the target's agent died (its node with it)
             return FetchResult(ok=False, code="error", message=unwrap(e).message)
+
+    async def prefix_caches(self, actors: list[str], timeout_s: float) -> dict[str, int]:
+        """What each actor's kept prompt prefixes hold now (its MemoryReport, X4), by actor name; an
+        actor that does not answer within timeout_s is left out."""
+        self._handles = {name: self._handles[name] for name in actors if name in self._handles}  # only those still asked about
+
+        async def one(name: str) -> tuple[str, int | None]:
+            try:
+                handle = self._handles.get(name)
+                if handle is None:
+                    handle = self._handles[name] = await asyncio.to_thread(ray.get_actor, name, NAMESPACE)
+                report: MemoryReport = await asyncio.wait_for(handle.memory.remote(), timeout_s)
+                return name, report.prefix_cache_bytes
+            except Exception:  # gone, or busy past the timeout: its last figure stands
+                self._handles.pop(name, None)
+                return name, None
+
+        return {name: nbytes for name, nbytes in await asyncio.gather(*(one(n) for n in actors)) if nbytes is not None}
 
     async def shrink_caches(self, actors: list[str]) -> int:
         async def one(name: str) -> int:

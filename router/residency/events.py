@@ -37,6 +37,14 @@ class NodeReported(Frozen):
     store: StoreReport | None = None  # its model store, when it has one
 
 
+class CachesReported(Frozen):
+    """What the kept prompt prefixes of a node's ready instances hold now, by model, as their memory
+    reports said (`MemoryReport.prefix_cache_bytes`, X4); a model not named is left as it was."""
+
+    node_id: str
+    prefix_cache_bytes: dict[str, int] = Field(default_factory=dict)
+
+
 class NodeLost(Frozen):
     """A node that died (Ray says so), or that is suspect: its agent or an actor there stopped
     answering. Either way its instances are dropped and placements avoid it until it reports again."""

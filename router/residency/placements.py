@@ -18,7 +18,17 @@ from typing import TYPE_CHECKING, Literal
 
 from cluster.node_report import FetchResult
 from deployments.wire.failure import OrchardError
-from policy import InstanceRef, LoadFailure, LoadFailureReason, Place, StoreRoom, fetch_source, plan_background_copies, retry_after_failure
+from policy import (
+    ClusterState,
+    InstanceRef,
+    LoadFailure,
+    LoadFailureReason,
+    Place,
+    StoreRoom,
+    fetch_source,
+    plan_background_copies,
+    retry_after_failure,
+)
 from policy.memory import gib
 from policy.transitions import apply_place, learn_bandwidth, mark_loaded, mark_stored, remove_instance
 from router.residency.clock import Timer
@@ -38,6 +48,7 @@ class _Pending:
     ended_at: float | None = None  # when the last of them ended
     asked_at: float = float("-inf")  # when it last asked for a report
     unconfirmed: int = 0  # its stops that ended without confirming the exit
+    kept: int = 0  # the caches it counted on that were not given back (X4)
     timers: list[Timer] = field(default_factory=list)
 
 
@@ -58,42 +69,56 @@ class Placements:
         # node -> when a stop there ended without confirming its process gone: until a report asked
         # for after that shows the room, every load there waits for one.
         self._unsure: dict[str, float] = {}
-        self._squeezes: dict[str, tuple[float, float | None]] = {}  # node -> (when its caches were asked to shrink, when that ended)
+        self._shrinking: dict[int, InstanceRef] = {}  # caches being given back (X4), by id: loads wait for them as for stops
+        self._unshrinkable: dict[InstanceRef, float] = {}  # instance -> when its shrink freed nothing it was counted for
 
-    # ---- caches shrink before evictions (X4) -------------------------------------------------------
-    def squeezing(self, node_id: str, now: float) -> bool:
-        """X4: before a placement evicts anything on `node_id`, the ready instances there give back
-        their kept prompt prefixes and a report asked for after that measures the room; True while
-        that is under way (the placement waits, then is decided again). Once per `exit_wait_s` a
-        node: after that, evictions go ahead as decided."""
+    # ---- caches given back before evictions (X4) ----------------------------------------------------
+    def shrinking(self, ref: InstanceRef) -> bool:
+        """Whether the instance is being asked to give its kept prompt prefixes back."""
+        return ref in self._shrinking.values()
+
+    def unshrinkable(self, ref: InstanceRef) -> bool:
+        """Whether the instance's last shrink freed nothing it was counted for, within exit_wait_s:
+        its cache is then not reclaimable (X4)."""
+        at = self._unshrinkable.get(ref)
+        if at is not None and self.loop.clock.now() - at >= self.loop.config.exit_wait_s:
+            del self._unshrinkable[ref]
+            at = None
+        return at is not None
+
+    def shrink(self, place: Place) -> None:
+        """X4: ask the instances the placement names to give their kept prompt prefixes back; its load
+        waits for each to end as for a stop (X1), then for a report that shows the room."""
         loop = self.loop
-        started, ended = self._squeezes.get(node_id, (float("-inf"), float("-inf")))
-        if ended is None:
-            return True
-        asked, _ = self._reports.get(node_id, (float("-inf"), 0))
-        if asked < ended and now - ended < loop.config.exit_wait_s:
-            return True  # its report after the shrink has not come yet
-        if now - started < loop.config.exit_wait_s:
-            return False
-        node = loop.state.node(node_id)
-        ready = [i.model for i in node.instances if i.status == "ready"] if node is not None else []
-        actors = [a for m in ready if (a := loop.sites.actor_of(InstanceRef(node_id=node_id, model=m))) is not None]
-        if not actors:
-            return False
-        self._squeezes[node_id] = (now, None)
-        loop._spawn(self._squeeze(node_id, actors, now))
-        return True
+        for ref in place.shrink:
+            inst = loop._instance(ref)
+            counted = inst.prefix_cache_bytes if inst is not None else 0  # before apply_place counts it given back
+            shrink_id = next(self._ids)
+            self._shrinking[shrink_id] = ref
+            loop._spawn(self._run_shrink(shrink_id, ref, loop.sites.actor_of(ref), counted, place.model))
 
-    async def _squeeze(self, node_id: str, actors: list[str], started: float) -> None:
+    async def _run_shrink(self, shrink_id: int, ref: InstanceRef, actor: str | None, counted: int, model: str) -> None:
         loop = self.loop
         try:
-            freed = await loop.effects.shrink_caches(actors)
-        except Exception:  # an effect that broke frees nothing: the eviction goes ahead
+            freed = await loop.effects.shrink_caches([actor]) if actor is not None else 0
+        except Exception:  # an effect that broke frees nothing
             freed = 0
-        self._squeezes[node_id] = (started, loop.clock.now())
+        self._shrinking.pop(shrink_id, None)
         if freed:
-            loop._record("caches_shrunk", node_id=node_id, bytes=freed, reason=f"{gib(freed)} of kept prompt prefixes, before evicting a model")
-        loop.effects.want_report(node_id)
+            loop._record(
+                "caches_shrunk", model=ref.model, node_id=ref.node_id, bytes=freed, reason=f"{gib(freed)} of kept prompt prefixes, for {model}"
+            )
+        if counted and not freed:  # counted as given back, and nothing came back
+            self._unshrinkable[ref] = loop.clock.now()  # not reclaimable for exit_wait_s: other processes' memory
+            loop.state = _count_foreign(loop.state, ref.node_id, counted)
+            loop._record(
+                "caches_shrunk", model=ref.model, node_id=ref.node_id, bytes=0, reason=f"gave back none of {gib(counted)} of kept prompt prefixes"
+            )
+            for p in self._pending.values():  # their room is not coming: they fail now, and decide again
+                if shrink_id in p.after:
+                    p.kept += 1
+        loop.effects.want_report(ref.node_id)
+        self.check(ref.node_id)
         loop._wake()
 
     def stopping(self, ref: InstanceRef) -> int:
@@ -104,7 +129,7 @@ class Placements:
     def place(self, place: Place, attempt: int) -> None:
         """Load now, or once the room is there."""
         node_id = place.node_id
-        after = {i for i, ref in self._stops.items() if ref.node_id == node_id}
+        after = {i for i, ref in (*self._stops.items(), *self._shrinking.items()) if ref.node_id == node_id}
         if not after and node_id not in self._unsure:
             self.start_load(place, attempt, "")
             return
@@ -265,7 +290,10 @@ class Placements:
         if p.unconfirmed:
             self._fail(ref, p, f"{p.unconfirmed} of the instances stopping on {ref.node_id} (and the victims) did not confirm their exit")
             return
-        if p.after & self._stops.keys():
+        if p.kept:
+            self._fail(ref, p, f"{p.kept} of the instances on {ref.node_id} asked to give back their kept prompt prefixes gave back nothing")
+            return
+        if p.after & (self._stops.keys() | self._shrinking.keys()):
             return
         if p.ended_at is None:
             p.ended_at = now
@@ -288,9 +316,11 @@ class Placements:
         if p is None:
             return
         wait = self.loop.config.exit_wait_s
-        running = p.after & self._stops.keys()
+        running, shrinking = p.after & self._stops.keys(), p.after & self._shrinking.keys()
         if running:
             message = f"{len(running)} instance(s) stopping for it had not exited after {wait:.0f} s"
+        elif shrinking:
+            message = f"{len(shrinking)} instance(s) giving back kept prompt prefixes for it had not answered after {wait:.0f} s"
         else:
             asked, free = self._reports.get(ref.node_id, (float("-inf"), 0))
             seen = f"its last report measured {gib(free)} free" if p.ended_at is not None and asked >= p.ended_at else "no report came"
@@ -327,14 +357,16 @@ class Placements:
         return True
 
     def carry_out(self, place: Place, attempt: int, evicted: str, stop_reason: str, for_requests: bool = False) -> None:
-        """Unload, then load (X1): stop the victims, apply the placement to the state (its bytes
-        reserved, the victims' counted free), and load once every stop on its node has exited and
-        a report shows the room (`room`)."""
+        """Unload, then load (X1): stop the victims, ask the instances in `shrink` to give their kept
+        prompt prefixes back (X4), apply the placement to the state (its bytes reserved, the
+        victims' and the caches counted free), and load once every stop and shrink on its node has
+        ended and a report shows the room (`room`)."""
         for victim in place.evict:
             inst = self.loop._instance(victim)
             cause = "retry" if attempt > 1 else "placement"
             self.loop._record("evicted", model=victim.model, node_id=victim.node_id, bytes=inst.bytes if inst else None, reason=evicted, cause=cause)
             self.loop._drop(victim, None, evicted, stop_reason)
+        self.shrink(place)  # before apply_place counts the caches given back
         self.loop.state = apply_place(self.loop.state, place, self.loop.clock.now())
         self.loop._record("placed", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=place.reason)
         if for_requests:
@@ -444,6 +476,19 @@ class Placements:
         except Exception as e:  # an effect that broke: the exit is not confirmed
             gone, reason = False, f"{reason}; stopping it failed: {type(e).__name__}: {e}"
         self.loop.apply(StopDone(stop_id=stop_id, instance=ref, gone=gone, reason=reason, bytes=nbytes))
+
+
+def _count_foreign(state: ClusterState, node_id: str, nbytes: int) -> ClusterState:
+    """Memory the state counted as given back that was not: other processes' until a report says
+    otherwise (X4)."""
+    node = state.node(node_id)
+    if node is None or not node.alive:
+        return state
+    headroom = node.reported_headroom_bytes
+    moved = node.model_copy(
+        update={"foreign_bytes": node.foreign_bytes + nbytes, "reported_headroom_bytes": None if headroom is None else headroom - nbytes}
+    )
+    return state.model_copy(update={"nodes": tuple(moved if n.node_id == node_id else n for n in state.nodes)})
 
 
 def _weight_bytes(order: FetchOrder) -> int | None:

@@ -16,7 +16,7 @@ from deployments.wire.reports import HealthReport, MemoryReport
 from policy import InstanceRef
 from router.residency.controller import ResidencyController
 from router.residency.effects import RayEffects, agent_answers
-from router.residency.events import NodeLost
+from router.residency.events import CachesReported, NodeLost
 
 log = logging.getLogger("orchard.residency")
 
@@ -48,6 +48,7 @@ class ClusterWatcher:
                 pass
             self.effects.report_wanted.clear()
             try:
+                await self.observe_caches()
                 await self.observe_nodes()
                 await self.observe_instances()
                 self.controller.tick()
@@ -95,6 +96,25 @@ class ClusterWatcher:
                 self.controller.node_dead(node.node_id, "Ray lists the node as dead")
         if back:  # a suspect node answers again: the model servers it kept running are ours again
             await self.adopt_running_servers(only_nodes=frozenset(back))
+
+    async def observe_caches(self) -> None:
+        """X4: what the kept prompt prefixes of every ready LLM and VLM instance hold now (their memory
+        reports), read before the node reports so that a node's foreign memory leaves them out."""
+        refs = {}
+        for node in self.controller.state.nodes:
+            for inst in node.instances if node.alive else ():
+                ref = InstanceRef(node_id=node.node_id, model=inst.model)
+                name = self.sites.actor_of(ref)
+                if inst.status == "ready" and name is not None and self.controller.state.catalog[inst.model].kind in ("llm", "vlm"):
+                    refs[name] = ref
+        if not refs:
+            return
+        held = await self.effects.prefix_caches(list(refs), self.report_timeout_s / 2)
+        by_node: dict[str, dict[str, int]] = {}
+        for name, nbytes in held.items():
+            by_node.setdefault(refs[name].node_id, {})[refs[name].model] = nbytes
+        for node_id, caches in by_node.items():
+            self.controller.apply(CachesReported(node_id=node_id, prefix_cache_bytes=caches))
 
     async def observe_instances(self) -> None:
         """Ready instances whose actor Ray no longer lists (a detached actor's name is freed at its

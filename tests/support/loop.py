@@ -10,7 +10,7 @@ from policy import InstanceRef, Place, PolicyConfig
 from policy.config import GIB
 from router.residency.clock import ManualClock, MonotonicClock
 from router.residency.controller import ResidencyController
-from router.residency.events import LoadError, LoadResult
+from router.residency.events import CachesReported, LoadError, LoadResult
 
 PLAIN = PolicyConfig(
     safety_margin_bytes=0, safety_margin_fraction=0.0, instance_overhead_bytes=0, min_residency_s=0.0, retry_poll_s=0.01, wait_timeout_s=0.2
@@ -47,7 +47,8 @@ class FakeEffects:
         self.fail_fetch: set[str] = set()
         self.fetch_s = 0.01
         self._incarnations = 0
-        self.caches: dict[str, int] = {}  # node -> bytes its instances keep as prompt prefixes (in `foreign`)
+        self.caches: dict[tuple[str, str], int] = {}  # (model, node) -> bytes its kept prompt prefixes hold
+        self.stuck: set[str] = set()  # models whose shrink gives nothing back (no answer in time)
         self.shrunk: list[list[str]] = []  # each shrink_caches call's actors
 
     def now(self) -> float:
@@ -99,19 +100,25 @@ class FakeEffects:
             await self.stop_gate.wait()
         if not self.stops_exit:
             return False
+        self.caches.pop((instance.model, instance.node_id), None)  # its kept prefixes go with its process
         if self.resident.pop((instance.model, instance.node_id), None) is not None:
             self.log.append(("exit", instance.model))
         return True
 
     async def shrink_caches(self, actors):
-        """The instances' kept prefixes: `caches[node]` bytes, counted as foreign memory until given back."""
+        """The instances' kept prefixes (`caches`), memory their processes hold until given back."""
         self.shrunk.append(sorted(actors))
         freed = 0
-        for node_id in {a.split("@")[1].split("#")[0] for a in actors}:
-            held = self.caches.pop(node_id, 0)
-            self.foreign[node_id] = self.foreign.get(node_id, 0) - held
-            freed += held
+        for actor in actors:
+            model, node_id = actor.split("#")[0].split("@")
+            if model not in self.stuck:
+                freed += self.caches.pop((model, node_id), 0)
         return freed
+
+    def report_caches(self, node_id):
+        """The watcher's round: each instance's memory report, its kept prefixes (X4)."""
+        held = {m: n for (m, node), n in self.caches.items() if node == node_id}
+        self.controller.apply(CachesReported(node_id=node_id, prefix_cache_bytes=held))
 
     async def store_report(self, node_id):
         return None  # the store as the last report said
@@ -121,7 +128,8 @@ class FakeEffects:
         return True
 
     def held(self, node_id):
-        return sum(n for (_, node), n in self.resident.items() if node == node_id)
+        """What the processes there hold: what they loaded and their kept prefixes."""
+        return sum(n for (_, node), n in (*self.resident.items(), *self.caches.items()) if node == node_id)
 
     def want_report(self, node_id):
         if self.controller is not None and self.auto_report:

@@ -60,14 +60,19 @@ def evictable(state, now, config, *, passing_too=False, keep_warm_too=True) -> s
     return out
 
 
-def feasible_after(state: ClusterState, spec: ModelSpec, node_id: str, victims: set[InstanceRef], config: PolicyConfig, *, memory_only=False) -> bool:
-    """Would placing spec on node_id, after removing victims, respect memory and every cap that
-    counts the new instance?"""
+def feasible_after(
+    state: ClusterState, spec: ModelSpec, node_id: str, victims: set[InstanceRef], config: PolicyConfig, *, memory_only=False, shrink=False
+) -> bool:
+    """Would placing spec on node_id, after removing victims (and, with shrink, the kept prompt
+    prefixes of the node's ready instances given back, X4), respect memory and every cap that
+    counts the new instance? An instance holds its bytes and its prefix cache."""
     node = state.node(node_id)
     device = device_on(spec, node)
-    freed = sum(i.bytes for i in node.instances if InstanceRef(node_id=node_id, model=i.model) in victims)
+    gone = [i for i in node.instances if InstanceRef(node_id=node_id, model=i.model) in victims]
     kept = [i for i in node.instances if InstanceRef(node_id=node_id, model=i.model) not in victims]
-    accounted = node.usable_bytes - node.foreign_bytes - sum(i.bytes for i in kept)
+    given_back = sum(i.prefix_cache_bytes for i in kept if shrink and i.status == "ready")
+    freed = sum(i.bytes + i.prefix_cache_bytes for i in gone) + given_back
+    accounted = node.usable_bytes - node.foreign_bytes - sum(i.bytes + i.prefix_cache_bytes for i in kept) + given_back
     free = accounted if node.reported_headroom_bytes is None else min(accounted, node.reported_headroom_bytes + freed)
     margin = config.safety_margin_bytes + int(config.safety_margin_fraction * node.usable_bytes)
     if free - need_bytes(spec, config) < margin:
@@ -86,6 +91,16 @@ def feasible_after(state: ClusterState, spec: ModelSpec, node_id: str, victims: 
         (config.max_per_kind_per_node.get(spec.kind), sum(1 for i in on_node if state.catalog[i.model].kind == spec.kind)),
     ]
     return all(cap is None or count + 1 <= cap for cap, count in checks)
+
+
+def expected_shrink(state: ClusterState, spec: ModelSpec, node_id: str, victims: set[InstanceRef], config: PolicyConfig) -> set[InstanceRef]:
+    """X4: a placement on a node short of the memory as it is gives back the kept prompt prefixes of
+    every ready instance there that holds some and is not a victim; any other gives back none."""
+    if feasible_after(state, spec, node_id, set(), config, memory_only=True):
+        return set()
+    node = state.node(node_id)
+    here = {InstanceRef(node_id=node_id, model=i.model) for i in node.instances if i.status == "ready" and i.prefix_cache_bytes}
+    return here - victims
 
 
 def backoff_s(failures: int, config: PolicyConfig) -> float:
