@@ -202,6 +202,8 @@ def test_an_instances_kept_prompt_prefixes_are_its_own_segment_not_other_process
     assert [(s.kind, s.bytes) for s in view.segments][4:] == [("foreign", 100 * MIB), ("margin", 56 * MIB)]
     assert sum(s.bytes for s in view.segments) == view.usable_bytes
     assert "868 MiB held by 2 instance(s) (50 MiB of it kept prompt prefixes, given back before any eviction)" in view.words
+    (big,) = [i for i in compose(cluster, models, ConsoleSettings(models=FACTS), now=100.0).instances if i.model == "big"]
+    assert (big.bytes, big.kv_bytes, big.cache_bytes) == (664 * MIB, 100 * MIB, 50 * MIB)
 
 
 def test_an_overcommitted_node_shows_by_how_much():

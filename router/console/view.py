@@ -3,9 +3,9 @@ model list (plain data as they cross Ray), the registry's facts about each model
 controller's clock when this process can read it. Pure: data in, a `ConsoleView` out, so the page's
 numbers and words are tested without a cluster.
 
-A node's memory bar is its usable memory split into each instance's weights (with its overhead) and
-reserved KV cache, other processes' memory (`foreign`), the safety margin the policy keeps free and
-what is left; the instance list says, for each instance, what keeps it from being evicted now."""
+A node's memory bar is its usable memory split into each instance's weights (with its overhead),
+reserved KV cache and kept prompt prefixes (its prefix cache, rule X4), other processes' memory
+(`foreign`), the safety margin the policy keeps free and what is left; the instance list says, for each instance, what keeps it from being evicted now."""
 
 from typing import Any, Literal
 
@@ -135,6 +135,7 @@ class InstanceView(_Out):
     device: str
     bytes: int
     kv_bytes: int
+    cache_bytes: int = 0  # its kept prompt prefixes, beside `bytes` (X4)
     in_flight: int
     leases: int
     idle_s: float | None
@@ -502,6 +503,7 @@ def compose(
                     device=inst["device"],
                     bytes=inst["bytes"],
                     kv_bytes=min(f.kv_reserved_bytes, inst["bytes"]),
+                    cache_bytes=inst.get("prefix_cache_bytes") or 0,
                     in_flight=inst.get("in_flight", 0),
                     leases=inst.get("leases", 0),
                     idle_s=max(0.0, now - inst["last_used"]) if now is not None else None,
