@@ -6,11 +6,14 @@ table gives each one's ratio to the first (the baseline, mlx-lm's LRUPromptCache
 
     python -m bench.engine.agent [--model models/llama-10m] [--concurrency 8 24] [--per-slot 2]
         [--turns 3] [--tokens 64] [--system-tokens 1100] [--variants lru blocks] [--rounds 1]
+        [--set KEY=VALUE ...] [--phases]
 
 Per cell: tok/s (completion tokens over the wall time of the cell), TTFT p50 / p90 of each turn (from
 `generate()` to the first delta), the prompt tokens the cache gave back per turn (usage's
 cached_tokens), the tokens mlx-lm prefilled, and the prefix cache's bytes at the end. Greedy, no Ray,
-no HTTP. Writes JSON (bench/results/engine-agent.json)."""
+no HTTP. `--set` gives every variant an LLMEngine argument; `--phases` times the engine's phases
+(bench/engine/phases.py) and counts the prefill attention shapes. Writes JSON
+(bench/results/engine-agent.json)."""
 
 import argparse
 import asyncio
