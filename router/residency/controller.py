@@ -22,7 +22,7 @@ from deployments.wire.leases import LeaseRecord, RoutesView
 from policy import ClusterState, InstanceRef, InstanceState, LoadFailure, ModelSpec, NodeState, Place, PolicyConfig, plan_copies, sweep
 from policy.decisions import Decision
 from policy.eviction import ready_copies
-from policy.memory import gib, held_bytes
+from policy.memory import gib, held_bytes, ours_bytes
 from policy.transitions import apply_place, clear_failed, mark_failed, mark_loaded, remove_instance, set_in_flight, set_prefix_cache
 from router.residency.asks import Ask, Asks
 from router.residency.clock import Clock, MonotonicClock, Timer, until
@@ -310,7 +310,7 @@ class ResidencyController:
     def held_bytes(self, node_id: str) -> int:
         """What our instances on the node hold or are loading (those waiting for room hold nothing yet)."""
         node = self.state.node(node_id)
-        return (sum(held_bytes(i) for i in node.instances) if node is not None else 0) - self.placements.awaiting_bytes(node_id)
+        return (ours_bytes(node) if node is not None else 0) - self.placements.awaiting_bytes(node_id)
 
     def restore(self, events: list[ClusterEvent], pins: dict[str, bool]) -> None:
         """What a previous controller left in the operator's store: its event log (numbering goes on

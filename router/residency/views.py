@@ -5,7 +5,7 @@ from typing import Any
 
 from policy import InstanceRef
 from policy.failures import backoff_left
-from policy.memory import held_bytes
+from policy.memory import ours_bytes
 from router.residency.controller import ResidencyController
 
 
@@ -69,7 +69,7 @@ def cluster(controller: ResidencyController) -> dict[str, Any]:
                     "usable_bytes": n.usable_bytes,
                     "foreign_bytes": n.foreign_bytes,
                     "headroom_bytes": n.reported_headroom_bytes,
-                    "ours_bytes": sum(held_bytes(i) for i in n.instances),  # kept prompt prefixes included (X4)
+                    "ours_bytes": ours_bytes(n),  # kept prompt prefixes included (X4)
                 },
                 "instances": [
                     i.model_dump()
