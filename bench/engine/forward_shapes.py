@@ -1,0 +1,106 @@
+"""What one forward of a model costs by itself, the way mlx-lm's BatchGenerator runs it: a decode
+step at several batch sizes over a long cached context, and a group's prefill over cached prefixes
+with the same shape every call against a new shape every call (an agent's groups rarely repeat one).
+
+    python -m bench.engine.forward_shapes --model DIR [--cached 3100] [--new 150] [--rows 3] [--calls 10]
+
+A decode step that costs about the same at 1 row as at 16 is bound by the host (launching kernels),
+not by the device; a prefill whose new shapes cost far more than a repeated one pays for something
+built per shape (kernels compiled, plans chosen). Every call ends in mx.eval, so the numbers are
+each forward's own. Prints a table and writes JSON."""
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import deployments  # noqa: F401  (OpenBLAS here, MLX's own attention on CUDA: as the engine runs)
+
+# isort: split
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.models.cache import BatchKVCache
+
+from bench.report import write_json
+
+
+def _filled(model, rows: int, cached: int, vocab: int) -> list[BatchKVCache]:
+    """A batch cache holding `cached` tokens of every row (random tokens, prefilled once, untimed)."""
+    caches = [BatchKVCache([0] * rows) for _ in model.layers]
+    step = 1024
+    tokens = mx.random.randint(0, vocab, (rows, cached))
+    for at in range(0, cached, step):
+        model(tokens[:, at : at + step], cache=caches)
+        mx.eval([c.keys for c in caches])
+    return caches
+
+
+def _forward(model, caches: list[BatchKVCache], rows: int, new: int, vocab: int) -> float:
+    """One forward of `new` tokens a row, timed to its result, then trimmed off again."""
+    tokens = mx.random.randint(0, vocab, (rows, new))
+    mx.eval(tokens)
+    started = time.perf_counter()
+    logits = model(tokens, cache=caches)
+    mx.eval(logits[:, -1, :])
+    took = time.perf_counter() - started
+    for c in caches:
+        c.trim(new)
+    return took
+
+
+def _ms(times: list[float]) -> dict[str, float]:
+    return {"p50": round(1000 * statistics.median(times), 2), "max": round(1000 * max(times), 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--cached", type=int, default=3100, help="tokens every row holds already")
+    ap.add_argument("--new", type=int, default=150, help="a prefill's new tokens a row")
+    ap.add_argument("--rows", type=int, default=3, help="a prefill group's rows")
+    ap.add_argument("--decode-rows", default="1,4,8,16")
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--json", type=Path, default=Path("bench/results/engine-forward-shapes.json"))
+    a = ap.parse_args(argv)
+    model, tokenizer = mlx_lm.load(a.model)[:2]
+    vocab = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 2048
+    cells: dict[str, dict[str, float]] = {}
+    for rows in [int(r) for r in a.decode_rows.split(",")]:
+        caches = _filled(model, rows, a.cached, vocab)
+        _forward(model, caches, rows, 1, vocab)
+        cells[f"decode step, {rows} rows"] = _ms([_forward(model, caches, rows, 1, vocab) for _ in range(a.calls)])
+        del caches
+    caches = _filled(model, a.rows, a.cached, vocab)
+    _forward(model, caches, a.rows, a.new, vocab)
+    cells[f"prefill {a.rows} x {a.new}, same shape"] = _ms([_forward(model, caches, a.rows, a.new, vocab) for _ in range(a.calls)])
+    cells[f"prefill {a.rows} x ~{a.new}, a new length each call"] = _ms(
+        [_forward(model, caches, a.rows, a.new + 1 + i, vocab) for i in range(a.calls)]
+    )
+    del caches
+    fresh = []
+    for i in range(a.calls):  # a new cached length too: a new key length for the attention
+        caches = _filled(model, a.rows, a.cached + 7 * (i + 1), vocab)
+        fresh.append(_forward(model, caches, a.rows, a.new + 1 + i, vocab))
+        del caches
+    cells[f"prefill {a.rows} x ~{a.new}, new lengths and cached lengths"] = _ms(fresh)
+    print(f"| forward ({mx.default_device()}, {a.cached} cached tokens a row) | ms p50 | ms max |")
+    print("|---|---:|---:|")
+    for name, ms in cells.items():
+        print(f"| {name} | {ms['p50']:.2f} | {ms['max']:.2f} |")
+    write_json(
+        {
+            "device": str(mx.default_device()),
+            "mlx": mx.__version__,  # type: ignore[attr-defined]
+            "model": Path(a.model).name,
+            "cached": a.cached,
+            "new": a.new,
+            "rows": a.rows,
+            "ms": cells,
+        },
+        a.json,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
