@@ -367,6 +367,11 @@ def _need_text(spec: ModelSpec, config: PolicyConfig) -> str:
     )
 
 
+# A refusal's message names at most this many instances per protection, then how many more (its
+# `blockers` data lists every one): at a thousand busy instances the message was ~56 KB, in every
+# event and 503 body.
+NAMED_PER_PROTECTION = 8
+
 _PROTECTION_WORDS = {
     "pinned": "pinned models",
     "min_copies": "models at their min_copies",
@@ -419,7 +424,7 @@ class _ClusterNames:
 
 def _shortfall_text(s: NodeShortfall, free: int, reclaimable: int, cluster_names: _ClusterNames) -> str:
     held = "; ".join(
-        f"{_PROTECTION_WORDS[prot]} {', '.join(names)} hold {gib(nbytes)}" for prot, (names, nbytes) in sorted(cluster_names.held(s).items())
+        f"{_PROTECTION_WORDS[prot]} {_some(names)} hold {gib(nbytes)}" for prot, (names, nbytes) in sorted(cluster_names.held(s).items())
     )
     here = s.node.node_id
     kept = f" (and {gib(reclaimable)} of kept prompt prefixes, given back first)" if reclaimable else ""
@@ -431,6 +436,13 @@ def _shortfall_text(s: NodeShortfall, free: int, reclaimable: int, cluster_names
     if s.unmet_caps:
         parts.append("cap " + ", ".join(e.label for e in s.unmet_caps) + " still exceeded")
     return ", ".join(parts)
+
+
+def _some(names: list[str]) -> str:
+    """The first NAMED_PER_PROTECTION names, then how many more."""
+    if len(names) <= NAMED_PER_PROTECTION:
+        return ", ".join(names)
+    return f"{', '.join(names[:NAMED_PER_PROTECTION])} and {len(names) - NAMED_PER_PROTECTION} more"
 
 
 def blockers_of(shortfalls: list[NodeShortfall]) -> Blockers:

@@ -250,6 +250,17 @@ def test_p8_pinned_blockers_reject_at_once_naming_them_and_the_shortfall():
     assert {b.instance.model for b in d.blockers} == {"A", "B"}
 
 
+def test_p8_a_refusal_names_eight_blockers_a_protection_then_how_many_more_and_lists_all_as_data():
+    many = [spec(f"m{i:02d}", gb=1) for i in range(20)]
+    big = spec("big", gb=12)
+    st = cluster([node("n1", 20, *(inst(m.name, 1, in_flight=1) for m in many))], [*many, big])
+    d = ensure("big", st, NOW, PLAIN.model_copy(update={"contention": "fail"}))
+    assert isinstance(d, Reject) and d.code == "busy"
+    assert "busy models m00, m01, m02, m03, m04, m05, m06, m07 and 12 more hold 20.0 GiB" in d.message
+    assert "m08" not in d.message
+    assert len(d.blockers) == 20 and {b.instance.model for b in d.blockers} == {m.name for m in many}
+
+
 # P9
 @pytest.mark.parametrize(
     "reason,why",
