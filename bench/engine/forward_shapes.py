@@ -1,6 +1,7 @@
 """What one forward of a model costs by itself, the way mlx-lm's BatchGenerator runs it: a decode
 step at several batch sizes over a long cached context, and a group's prefill over cached prefixes
-with the same shape every call against a new shape every call (an agent's groups rarely repeat one).
+with the same shape every call against a new shape every call (an agent's groups rarely repeat one),
+and what a group's caches cost to build from the prefix cache on a hit (fetch and merge).
 
     python -m bench.engine.forward_shapes --model DIR [--cached 3100] [--new 150] [--rows 3] [--calls 10]
 
@@ -19,9 +20,10 @@ import deployments  # noqa: F401  (OpenBLAS here, MLX's own attention on CUDA: a
 # isort: split
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from bench.report import write_json
+from deployments.engines.prefix_cache import PrefixCache
 
 
 def _filled(model, rows: int, cached: int, vocab: int) -> list[BatchKVCache]:
@@ -48,6 +50,26 @@ def _forward(model, caches: list[BatchKVCache], rows: int, new: int, vocab: int)
     return took
 
 
+def _prefix_hits(model, rows: int, cached: int, vocab: int, block_tokens: int, calls: int) -> list[float]:
+    """A group's caches as the engine builds them on a prefix hit: every row's cached prefix fetched
+    from the block cache (its blocks joined) and the rows merged into one batch cache, timed to
+    their arrays."""
+    tokens: list[int] = mx.random.randint(0, vocab, (cached,)).tolist()  # type: ignore[assignment]
+    kept = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=kept)
+    mx.eval([c.keys for c in kept])
+    blocks = PrefixCache(block_tokens=block_tokens, max_bytes=64 * 2**30)
+    blocks.insert(tokens, kept)
+    times = []
+    for _ in range(calls + 1):
+        started = time.perf_counter()
+        fetched = [blocks.fetch([*tokens, row], limit=cached)[0] or [] for row in range(rows)]
+        merged = [BatchKVCache.merge([f[layer] for f in fetched]) for layer in range(len(kept))]
+        mx.eval([c.keys for c in merged] + [c.values for c in merged])
+        times.append(time.perf_counter() - started)
+    return times[1:]
+
+
 def _ms(times: list[float]) -> dict[str, float]:
     return {"p50": round(1000 * statistics.median(times), 2), "max": round(1000 * max(times), 2)}
 
@@ -60,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=3, help="a prefill group's rows")
     ap.add_argument("--decode-rows", default="1,4,8,16")
     ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--hit-rows", type=int, default=6, help="a prefix-hit group's rows")
+    ap.add_argument("--block-tokens", default="128,512")
     ap.add_argument("--json", type=Path, default=Path("bench/results/engine-forward-shapes.json"))
     a = ap.parse_args(argv)
     model, tokenizer = mlx_lm.load(a.model)[:2]
@@ -83,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         fresh.append(_forward(model, caches, a.rows, a.new + 1 + i, vocab))
         del caches
     cells[f"prefill {a.rows} x ~{a.new}, new lengths and cached lengths"] = _ms(fresh)
+    for block_tokens in [int(b) for b in a.block_tokens.split(",")]:
+        times = _prefix_hits(model, a.hit_rows, a.cached, vocab, block_tokens, a.calls)
+        cells[f"a group's caches from the prefix cache, {a.hit_rows} rows, {block_tokens}-token blocks"] = _ms(times)
     print(f"| forward ({mx.default_device()}, {a.cached} cached tokens a row) | ms p50 | ms max |")
     print("|---|---:|---:|")
     for name, ms in cells.items():

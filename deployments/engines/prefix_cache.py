@@ -10,10 +10,17 @@ part, so the system prompt is stored once however many conversations use it, and
 conversation's turns add only their own blocks. A sequence's last, shorter block is kept too, as a
 leaf, so a repeated prompt is reused whole; a longer block with the same start replaces it.
 
+A block holds every layer's keys in one array (layers first) and every layer's values in another,
+so that building a request's cache is one concatenation of its blocks for the keys and one for the
+values, whatever the model's depth: a request's cache is built by concatenating its blocks along the
+sequence axis (a copy: mlx-lm's batch merges every cache into its own arrays anyway, and the blocks
+stay untouched by the request), and each layer's cache is a view of that copy. Stored a layer at a
+time, a 3,000-token prefix of a 16-layer model in 128-token blocks took 768 copies to build, each
+an operation of its own for MLX (on a GPU, a kernel launch and a node of MLX's CUDA graph); see
+docs/engines.md for what that cost is known to be.
+
 A request gets its longest cached prefix to the token: whole blocks down the tree, then the longest
-common start with one child of the last one. Its cache is built by concatenating those blocks along
-the sequence axis (a copy: mlx-lm's batch merges every cache into its own arrays anyway, and the
-blocks stay untouched by the request). Blocks are evicted least recently used first, leaves only,
+common start with one child of the last one. Blocks are evicted least recently used first, leaves only,
 whenever the kept bytes pass `max_bytes`; `shrink(target)` evicts down to any lower figure, so an
 instance's cache can give memory back before a model is evicted for room.
 
@@ -38,7 +45,9 @@ from mlx_lm.models.cache import KVCache
 
 from deployments.engines.quantized_cache import QuantizedKVCache
 
-# A layer's keys (or values) in a block: one array, or mx.quantize's triple with kv_bits
+# Keys (or values): one array, or mx.quantize's triple with kv_bits. A layer's are (1, heads,
+# tokens, dim); a block's are every layer's stacked, (layers, 1, heads, tokens, dim). The sequence
+# axis is the second last in both.
 Kv = Any
 
 
@@ -51,12 +60,28 @@ def _cut(x: Kv, start: int, end: int | None = None) -> Kv:
 def _join(parts: list[Kv]) -> Kv:
     """Blocks' keys (or values) along the sequence axis, as one fresh array (or triple)."""
     if isinstance(parts[0], tuple):
-        return tuple(mx.concatenate(list(p), axis=2) if len(parts) > 1 else mx.array(p[0]) for p in zip(*parts, strict=True))
-    return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(parts[0])
+        return tuple(mx.concatenate(list(p), axis=-2) if len(parts) > 1 else mx.array(p[0]) for p in zip(*parts, strict=True))
+    return mx.concatenate(parts, axis=-2) if len(parts) > 1 else mx.array(parts[0])
 
 
-def _own(x: Kv) -> Kv:
-    return tuple(mx.array(a) for a in x) if isinstance(x, tuple) else mx.array(x)
+def _stacked(per_layer: list[Kv]) -> Kv:
+    """Every layer's slice as one fresh array (or triple), layers first: never a view of the
+    request's arrays (a view would keep all of them alive)."""
+    if isinstance(per_layer[0], tuple):
+        return tuple(mx.stack(list(p)) for p in zip(*per_layer, strict=True))
+    return mx.stack(per_layer)
+
+
+def _layer(x: Kv, layer: int) -> Kv:
+    """One layer's part of stacked keys (or values): a view (a slice; MLX copies for x[layer],
+    an integer index, which is a gather)."""
+    if isinstance(x, tuple):
+        return tuple(a[layer : layer + 1].squeeze(0) for a in x)
+    return x[layer : layer + 1].squeeze(0)
+
+
+def _depth(x: Kv) -> int:
+    return (x[0] if isinstance(x, tuple) else x).shape[0]
 
 
 def _arrays(x: Kv) -> list[mx.array]:
@@ -72,8 +97,8 @@ def sliceable(layer_caches: Sequence[Any]) -> bool:
 class _Block:
     tokens: tuple[int, ...]
     parent: "_Block | None"
-    keys: list[Kv] = field(default_factory=list)  # one (1, heads, len(tokens), dim) array (or triple) per layer
-    values: list[Kv] = field(default_factory=list)
+    keys: Kv = None  # every layer's, stacked: (layers, 1, heads, len(tokens), dim), or its triple
+    values: Kv = None
     nbytes: int = 0
     children: dict[tuple[int, ...], "_Block"] = field(default_factory=dict)
     used: int = 0  # the cache's clock at its last use
@@ -163,11 +188,12 @@ class PrefixCache:
         for block, _ in path:
             block.used = now
         self._push(path[-1][0])  # the path's leaf-most block; the others are inner or get pushed when they become leaves
+        keys = _join([b.keys if n == len(b.tokens) else _cut(b.keys, 0, n) for b, n in path])
+        values = _join([b.values if n == len(b.tokens) else _cut(b.values, 0, n) for b, n in path])
         layers: list[Any] = []
-        for layer in range(len(path[0][0].keys)):
+        for layer in range(_depth(keys)):
             cache = KVCache() if self.kv_bits is None else QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
-            cache.keys = _join([b.keys[layer] if n == len(b.tokens) else _cut(b.keys[layer], 0, n) for b, n in path])
-            cache.values = _join([b.values[layer] if n == len(b.tokens) else _cut(b.values[layer], 0, n) for b, n in path])
+            cache.keys, cache.values = _layer(keys, layer), _layer(values, layer)
             cache.offset = reused
             layers.append(cache)
         self.stats["prefix_hits"] += 1
@@ -190,7 +216,7 @@ class PrefixCache:
                 child = next((c for c in node.children.values() if c.tokens[: len(block)] == block), None)
             if child is None:
                 child = self._block(node, block, layer_caches, at)
-                fresh += [a for kv in child.keys + child.values for a in _arrays(kv)]
+                fresh += _arrays(child.keys) + _arrays(child.values)
                 added += child.nbytes
                 for other in [
                     c for c in node.children.values() if c is not child and len(c.tokens) < len(block) and block[: len(c.tokens)] == c.tokens
@@ -209,11 +235,10 @@ class PrefixCache:
 
     def _block(self, parent: _Block, tokens: tuple[int, ...], layer_caches: Sequence[Any], at: int) -> _Block:
         end = at + len(tokens)
-        # copies, never views of the request's arrays (a view would keep all of them alive)
-        keys = [_own(_cut(c.keys, at, end)) for c in layer_caches]
-        values = [_own(_cut(c.values, at, end)) for c in layer_caches]
+        keys = _stacked([_cut(c.keys, at, end) for c in layer_caches])
+        values = _stacked([_cut(c.values, at, end) for c in layer_caches])
         block = _Block(tokens=tokens, parent=parent, keys=keys, values=values)
-        block.nbytes = sum(a.nbytes for kv in keys + values for a in _arrays(kv))
+        block.nbytes = sum(a.nbytes for a in _arrays(keys) + _arrays(values))
         parent.children[tokens] = block
         self._blocks += 1
         self._bytes += block.nbytes
@@ -234,7 +259,7 @@ class PrefixCache:
         assert parent is not None and not block.children
         del parent.children[block.tokens]
         block.gone = True
-        block.keys, block.values = [], []
+        block.keys, block.values = None, None
         self._blocks -= 1
         self._bytes -= block.nbytes
         if parent is not self._root and not parent.children:
