@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from bench.report import write_json
+from bench.report import ms_table, write_json
 from deployments.engines.prefix_cache import PrefixCache
 
 
@@ -88,32 +88,27 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     model, tokenizer = mlx_lm.load(a.model)[:2]
     vocab = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 2048
-    cells: dict[str, dict[str, float]] = {}
+    cells: dict[str, list[float]] = {}  # seconds a call
     for rows in [int(r) for r in a.decode_rows.split(",")]:
         caches = _filled(model, rows, a.cached, vocab)
         _forward(model, caches, rows, 1, vocab)
-        cells[f"decode step, {rows} rows"] = _ms([_forward(model, caches, rows, 1, vocab) for _ in range(a.calls)])
+        cells[f"decode step, {rows} rows"] = [_forward(model, caches, rows, 1, vocab) for _ in range(a.calls)]
         del caches
     caches = _filled(model, a.rows, a.cached, vocab)
     _forward(model, caches, a.rows, a.new, vocab)
-    cells[f"prefill {a.rows} x {a.new}, same shape"] = _ms([_forward(model, caches, a.rows, a.new, vocab) for _ in range(a.calls)])
-    cells[f"prefill {a.rows} x ~{a.new}, a new length each call"] = _ms(
-        [_forward(model, caches, a.rows, a.new + 1 + i, vocab) for i in range(a.calls)]
-    )
+    cells[f"prefill {a.rows} x {a.new}, same shape"] = [_forward(model, caches, a.rows, a.new, vocab) for _ in range(a.calls)]
+    cells[f"prefill {a.rows} x ~{a.new}, a new length each call"] = [_forward(model, caches, a.rows, a.new + 1 + i, vocab) for i in range(a.calls)]
     del caches
     fresh = []
     for i in range(a.calls):  # a new cached length too: a new key length for the attention
         caches = _filled(model, a.rows, a.cached + 7 * (i + 1), vocab)
         fresh.append(_forward(model, caches, a.rows, a.new + 1 + i, vocab))
         del caches
-    cells[f"prefill {a.rows} x ~{a.new}, new lengths and cached lengths"] = _ms(fresh)
+    cells[f"prefill {a.rows} x ~{a.new}, new lengths and cached lengths"] = fresh
     for block_tokens in [int(b) for b in a.block_tokens.split(",")]:
         times = _prefix_hits(model, a.hit_rows, a.cached, vocab, block_tokens, a.calls)
-        cells[f"a group's caches from the prefix cache, {a.hit_rows} rows, {block_tokens}-token blocks"] = _ms(times)
-    print(f"| forward ({mx.default_device()}, {a.cached} cached tokens a row) | ms p50 | ms max |")
-    print("|---|---:|---:|")
-    for name, ms in cells.items():
-        print(f"| {name} | {ms['p50']:.2f} | {ms['max']:.2f} |")
+        cells[f"a group's caches from the prefix cache, {a.hit_rows} rows, {block_tokens}-token blocks"] = times
+    print(ms_table(f"forward ({mx.default_device()}, {a.cached} cached tokens a row)", cells))
     write_json(
         {
             "device": str(mx.default_device()),
@@ -122,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             "cached": a.cached,
             "new": a.new,
             "rows": a.rows,
-            "ms": cells,
+            "ms": {name: _ms(times) for name, times in cells.items()},
         },
         a.json,
     )

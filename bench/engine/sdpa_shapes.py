@@ -12,13 +12,12 @@ Prints a table and writes JSON."""
 
 import argparse
 import os
-import statistics
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-from bench.report import write_json
+from bench.report import ms_table, write_json
 
 
 def _call(rows: int, new: int, cached: int, heads: int, kv_heads: int, dim: int) -> float:
@@ -45,10 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     same = [_call(a.rows, a.new, a.cached, **shape) for _ in range(a.calls)]
     fresh = [_call(a.rows, a.new + 1 + i, a.cached + 7 * i, **shape) for i in range(a.calls)]
     rows = {"same shape": same, "a new shape each call": fresh}
-    print(f"| attention call ({os.environ.get('MLX_CUDA_USE_CUDNN_SDPA', 'default')} cuDNN setting) | ms p50 | ms max |")
-    print("|---|---:|---:|")
-    for name, times in rows.items():
-        print(f"| {name} | {1000 * statistics.median(times):.2f} | {1000 * max(times):.2f} |")
+    print(ms_table(f"attention call ({os.environ.get('MLX_CUDA_USE_CUDNN_SDPA', 'default')} cuDNN setting)", rows))
     write_json(
         {
             "device": str(mx.default_device()),
