@@ -59,3 +59,27 @@ def test_an_instance_with_no_lease_is_not_held_by_standing_leases():
     book = LeaseBook()
     assert list(book.revoke_idle_each([("n1", "a"), ("n2", "b")])) == [False, False]
     assert list(itertools.islice(book.revoke_idle_each([]), 1)) == []
+
+
+def test_the_book_by_instance_matches_its_leases_through_grants_and_ends():
+    """`on` and `in_flight` read an index by instance; after every grant and end it lists what a
+    scan of the whole book finds, and an instance whose leases all ended leaves nothing behind."""
+    rng = random.Random(7)
+    book = LeaseBook()
+    refs = [InstanceRef(node_id=f"n{n}", model=f"m{m}") for n in range(3) for m in range(4)]
+    for _ in range(400):
+        live = book.all()
+        if live and rng.random() < 0.45:
+            book.end(rng.choice(live).lease_id)
+        elif live and rng.random() < 0.05:
+            book.end_on(rng.choice(refs))
+        else:
+            book.grant(rng.choice(refs), 1.0, rng.choice([None, "ing-1"]), 2.0)
+        for ref in refs:
+            scanned = {lease.lease_id for lease in book.all() if (lease.node_id, lease.model) == (ref.node_id, ref.model)}
+            assert {lease.lease_id for lease in book.on(ref)} == scanned
+            assert book.in_flight(ref) >= len(scanned)
+    for lease in book.all():
+        book.end(lease.lease_id)
+    assert all(book.on(ref) == [] and book.in_flight(ref) == 0 for ref in refs)
+    assert book._by_instance == {}

@@ -35,6 +35,9 @@ class LeaseBook:
         self._numbers = itertools.count(1)
         self._last = 0  # the number of the last lease granted
         self._leases: dict[str, LeaseRecord] = {}
+        # the same leases by instance, (node_id, model) -> lease id -> lease: a request's lease is
+        # granted and ended on the hot path, and its instance's work is counted at each
+        self._by_instance: dict[tuple[str, str], dict[str, LeaseRecord]] = {}
         self._reported: dict[str, int] = {}  # standing lease -> in flight, as its holder last said
         self._heard: set[str] = set()  # standing leases their holder reported on since the grant
         self._revoked: set[str] = set()  # standing leases asked back, not yet given back
@@ -47,6 +50,7 @@ class LeaseBook:
         self._last = next(self._numbers)
         lease = LeaseRecord(lease_id=f"L{self._last}", model=ref.model, node_id=ref.node_id, acquired_at=now, loaded_at=loaded_at, holder=holder)
         self._leases[lease.lease_id] = lease
+        self._by_instance.setdefault((lease.node_id, lease.model), {})[lease.lease_id] = lease
         if holder is not None:
             self._reported[lease.lease_id] = 1  # the request that asked for it
             self._holders[holder] = now
@@ -56,6 +60,12 @@ class LeaseBook:
     def end(self, lease_id: str) -> LeaseRecord | None:
         """End a lease (released, given back, expired); None when it had ended already."""
         lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            key = (lease.node_id, lease.model)
+            on = self._by_instance[key]
+            del on[lease_id]
+            if not on:
+                del self._by_instance[key]
         self._reported.pop(lease_id, None)
         self._heard.discard(lease_id)
         if lease_id in self._revoked:
@@ -69,7 +79,7 @@ class LeaseBook:
             self.end(lease.lease_id)
 
     def on(self, ref: InstanceRef) -> list[LeaseRecord]:
-        return [lease for lease in self._leases.values() if lease.node_id == ref.node_id and lease.model == ref.model]
+        return list(self._by_instance.get((ref.node_id, ref.model), {}).values())
 
     def all(self) -> list[LeaseRecord]:
         return list(self._leases.values())
@@ -109,12 +119,8 @@ class LeaseBook:
 
     def revoke_idle_each(self, instances: Iterable[tuple[str, str]]) -> Iterator[bool]:
         """revoke_idle of each instance, (node_id, model), in order, as it is read: the book is
-        read once for all of them (a refusal at scale names a thousand busy instances, and reading
-        the book once for each was most of what the loop did with it)."""
-        by_instance: dict[tuple[str, str], list[LeaseRecord]] = {}
-        for lease in self._leases.values():
-            by_instance.setdefault((lease.node_id, lease.model), []).append(lease)
-        return (self._revoke_idle(by_instance.get(key, [])) for key in instances)
+        read through the index by instance (a refusal at scale names a thousand busy instances)."""
+        return (self._revoke_idle(list(self._by_instance.get(key, {}).values())) for key in instances)
 
     def _revoke_idle(self, on: list[LeaseRecord]) -> bool:
         if not on or any(lease.holder is None for lease in on):
