@@ -185,7 +185,11 @@ def test_channel_carries_several_streams_in_one_item_per_flush(llama, local_engi
             continue
         reference = asyncio.run(local_engine.complete(GenerationRequest(**request)))
         assert [t for item in items[rid] for t in item["token_ids"]] == reference.token_ids
-        assert items[rid][0]["finish_reason"] is None and len(items[rid][0]["token_ids"]) == 1  # the first delta alone
+        # not held to the end: the first flush after a stream's first token carries it. Alone only if
+        # the channel was free then: with four streams, one's first token may come while another's
+        # flush waits for the caller (backpressure 1) and join its next tokens in one item (one
+        # stream's first delta alone: test_stream_is_coalesced_and_equals_the_engine_output)
+        assert items[rid][0]["finish_reason"] is None and len(items[rid]) > 1
         assert items[rid][-1]["finish_reason"] == "length" and items[rid][-1]["usage"]["completion_tokens"] == 40
 
 
