@@ -79,7 +79,10 @@ class LeaseBook:
             self.end(lease.lease_id)
 
     def on(self, ref: InstanceRef) -> list[LeaseRecord]:
-        return list(self._by_instance.get((ref.node_id, ref.model), {}).values())
+        return self._on((ref.node_id, ref.model))
+
+    def _on(self, key: tuple[str, str]) -> list[LeaseRecord]:
+        return list(self._by_instance.get(key, {}).values())
 
     def all(self) -> list[LeaseRecord]:
         return list(self._leases.values())
@@ -120,7 +123,7 @@ class LeaseBook:
     def revoke_idle_each(self, instances: Iterable[tuple[str, str]]) -> Iterator[bool]:
         """revoke_idle of each instance, (node_id, model), in order, as it is read: the book is
         read through the index by instance (a refusal at scale names a thousand busy instances)."""
-        return (self._revoke_idle(list(self._by_instance.get(key, {}).values())) for key in instances)
+        return (self._revoke_idle(self._on(key)) for key in instances)
 
     def _revoke_idle(self, on: list[LeaseRecord]) -> bool:
         if not on or any(lease.holder is None for lease in on):
