@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+from bench.engine.hit_ops import hit_caches
 from bench.report import ms_table, write_json
 from deployments.engines.prefix_cache import PrefixCache
 
@@ -63,8 +64,7 @@ def _prefix_hits(model, rows: int, cached: int, vocab: int, block_tokens: int, c
     times = []
     for _ in range(calls + 1):
         started = time.perf_counter()
-        fetched = [blocks.fetch([*tokens, row], limit=cached)[0] or [] for row in range(rows)]
-        merged = [BatchKVCache.merge([f[layer] for f in fetched]) for layer in range(len(kept))]
+        merged = hit_caches(blocks, tokens, rows, len(kept))
         mx.eval([c.keys for c in merged] + [c.values for c in merged])
         times.append(time.perf_counter() - started)
     return times[1:]

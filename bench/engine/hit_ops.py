@@ -14,6 +14,7 @@ import collections
 import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 
@@ -49,9 +50,16 @@ def group(rows: int, cached: int, layers: int, heads: int, dim: int, block_token
     tokens = list(range(cached))
     blocks = PrefixCache(block_tokens=block_tokens, max_bytes=2**40)
     blocks.insert(tokens, kept)
-    fetched = [blocks.fetch([*tokens, row], limit=cached)[0] or [] for row in range(rows)]
-    merged = [BatchKVCache.merge([f[layer] for f in fetched]) for layer in range(layers)]
+    merged = hit_caches(blocks, tokens, rows, layers)
     return launches([c.keys for c in merged] + [c.values for c in merged])
+
+
+def hit_caches(blocks: PrefixCache, tokens: list[int], rows: int, layers: int) -> list[Any]:
+    """A group's batch cache as the engine builds it on a prefix hit, lazily: `rows` rows that each
+    begin with `tokens` (all cached), every row's prefix fetched from `blocks` (its blocks joined),
+    then the rows merged layer by layer (mlx-lm's BatchKVCache.merge, as its batch does)."""
+    fetched = [blocks.fetch([*tokens, row], limit=len(tokens))[0] or [] for row in range(rows)]
+    return [BatchKVCache.merge([f[layer] for f in fetched]) for layer in range(layers)]
 
 
 def main(argv: list[str] | None = None) -> int:
