@@ -23,8 +23,6 @@ from deployments.engines import prefix_cache
 
 generate = sys.modules["mlx_lm.generate"]
 
-_prompt = generate.PromptProcessingBatch.prompt
-
 # (owner, attribute, phase name)
 PHASES: list[tuple[Any, str, str]] = [
     (generate.PromptProcessingBatch, "prompt", "prefill (a group's chunk)"),
@@ -38,26 +36,69 @@ PHASES: list[tuple[Any, str, str]] = [
 ]
 
 
+def _add(table: dict[str, list[float]], name: str, seconds: float) -> None:
+    entry = table.setdefault(name, [0, 0.0])
+    entry[0] += 1
+    entry[1] += seconds
+
+
+def _timed_prompt(fn: Callable, name: str, table: dict[str, list[float]], calls: list[dict[str, Any]]) -> Callable:
+    """A group's prefill chunk in three parts, each waited for on the device: the work queued before
+    it (the decode step in flight), its caches (the rows' prefix hits joined and merged, built lazily
+    until now) and the forward itself. Every call's shape and parts go to `calls`."""
+
+    def timed_prompt(batch: Any, tokens: list[list[int]]) -> Any:
+        if not tokens:
+            return fn(batch, tokens)  # mlx-lm calls it every step, mostly with nothing to prefill
+        started = time.perf_counter()
+        mx.synchronize()
+        queued = time.perf_counter()
+        mx.eval([c.state for c in batch.prompt_cache])
+        mx.synchronize()
+        built = time.perf_counter()
+        cached = getattr(batch.prompt_cache[0], "_idx", 0) if batch.prompt_cache else 0
+        try:
+            return fn(batch, tokens)
+        finally:
+            mx.synchronize()
+            done = time.perf_counter()
+            _add(table, "prefill: work queued before it", queued - started)
+            _add(table, "prefill: its caches (hits joined, rows merged)", built - queued)
+            _add(table, name, done - built)
+            lengths = [len(t) for t in tokens]
+            calls.append(
+                {
+                    "rows": len(tokens),
+                    "longest": max(lengths),
+                    "tokens": sum(lengths),
+                    "cached": int(cached),
+                    "queued_ms": round(1000 * (queued - started), 2),
+                    "caches_ms": round(1000 * (built - queued), 2),
+                    "forward_ms": round(1000 * (done - built), 2),
+                }
+            )
+
+    return timed_prompt
+
+
 def _wrap(fn: Callable, name: str, table: dict[str, list[float]]) -> Callable:
     def timed_call(*args: Any, **kwargs: Any) -> Any:
-        if fn is _prompt and not (args[1] if len(args) > 1 else kwargs.get("tokens")):
-            return fn(*args, **kwargs)  # mlx-lm calls it every step, mostly with nothing to prefill
         started = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             mx.synchronize()
-            entry = table.setdefault(name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += time.perf_counter() - started
+            _add(table, name, time.perf_counter() - started)
 
     return timed_call
 
 
 @contextlib.contextmanager
 def timed() -> Iterator[dict[str, Any]]:
-    """Phases timed while the block runs; yields {"phases": {name: [calls, seconds]}, "attention_shapes": set}."""
+    """Phases timed while the block runs; yields {"phases": {name: [calls, seconds]}, "attention_shapes": set,
+    "prefill_calls": [each prefill chunk's shape and parts]}."""
     table: dict[str, list[float]] = {}
+    calls: list[dict[str, Any]] = []  # every prefill chunk: its shape and parts
     shapes: set[tuple] = set()
     saved: list[tuple[Any, str, Any]] = []
     sdpa = base.scaled_dot_product_attention
@@ -73,13 +114,14 @@ def timed() -> Iterator[dict[str, Any]]:
         for owner, attr, name in PHASES:
             fn = owner.__dict__[attr]
             saved.append((owner, attr, fn))
-            setattr(owner, attr, _wrap(fn, name, table))
+            wrapped = _timed_prompt(fn, name, table, calls) if attr == "prompt" else _wrap(fn, name, table)
+            setattr(owner, attr, wrapped)
 
         for module in list(sys.modules.values()):  # every model module imported the function by name
             if getattr(module, "__name__", "").startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is sdpa:
                 saved.append((module, "scaled_dot_product_attention", sdpa))
                 module.scaled_dot_product_attention = attention  # type: ignore[attr-defined]
-        yield {"phases": table, "attention_shapes": shapes}
+        yield {"phases": table, "attention_shapes": shapes, "prefill_calls": calls}
     finally:
         for owner, attr, fn in reversed(saved):
             setattr(owner, attr, fn)
@@ -89,4 +131,9 @@ def summary(result: dict[str, Any], wall_s: float) -> dict[str, Any]:
     phases = {
         name: {"calls": int(c), "seconds": round(s, 3), "ms_per_call": round(1000 * s / max(1, c), 2)} for name, (c, s) in result["phases"].items()
     }
-    return {"wall_s": round(wall_s, 2), "phases": phases, "distinct_prefill_attention_shapes": len(result["attention_shapes"])}
+    return {
+        "wall_s": round(wall_s, 2),
+        "phases": phases,
+        "distinct_prefill_attention_shapes": len(result["attention_shapes"]),
+        "prefill_calls": result["prefill_calls"],
+    }
