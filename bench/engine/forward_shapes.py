@@ -4,6 +4,7 @@ with the same shape every call against a new shape every call (an agent's groups
 and what a group's caches cost to build from the prefix cache on a hit (fetch and merge).
 
     python -m bench.engine.forward_shapes --model DIR [--cached 3100] [--new 150] [--rows 3] [--calls 10]
+    python -m bench.engine.forward_shapes --model DIR --replay AGENT_PHASES_JSON
 
 A decode step that costs about the same at 1 row as at 16 is bound by the host (launching kernels),
 not by the device; a prefill whose new shapes cost far more than a repeated one pays for something
@@ -11,6 +12,7 @@ built per shape (kernels compiled, plans chosen). Every call ends in mx.eval, so
 each forward's own. Prints a table and writes JSON."""
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -70,6 +72,22 @@ def _prefix_hits(model, rows: int, cached: int, vocab: int, block_tokens: int, c
     return times[1:]
 
 
+def _replay(model, profile: Path, vocab: int, calls: int) -> list[dict]:
+    """Every prefill chunk an engine ran (bench.engine.agent --phases: its rows, longest new tokens
+    and cached length) as one forward of that padded shape by itself, beside what it took in the
+    engine: where the two differ, the engine's forward pays for something the model does not."""
+    out = []
+    for cell in json.loads(profile.read_text())["cells"]:
+        for chunk in cell.get("profile", {}).get("prefill_calls", []):
+            rows, new = chunk["rows"], chunk["longest"]
+            caches = _filled(model, rows, max(1, chunk["cached"]), vocab)
+            _forward(model, caches, rows, new, vocab)
+            alone = statistics.median(_forward(model, caches, rows, new, vocab) for _ in range(calls))
+            out.append(chunk | {"alone_ms": round(1000 * alone, 2)})
+            del caches
+    return out
+
+
 def _ms(times: list[float]) -> dict[str, float]:
     return {"p50": round(1000 * statistics.median(times), 2), "max": round(1000 * max(times), 2)}
 
@@ -84,10 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--hit-rows", type=int, default=6, help="a prefix-hit group's rows")
     ap.add_argument("--block-tokens", default="128,512")
+    ap.add_argument("--replay", type=Path, help="an agent --phases JSON: time each of its prefill chunks alone, and nothing else")
     ap.add_argument("--json", type=Path, default=Path("bench/results/engine-forward-shapes.json"))
     a = ap.parse_args(argv)
     model, tokenizer = mlx_lm.load(a.model)[:2]
     vocab = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 2048
+    if a.replay:
+        chunks = _replay(model, a.replay, vocab, min(a.calls, 3))
+        print("| rows | longest new | cached | caches ms | forward ms, in the engine | alone |\n|---:|---:|---:|---:|---:|---:|")
+        for c in chunks:
+            print(f"| {c['rows']} | {c['longest']} | {c['cached']} | {c['caches_ms']} | {c['forward_ms']} | {c['alone_ms']} |")
+        engine, alone = sum(c["forward_ms"] for c in chunks), sum(c["alone_ms"] for c in chunks)
+        print(f"total forward ms: {engine:.0f} in the engine, {alone:.0f} alone")
+        write_json({"device": str(mx.default_device()), "model": Path(a.model).name, "replayed": str(a.replay), "chunks": chunks}, a.json)
+        return 0
     cells: dict[str, list[float]] = {}  # seconds a call
     for rows in [int(r) for r in a.decode_rows.split(",")]:
         caches = _filled(model, rows, a.cached, vocab)
