@@ -56,7 +56,9 @@ def _timed_prompt(fn: Callable, name: str, table: dict[str, list[float]], calls:
         mx.eval([c.state for c in batch.prompt_cache])
         mx.synchronize()
         built = time.perf_counter()
-        cached = getattr(batch.prompt_cache[0], "_idx", 0) if batch.prompt_cache else 0
+        first = batch.prompt_cache[0] if batch.prompt_cache else None
+        cached = getattr(first, "_idx", 0)
+        row_cached = first.offset.tolist() if first is not None and isinstance(getattr(first, "offset", None), mx.array) else [0] * len(tokens)
         try:
             return fn(batch, tokens)
         finally:
@@ -72,6 +74,8 @@ def _timed_prompt(fn: Callable, name: str, table: dict[str, list[float]], calls:
                     "longest": max(lengths),
                     "tokens": sum(lengths),
                     "cached": int(cached),
+                    "row_cached": row_cached,
+                    "row_new": lengths,
                     "queued_ms": round(1000 * (queued - started), 2),
                     "caches_ms": round(1000 * (built - queued), 2),
                     "forward_ms": round(1000 * (done - built), 2),
