@@ -546,6 +546,13 @@ def markdown(r: dict, title: str, json_path: Path) -> str:
     return head + render(r)
 
 
+def _card(mx: Any) -> str:
+    """The GPU's short name ("H100", "H200"), from its device name ("NVIDIA H100 80GB HBM3")."""
+    name = str(mx.device_info().get("device_name", "GPU"))
+    words = [w for w in name.split() if w.upper() != "NVIDIA"]
+    return words[0] if words else "GPU"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models-dir", type=Path, default=ROOT / "models")
@@ -600,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "command": "python -m bench.peers --agent " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "section": a.section or f"Agent-shaped conversations ({'H200' if mx.default_device() == mx.gpu else 'this machine, CPU'})",
+        "section": a.section or f"Agent-shaped conversations ({_card(mx) if mx.default_device() == mx.gpu else 'this machine, CPU'})",
         "where": where[0].upper() + where[1:],
         "model": a.model,
         "system_tokens": len(tokenizer.encode(systems[("0", a.concurrency[0])])),
