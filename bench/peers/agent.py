@@ -609,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.peers --agent " + " ".join(argv if argv is not None else sys.argv[1:]),
         "section": a.section or f"Agent-shaped conversations ({_card(mx) if mx.default_device() == mx.gpu else 'this machine, CPU'})",
         "where": where[0].upper() + where[1:],
+        # every server's process inherits this process's environment, and with it the MLX settings
+        # Orchard's package sets on import (deployments/__init__.py): the peers run MLX as Orchard does
+        "mlx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")},
         "model": a.model,
         "system_tokens": len(tokenizer.encode(systems[("0", a.concurrency[0])])),
         "per_slot": a.per_slot,
