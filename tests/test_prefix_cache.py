@@ -239,3 +239,42 @@ def test_conversations_that_start_together_prefill_the_system_prompt_once(models
     finally:
         run(shared.stop())
         run(apart.stop())
+
+
+def test_a_group_whose_rows_have_cached_prefixes_of_different_lengths_prefills_unpadded(models_dir, system):
+    """Four arrivals held into one group while the batch decodes, each with the system prompt
+    cached and a user turn of its own length. With prefill_align each row takes from the cache only
+    as much as leaves it the group's longest uncached length, so mlx-lm prefills the rows unpadded
+    (the same number of tokens each: no right padding, no roll of the group's caches afterwards);
+    greedy tokens are those of the right-padded group (prefill_align off), and the cached tokens
+    each row reports are what it really reused."""
+    hold = {"prefill_batch": 4, "admit_hold_steps": 100_000, "admit_quiet_steps": 100_000}
+
+    async def scenario(e: LLMEngine) -> tuple[list, list, dict]:
+        await e.complete(turn([{"role": "system", "content": system}, {"role": "user", "content": "Warm the cache."}]))
+        no_eos = dict.fromkeys(e.eos_ids, -100.0)
+        busy = e.generate(GenerationRequest(prompt_tokens=[7] * 20, max_tokens=3000, temperature=0, logit_bias=no_eos))
+        await anext(busy)  # the batch decodes: the four below are held until all four are there
+        before = e.counters()
+        asks = [turn([{"role": "system", "content": system}, {"role": "user", "content": "Fix" + " this module" * n}]) for n in (8, 11, 14, 17)]
+        done = await asyncio.gather(*(e.complete(a) for a in asks))
+        after = e.counters()
+        await busy.aclose()
+        counted = {k: after[k] - before[k] for k in ("admitted_groups", "admitted_requests", "aligned_tokens", "ragged_rows", "prompt_tokens")}
+        return [d.token_ids for d in done], [(d.usage.prompt_tokens, d.usage.cached_tokens) for d in done], counted
+
+    aligned, ragged = engine_with(models_dir, **hold), engine_with(models_dir, prefill_align=False, **hold)
+    try:
+        a_tokens, a_usage, a = run(scenario(aligned))
+        r_tokens, r_usage, r = run(scenario(ragged))
+    finally:
+        run(aligned.stop())
+        run(ragged.stop())
+    assert a["admitted_groups"] == r["admitted_groups"] == 1 and a["admitted_requests"] == 4
+    rests = [p - c for p, c in a_usage]
+    assert len(set(rests)) == 1 and a["ragged_rows"] == 0  # every row prefilled the same number of tokens
+    assert len({p - c for p, c in r_usage}) > 1  # ... where each reusing all it could left them ragged
+    # what the shorter rows gave back is the padding the ragged group ran: the same tokens in all
+    assert a["aligned_tokens"] == sum(c for _, c in r_usage) - sum(c for _, c in a_usage) > 0
+    assert a["prompt_tokens"] == r["prompt_tokens"] + a["aligned_tokens"]
+    assert a_tokens == r_tokens

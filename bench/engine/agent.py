@@ -139,6 +139,8 @@ async def cell(engine: LLMEngine, system: str, concurrency: int, per_slot: int, 
         "turns": by_turn,
         "prefilled_tokens": int(after["prompt_tokens"] - before["prompt_tokens"]),
         "padded_prefill_tokens": int(after["group_padded_tokens"] - before["group_padded_tokens"]),
+        "aligned_tokens": int(after["aligned_tokens"] - before["aligned_tokens"]),  # cached tokens given back to prefill unpadded
+        "ragged_rows": int(after["ragged_rows"] - before["ragged_rows"]),
         "prompt_time_s": round(after["prompt_time"] - before["prompt_time"], 2),
         "decode_time_s": round(after["decode_time"] - before["decode_time"], 2),
         # where a first token waited inside the engine (means over the cell's requests), and the steps
@@ -157,6 +159,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lru": {"prefix_cache": "lru", "prefill_pad_ratio": 0},  # mlx-lm's LRUPromptCache, 16 entries, 512 MiB: the engine before issue 27
     "blocks": {"prefix_cache": "blocks"},  # the shared block tree (deployments/engines/prefix_cache.py), as served
     "blocks-plain": {"prefix_cache": "blocks", "share_prefill": False, "prefill_pad_ratio": 0},  # ... with the old admission
+    "blocks-ragged": {"prefix_cache": "blocks", "prefill_align": False},  # as served, a group's rows right-padded (mlx-lm's way)
     "none": {"prompt_cache_entries": 0},
 }
 

@@ -145,6 +145,7 @@ class LLMEngine(Engine):
         prefix_block_tokens: int = 128,
         share_prefill: bool = True,
         prefill_pad_ratio: float = 2.0,
+        prefill_align: bool = True,
         reserve_context_tokens: int = 4096,
         reserve_concurrency: int = 1,
         admit_hold_steps: int = 4,  # these five: the served defaults (deployments/engines/options.py)
@@ -198,6 +199,13 @@ class LLMEngine(Engine):
         # not prefill at the pace of a new conversation beside it; the rest join the next group, a
         # step later.
         self.prefill_pad_ratio = prefill_pad_ratio
+        # With the block cache, a group's rows take from it only as much as leaves each the same
+        # number of tokens to prefill (the group's longest uncached prompt; a row whose cached prefix
+        # would drop below prompt_cache_min_tokens keeps its own): the tokens a shorter row gives
+        # back are the ones mlx-lm would otherwise run as right padding, and with no padding its
+        # prefill skips rolling every row's whole cache into place afterwards (a gather over all of
+        # the group's KV, per layer: bench.engine.forward_shapes --replay).
+        self.prefill_align = prefill_align
         self.reserve_context_tokens = reserve_context_tokens
         self.reserve_concurrency = reserve_concurrency
         # While the batch decodes, an arrival waits up to this many steps for others to join it
@@ -240,6 +248,10 @@ class LLMEngine(Engine):
             # runs (rows x the longest row's), so the padding a group's prefill wastes shows
             "group_prompt_tokens": 0,
             "group_padded_tokens": 0,
+            # cached tokens a group's rows gave back to prefill alike (prefill_align), and the rows
+            # that still prefilled ragged (mlx-lm right-pads them and rolls the group's caches)
+            "aligned_tokens": 0,
+            "ragged_rows": 0,
         }
         self._steps = 0
         # A prefix is kept (a finished request's prompt + completion) and reused only from this
@@ -571,13 +583,14 @@ class LLMEngine(Engine):
         later: list[_Arrival] = []  # left for a later group, ahead of the rest
         blocks = self.prompt_cache if isinstance(self.prompt_cache, PrefixCache) and self._prompt_cache_entries > 0 else None
         cut = blocks is not None and self.prefill_pad_ratio > 0
+        group: list[_Arrival] = []
         while self._held:
             arrival = self._held[0]
             rest = len(arrival.tokens)
             if blocks is not None:
                 cached = blocks.match(arrival.tokens)
                 rest -= cached if cached >= self.prompt_cache_min_tokens else 0
-                if self.share_prefill and self._prefilled_beside(arrival.tokens, cached, streams):
+                if self.share_prefill and self._prefilled_beside(arrival.tokens, cached, streams, group):
                     later.append(self._held.popleft())
                     continue
             if prefilling and prefilling + rest > self.max_prefill_tokens:
@@ -588,9 +601,17 @@ class LLMEngine(Engine):
                 continue
 
             self._held.popleft()
+            group.append(arrival)
+            prefilling += rest
+            widest, useful = max(widest, rest), useful + rest
+            joined += 1
+        self._held.extendleft(reversed(later))
+        self._due = bool(self._held)
+        align = max(1, widest) if blocks is not None and self.prefill_align and joined > 1 else None
+        for arrival in group:
             self._arrived(-1)
             try:
-                stream = self._admit(arrival)
+                stream = self._admit(arrival, align)
             except Exception as e:
                 _put(arrival.loop, [(arrival.out, _failure(e))])
                 continue
@@ -601,20 +622,18 @@ class LLMEngine(Engine):
             streams[arrival.rid] = stream
             by_uid[stream.uid] = arrival.rid
             self._prefilling[arrival.rid] = len(arrival.tokens) - stream.cached
-            prefilling += self._prefilling[arrival.rid]
-            widest, useful = max(widest, self._prefilling[arrival.rid]), useful + self._prefilling[arrival.rid]
-            joined += 1
-        self._held.extendleft(reversed(later))
-        self._due = bool(self._held)
+            if align is not None:
+                self._admitted["ragged_rows"] += self._prefilling[arrival.rid] != align
         if joined:
             self._admitted["admitted_groups"] += 1
             self._admitted["admitted_requests"] += joined
             self._admitted["group_prompt_tokens"] += useful
             self._admitted["group_padded_tokens"] += widest * joined
 
-    def _prefilled_beside(self, tokens: list[int], cached: int, streams: dict[int, _Stream]) -> bool:
-        """Whether a prompt being prefilled now shares at least a block of `tokens` past what the
-        cache holds: then waiting for its blocks costs a step or two, prefilling them again far more."""
+    def _prefilled_beside(self, tokens: list[int], cached: int, streams: dict[int, _Stream], group: list[_Arrival]) -> bool:
+        """Whether a prompt being prefilled now, or joining the group being formed, shares at least
+        a block of `tokens` past what the cache holds: then waiting for its blocks costs a step or
+        two, prefilling them again far more."""
         size = self.prefix_block_tokens
         if len(tokens) - cached <= size:
             return False
@@ -623,7 +642,7 @@ class LLMEngine(Engine):
             stream = streams.get(rid)
             if stream is not None and stream.tokens[cached : cached + size] == ahead:
                 return True
-        return False
+        return any(a.tokens[cached : cached + size] == ahead for a in group)
 
     def _worth_keeping(self, stream: _Stream) -> bool:
         """A prompt is kept at its first token when it is long enough to be kept at all and adds at
@@ -780,15 +799,22 @@ class LLMEngine(Engine):
         longer = min(len(tokens) - 1, found.common_prefix) if found.longer is not None else 0
         return max(len(found.shorter or ()), longer)
 
-    def _admit(self, arrival: _Arrival) -> _Stream:
-        """On the MLX thread: the prompt cache's nearest prefix, and the request into the batch."""
+    def _admit(self, arrival: _Arrival, align: int | None = None) -> _Stream:
+        """On the MLX thread: the prompt cache's nearest prefix, and the request into the batch.
+        `align`: the tokens every row of its group prefills (prefill_align), when its cached prefix
+        stays at least prompt_cache_min_tokens with that many left."""
         request, tokens, vocab = arrival.request, arrival.tokens, self.vocab_size
         cache, rest = None, tokens
         if self._prompt_cache_entries <= 0:
             pass
         elif isinstance(self.prompt_cache, PrefixCache):  # at least one token is left to prefill: it gives the first logits
-            cache, reused = self.prompt_cache.fetch(tokens, limit=len(tokens) - 1, min_tokens=self.prompt_cache_min_tokens)
+            limit = len(tokens) - 1
+            if align is not None and len(tokens) - align >= max(1, self.prompt_cache_min_tokens):
+                limit = len(tokens) - align
+            cache, reused = self.prompt_cache.fetch(tokens, limit=limit, min_tokens=self.prompt_cache_min_tokens)
             rest = tokens[reused:]
+            if limit < len(tokens) - 1 and cache is not None:
+                self._admitted["aligned_tokens"] += max(0, self.prompt_cache.match(tokens[: len(tokens) - 1]) - reused)
         elif self._reusable_prefix(tokens) >= max(1, self.prompt_cache_min_tokens):
             cache, rest = self.prompt_cache.fetch_nearest_cache(self.name, tokens)
         if cache is not None and not rest:
