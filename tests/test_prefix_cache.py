@@ -247,7 +247,8 @@ def test_a_group_whose_rows_have_cached_prefixes_of_different_lengths_prefills_u
     as much as leaves it the group's longest uncached length, so mlx-lm prefills the rows unpadded
     (the same number of tokens each: no right padding, no roll of the group's caches afterwards);
     greedy tokens are those of the right-padded group (prefill_align off), and the cached tokens
-    each row reports are what it really reused."""
+    each row reports are what it really reused. Rows whose longest turn spans more than one prefill
+    chunk stay ragged: there mlx-lm gives a shorter row its first token chunks earlier."""
     hold = {"prefill_batch": 4, "admit_hold_steps": 100_000, "admit_quiet_steps": 100_000}
 
     async def scenario(e: LLMEngine) -> tuple[list, list, dict]:
@@ -264,12 +265,15 @@ def test_a_group_whose_rows_have_cached_prefixes_of_different_lengths_prefills_u
         return [d.token_ids for d in done], [(d.usage.prompt_tokens, d.usage.cached_tokens) for d in done], counted
 
     aligned, ragged = engine_with(models_dir, **hold), engine_with(models_dir, prefill_align=False, **hold)
+    chunked = engine_with(models_dir, prefill_chunk_tokens=16, **hold)
     try:
         a_tokens, a_usage, a = run(scenario(aligned))
         r_tokens, r_usage, r = run(scenario(ragged))
+        c_tokens, c_usage, c = run(scenario(chunked))
     finally:
-        run(aligned.stop())
-        run(ragged.stop())
+        for e in (aligned, ragged, chunked):
+            run(e.stop())
+    assert min(p - c for p, c in r_usage) > 16 and c["aligned_tokens"] == 0 and c_usage == r_usage and c_tokens == r_tokens
     assert a["admitted_groups"] == r["admitted_groups"] == 1 and a["admitted_requests"] == 4
     rests = [p - c for p, c in a_usage]
     assert len(set(rests)) == 1 and a["ragged_rows"] == 0  # every row prefilled the same number of tokens

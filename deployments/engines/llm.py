@@ -200,8 +200,9 @@ class LLMEngine(Engine):
         # step later.
         self.prefill_pad_ratio = prefill_pad_ratio
         # With the block cache, a group's rows take from it only as much as leaves each the same
-        # number of tokens to prefill (the group's longest uncached prompt; a row whose cached prefix
-        # would drop below prompt_cache_min_tokens keeps its own): the tokens a shorter row gives
+        # number of tokens to prefill (the group's longest uncached prompt, when that fits one
+        # prefill chunk; a row whose cached prefix would drop below prompt_cache_min_tokens keeps
+        # its own): the tokens a shorter row gives
         # back are the ones mlx-lm would otherwise run as right padding, and with no padding its
         # prefill skips rolling every row's whole cache into place afterwards (a gather over all of
         # the group's KV, per layer: bench.engine.forward_shapes --replay).
@@ -607,7 +608,10 @@ class LLMEngine(Engine):
             joined += 1
         self._held.extendleft(reversed(later))
         self._due = bool(self._held)
-        align = max(1, widest) if blocks is not None and self.prefill_align and joined > 1 else None
+        # rows align only within one prefill chunk: past it, mlx-lm gives a shorter row its first
+        # token as soon as its own tokens are through, chunks before the longest's
+        chunk = min(self.prefill_step, self.prefill_chunk_tokens)
+        align = max(1, widest) if blocks is not None and self.prefill_align and joined > 1 and widest <= chunk else None
         for arrival in group:
             self._arrived(-1)
             try:

@@ -68,9 +68,10 @@ class LLMEngineOptions(BaseModel):
     # would cost more than this many times its own tokens (0: never cut).
     prefill_pad_ratio: float = Field(default=2.0, ge=0)
     # With blocks: a group's rows reuse only as much of their cached prefixes as leaves each the
-    # group's longest uncached length to prefill, so mlx-lm prefills the group unpadded and does not
-    # roll every row's cache into place after it (the recomputed tokens are the padding it would
-    # run anyway). False: each row reuses all it can and the group is right-padded.
+    # group's longest uncached length to prefill (when that fits one prefill chunk), so mlx-lm
+    # prefills the group unpadded and does not roll every row's cache into place after it (the
+    # recomputed tokens are the padding it would run anyway). False: each row reuses all it can
+    # and the group is right-padded.
     prefill_align: bool = True
     # A quantized KV cache (deployments/engines/quantized_cache.py): keys and values held in
     # `kv_bits` bits (8 or 4) with a scale and a bias per `kv_group_size` of them, so an instance's KV
