@@ -202,10 +202,10 @@ class LLMEngine(Engine):
         # With the block cache, a group's rows take from it only as much as leaves each the same
         # number of tokens to prefill (the group's longest uncached prompt, when that fits one
         # prefill chunk; a row whose cached prefix would drop below prompt_cache_min_tokens keeps
-        # its own): the tokens a shorter row gives
-        # back are the ones mlx-lm would otherwise run as right padding, and with no padding its
-        # prefill skips rolling every row's whole cache into place afterwards (a gather over all of
-        # the group's KV, per layer: bench.engine.forward_shapes --replay).
+        # its own): the tokens a shorter row gives back are the ones mlx-lm would otherwise run as
+        # right padding, and with no padding its prefill skips rolling every row's whole cache into
+        # place afterwards (a gather over all of the group's KV, per layer; bench.engine.forward_shapes
+        # --replay times both).
         self.prefill_align = prefill_align
         self.reserve_context_tokens = reserve_context_tokens
         self.reserve_concurrency = reserve_concurrency
@@ -577,7 +577,8 @@ class LLMEngine(Engine):
 
     def _admit_held(self, streams: dict[int, _Stream], by_uid: dict[int, int], outbox: list[_Stream]) -> None:
         """The held arrivals into the batch, in order, as far as max_prefill_tokens allows (the
-        rest wait for the prefills in flight to finish)."""
+        rest wait for the prefills in flight to finish): the group is chosen first, then its rows
+        are admitted, aligned (prefill_align)."""
         prefilling = sum(self._prefilling.values())
         joined, now = 0, time.monotonic()
         widest = useful = 0  # the group's longest and total uncached prompt tokens
