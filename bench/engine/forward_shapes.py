@@ -77,8 +77,8 @@ def _prefix_hits(model, rows: int, cached: int, vocab: int, block_tokens: int, c
 def _as_engine(model, template: list[Any], row_cached: list[int], row_new: list[int], vocab: int) -> float:
     """One prefill chunk the way the engine runs it: every row's cached prefix a view of a kept
     cache (as a prefix hit's is), the rows merged into one batch cache by mlx-lm's
-    PromptProcessingBatch, and its ragged prompts prefilled right-padded and rolled (prompt()),
-    timed from its caches' arrays to the rolled cache."""
+    PromptProcessingBatch, and its prompts prefilled by prompt() (right-padded and rolled into place
+    when their lengths differ), timed from its caches' arrays to the finished cache."""
     rows = []
     for cached in row_cached:
         layers = []
@@ -145,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--hit-rows", type=int, default=6, help="a prefix-hit group's rows")
     ap.add_argument("--block-tokens", default="128,512")
-    ap.add_argument("--replay", type=Path, help="an agent --phases JSON: time each of its prefill chunks alone, and nothing else")
+    ap.add_argument(
+        "--replay",
+        type=Path,
+        help="an agent --phases JSON: time each of its prefill chunks again (alone, along the engine's path, aligned), and nothing else",
+    )
     ap.add_argument("--json", type=Path, default=Path("bench/results/engine-forward-shapes.json"))
     a = ap.parse_args(argv)
     model, tokenizer = mlx_lm.load(a.model)[:2]
