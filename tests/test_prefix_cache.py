@@ -241,15 +241,18 @@ def test_conversations_that_start_together_prefill_the_system_prompt_once(models
         run(apart.stop())
 
 
-def test_a_group_whose_rows_have_cached_prefixes_of_different_lengths_prefills_unpadded(models_dir, system):
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_a_group_whose_rows_have_cached_prefixes_of_different_lengths_prefills_unpadded(models_dir, system, kv_bits):
     """Four arrivals held into one group while the batch decodes, each with the system prompt
     cached and a user turn of its own length. With prefill_align each row takes from the cache only
     as much as leaves it the group's longest uncached length, so mlx-lm prefills the rows unpadded
     (the same number of tokens each: no right padding, no roll of the group's caches afterwards);
     greedy tokens are those of the right-padded group (prefill_align off), and the cached tokens
     each row reports are what it really reused. Rows whose longest turn spans more than one prefill
-    chunk stay ragged: there mlx-lm gives a shorter row its first token chunks earlier."""
-    hold = {"prefill_batch": 4, "admit_hold_steps": 100_000, "admit_quiet_steps": 100_000}
+    chunk stay ragged: there mlx-lm gives a shorter row its first token chunks earlier. The same
+    with an 8-bit cache (a row's cut prefix is a slice of its blocks' quantized keys, scales and
+    biases)."""
+    hold = {"prefill_batch": 4, "admit_hold_steps": 100_000, "admit_quiet_steps": 100_000, "kv_bits": kv_bits}
 
     async def scenario(e: LLMEngine) -> tuple[list, list, dict]:
         await e.complete(turn([{"role": "system", "content": system}, {"role": "user", "content": "Warm the cache."}]))
