@@ -586,11 +586,12 @@ class LLMEngine(Engine):
         blocks = self.prompt_cache if isinstance(self.prompt_cache, PrefixCache) and self._prompt_cache_entries > 0 else None
         cut = blocks is not None and self.prefill_pad_ratio > 0
         group: list[_Arrival] = []
+        matched: dict[int, int] = {}  # request id -> the tokens the cache holds of it
         while self._held:
             arrival = self._held[0]
             rest = len(arrival.tokens)
             if blocks is not None:
-                cached = blocks.match(arrival.tokens)
+                cached = matched[arrival.rid] = blocks.match(arrival.tokens)
                 rest -= cached if cached >= self.prompt_cache_min_tokens else 0
                 if self.share_prefill and self._prefilled_beside(arrival.tokens, cached, streams, group):
                     later.append(self._held.popleft())
@@ -629,6 +630,9 @@ class LLMEngine(Engine):
             self._prefilling[arrival.rid] = len(arrival.tokens) - stream.cached
             if align is not None:
                 self._admitted["ragged_rows"] += self._prefilling[arrival.rid] != align
+                # what the row would have reused unaligned (at least one token is left to prefill)
+                alone = min(matched[arrival.rid], len(arrival.tokens) - 1)
+                self._admitted["aligned_tokens"] += max(0, alone - stream.cached) if alone >= self.prompt_cache_min_tokens else 0
         if joined:
             self._admitted["admitted_groups"] += 1
             self._admitted["admitted_requests"] += joined
@@ -818,8 +822,6 @@ class LLMEngine(Engine):
                 limit = len(tokens) - align
             cache, reused = self.prompt_cache.fetch(tokens, limit=limit, min_tokens=self.prompt_cache_min_tokens)
             rest = tokens[reused:]
-            if limit < len(tokens) - 1 and cache is not None:
-                self._admitted["aligned_tokens"] += max(0, self.prompt_cache.match(tokens[: len(tokens) - 1]) - reused)
         elif self._reusable_prefix(tokens) >= max(1, self.prompt_cache_min_tokens):
             cache, rest = self.prompt_cache.fetch_nearest_cache(self.name, tokens)
         if cache is not None and not rest:
