@@ -272,11 +272,11 @@ def test_a_group_whose_rows_have_cached_prefixes_of_different_lengths_prefills_u
     try:
         a_tokens, a_usage, a = run(scenario(aligned))
         r_tokens, r_usage, r = run(scenario(ragged))
-        c_tokens, c_usage, c = run(scenario(chunked))
+        k_tokens, k_usage, k = run(scenario(chunked))
     finally:
         for e in (aligned, ragged, chunked):
             run(e.stop())
-    assert min(p - c for p, c in r_usage) > 16 and c["aligned_tokens"] == 0 and c_usage == r_usage and c_tokens == r_tokens
+    assert min(p - c for p, c in r_usage) > 16 and k["aligned_tokens"] == 0 and k_usage == r_usage and k_tokens == r_tokens
     assert a["admitted_groups"] == r["admitted_groups"] == 1 and a["admitted_requests"] == 4
     rests = [p - c for p, c in a_usage]
     assert len(set(rests)) == 1 and a["ragged_rows"] == 0  # every row prefilled the same number of tokens

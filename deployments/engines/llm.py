@@ -329,6 +329,11 @@ class LLMEngine(Engine):
             )
         return LRUPromptCache(max_size=max(1, self._prompt_cache_entries), max_bytes=self.prompt_cache_bytes)
 
+    @property
+    def _prefill_chunk(self) -> int:
+        """The prompt tokens a prefilling row runs in one step (mlx-lm's prefill_step_size)."""
+        return min(self.prefill_step, self.prefill_chunk_tokens)
+
     def _new_generator(self) -> BatchGenerator:
         old = getattr(self, "generator", None)
         if old is not None:
@@ -338,7 +343,7 @@ class LLMEngine(Engine):
             stop_tokens=[[t] for t in self.eos_ids],
             completion_batch_size=self.max_batch,
             prefill_batch_size=self.prefill_batch,
-            prefill_step_size=min(self.prefill_step, self.prefill_chunk_tokens),
+            prefill_step_size=self._prefill_chunk,
             stream=mx.default_stream(mx.default_device()),
         )
 
@@ -612,8 +617,7 @@ class LLMEngine(Engine):
         self._due = bool(self._held)
         # rows align only within one prefill chunk: past it, mlx-lm gives a shorter row its first
         # token as soon as its own tokens are through, chunks before the longest's
-        chunk = min(self.prefill_step, self.prefill_chunk_tokens)
-        align = max(1, widest) if blocks is not None and self.prefill_align and joined > 1 and widest <= chunk else None
+        align = max(1, widest) if blocks is not None and self.prefill_align and joined > 1 and widest <= self._prefill_chunk else None
         for arrival in group:
             self._arrived(-1)
             try:
