@@ -9,8 +9,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from deployments.engines import block_rows
+from deployments.engines.block_rows import BlockKVCache, BlockQuantizedKVCache, RowViewBatchKVCache, RowViewBatchQuantizedKVCache
 from deployments.engines.llm import LLMEngine
 from deployments.engines.prefix_cache import PrefixCache, sliceable
+from deployments.engines.quantized_cache import QuantizedKVCache
 from deployments.wire.generation import GenerationRequest
 
 LAYERS, HEADS, DIM = 2, 2, 4
@@ -107,6 +110,68 @@ def test_only_plain_kv_caches_are_cut_into_blocks():
         PrefixCache(block_tokens=0)
     with pytest.raises(ValueError, match="prefix_cache"):
         LLMEngine("m", "nowhere", prefix_cache="radix")
+
+
+def _kv_arrays(cache) -> list[mx.array]:
+    keys, values = cache.keys, cache.values
+    return [*keys, *values] if isinstance(keys, tuple) else [keys, values]
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_a_batch_row_goes_to_the_block_cache_as_views_so_only_its_new_blocks_are_copied(kv_bits):
+    """Two rows of a batch whose tokens share all but their last 256: the first row's blocks are
+    held, so the second adds 2 blocks of 128. Rows joined with block_rows' caches give `insert`
+    views, and inserting copies only those 2 blocks; mlx-lm's own batch (and the quantized batch's
+    copying class) hands over a copy of the whole row, which the same insert evaluates first. The
+    blocks hold the row's own keys and values, and a fetch gives block_rows' caches again, as does
+    a batch of empty caches (new prompts with nothing cached)."""
+    layers, heads, dim, n, new, group = 4, 4, 64, 2048, 256, 64
+    tokens = [list(range(n)), list(range(n - new)) + [100_000 + i for i in range(new)]]
+    kv_rows = [[(mx.random.normal((1, heads, n, dim)), mx.random.normal((1, heads, n, dim))) for _ in range(layers)] for _ in tokens]
+
+    def batch(fresh) -> list:
+        rows = [fresh() for _ in tokens]
+        for caches, kvs in zip(rows, kv_rows, strict=True):
+            for c, (k, v) in zip(caches, kvs, strict=True):
+                c.update_and_fetch(k, v)
+        merged = [rows[0][i].merge([r[i] for r in rows]) for i in range(layers)]  # as mlx-lm's _merge_caches
+        mx.eval([a for c in merged for a in _kv_arrays(c)])
+        return merged
+
+    def second_row_added(merged: list) -> tuple[PrefixCache, int, float]:
+        cache = PrefixCache(block_tokens=128, kv_bits=kv_bits, kv_group_size=group)
+        cache.insert(tokens[0], [c.extract(0) for c in merged])
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        added = cache.insert(tokens[1], [c.extract(1) for c in merged])
+        return cache, added, mx.get_peak_memory() - base
+
+    plain = (
+        (lambda: [KVCache() for _ in range(layers)])
+        if kv_bits is None
+        else (lambda: [QuantizedKVCache(group_size=group, bits=kv_bits) for _ in range(layers)])
+    )
+    views = batch(lambda: block_rows.fresh(layers, kv_bits, group))
+    row_bytes = sum(a[1:2].nbytes for c in views for a in _kv_arrays(c))
+    assert type(views[0]) is (RowViewBatchKVCache if kv_bits is None else RowViewBatchQuantizedKVCache)
+
+    _, copied_added, copied_peak = second_row_added(batch(plain))
+    cache, added, peak = second_row_added(views)
+    assert added == copied_added == row_bytes * new // n  # 2 blocks of the 16
+    assert copied_peak >= row_bytes  # the whole row copied first
+    assert peak < 2 * added and 4 * peak < row_bytes  # only the new blocks
+
+    got, reused = cache.fetch(tokens[1], limit=n)
+    assert reused == n and got is not None
+    assert type(got[0]) is (BlockKVCache if kv_bits is None else BlockQuantizedKVCache)
+    for layer, c in zip(got, views, strict=True):  # the shared part is the first row's, the rest the second's
+        for fetched, held in zip(_kv_arrays(layer), _kv_arrays(c), strict=True):
+            assert mx.array_equal(fetched[..., : n - new, :], held[0:1, :, : n - new])
+            assert mx.array_equal(fetched[..., n - new :, :], held[1:2, :, n - new :])
+    empty = block_rows.fresh(2, kv_bits, group)
+    assert type(empty[0].merge(empty)) is type(views[0])
 
 
 # ---- in the engine, on llama-10m ------------------------------------------------------------
@@ -285,3 +350,26 @@ def test_a_group_whose_rows_have_cached_prefixes_of_different_lengths_prefills_u
     assert a["aligned_tokens"] == sum(c for _, c in r_usage) - sum(c for _, c in a_usage) > 0
     assert a["prompt_tokens"] == r["prompt_tokens"] + a["aligned_tokens"]
     assert a_tokens == r_tokens
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_the_engine_gives_the_block_cache_its_rows_as_views(models_dir, system, kv_bits, monkeypatch):
+    """Every prompt the engine keeps, at its first token and whole when its request finishes,
+    reaches the block cache as block_rows' views (so only the blocks it lacks are copied), with and
+    without a quantized cache: every row of every batch joined with block_rows' caches."""
+    e = engine_with(models_dir, kv_bits=kv_bits)
+    kinds: list[type] = []
+    insert = e.prompt_cache.insert
+
+    def seen(tokens, layers):
+        kinds.append(type(layers[0]))
+        return insert(tokens, layers)
+
+    monkeypatch.setattr(e.prompt_cache, "insert", seen)
+    try:
+        run(conversations(e, system, 3, 2))
+        kept = e.counters()
+    finally:
+        run(e.stop())
+    assert len(kinds) >= 6 and set(kinds) == {BlockKVCache if kv_bits is None else BlockQuantizedKVCache}
+    assert kept["prefix_blocks_added"] > 0

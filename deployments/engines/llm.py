@@ -37,7 +37,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from pydantic import Field
 
 from deployments.engine import Engine, Frozen, MemoryReport, RequestError, RequestErrorCode, queued_adds
-from deployments.engines import buffer_cache
+from deployments.engines import block_rows, buffer_cache
 from deployments.engines.chat_format import chat_inputs, template_kwargs_error, template_supports_tools
 from deployments.engines.constrained import GrammarCompiler, GrammarProcessor
 from deployments.engines.options import LLMEngineOptions
@@ -835,7 +835,9 @@ class LLMEngine(Engine):
             else:
                 cache, rest = None, tokens
         cached = len(tokens) - len(rest)
-        if cache is None and self.kv_bits is not None:  # mlx-lm would make a plain one
+        if cache is None and isinstance(self.prompt_cache, PrefixCache):  # a batch of rows it takes as views (block_rows.py)
+            cache = block_rows.fresh(self._layers, self.kv_bits, self.kv_group_size)
+        elif cache is None and self.kv_bits is not None:  # mlx-lm would make a plain one
             cache = fresh_caches(self._layers, self.kv_bits, self.kv_group_size)
         sampling = RowSampling.of(request.temperature, request.top_p, request.min_p, request.top_k, request.seed, vocab)
         stream = _Stream(

@@ -43,7 +43,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from deployments.engines.quantized_cache import QuantizedKVCache
+from deployments.engines.block_rows import BlockKVCache, BlockQuantizedKVCache
 
 # Keys (or values): one array, or mx.quantize's triple with kv_bits. A layer's are (1, heads,
 # tokens, dim); a block's are every layer's stacked, (layers, 1, heads, tokens, dim). The sequence
@@ -178,7 +178,8 @@ class PrefixCache:
 
     def fetch(self, tokens: Sequence[int], limit: int, min_tokens: int = 1) -> tuple[list[Any] | None, int]:
         """A fresh per-layer cache holding the longest cached prefix of tokens[:limit] and its
-        length, or (None, 0) when fewer than `min_tokens` (at least 1) are cached."""
+        length, or (None, 0) when fewer than `min_tokens` (at least 1) are cached. Its batch gives
+        rows back to `insert` as views (block_rows.py)."""
         self.stats["prefix_lookups"] += 1
         path = self._path(tokens, max(0, min(limit, len(tokens))))
         reused = sum(n for _, n in path)
@@ -192,7 +193,7 @@ class PrefixCache:
         values = _join([b.values if n == len(b.tokens) else _cut(b.values, 0, n) for b, n in path])
         layers: list[Any] = []
         for layer in range(_depth(keys)):
-            cache = KVCache() if self.kv_bits is None else QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
+            cache = BlockKVCache() if self.kv_bits is None else BlockQuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
             cache.keys, cache.values = _layer(keys, layer), _layer(values, layer)
             cache.offset = reused
             layers.append(cache)

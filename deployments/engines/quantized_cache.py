@@ -18,7 +18,7 @@ window or an SSM's state is refused at load (deployments/engines/llm.py).
 Every method runs on the engine's MLX thread, as the caches it replaces do."""
 
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, Self, cast
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -36,6 +36,12 @@ def _map(f: Callable[[mx.array], mx.array], q: Triple) -> Triple:
 
 def _int(a: mx.array) -> int:
     return int(cast(int, a.item()))
+
+
+def row_start(left_padding: mx.array, idx: int) -> int:
+    """Where a batch's row `idx` begins: read from the (evaluated) array, not by evaluating a new
+    slice of it, which would wait for the batch's next step that mlx-lm has already sent off."""
+    return cast(list[int], left_padding.tolist())[idx]
 
 
 def triple_nbytes(q: Triple | None) -> int:
@@ -217,14 +223,14 @@ class BatchQuantizedKVCache:
         """Row `idx` alone, without its padding: a finished request's cache, for the prefix cache."""
         assert self.keys is not None and self.values is not None
         cache = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
-        start, end = _int(self.left_padding[idx]), self._idx
+        start, end = row_start(self.left_padding, idx), self._idx
         keys = _map(lambda x: mx.contiguous(x[idx : idx + 1, :, start:end]), self.keys)
         values = _map(lambda x: mx.contiguous(x[idx : idx + 1, :, start:end]), self.values)
         cache.state = (keys, values, end - start, self.group_size, self.bits)
         return cache
 
     @classmethod
-    def merge(cls, caches: Sequence[QuantizedKVCache]) -> "BatchQuantizedKVCache":
+    def merge(cls, caches: Sequence[QuantizedKVCache]) -> Self:
         """One batch of single-stream caches, left-padded to the longest."""
         first = caches[0]
         lengths = [c.offset if c.keys is not None else 0 for c in caches]
