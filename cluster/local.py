@@ -149,18 +149,31 @@ def ensure_token(temp_root: Path) -> Path:
     return path
 
 
+# Where each node's ingress replica serves the API itself (Serve's direct ingress): the first port of
+# Ray's direct-ingress range, so the URL a user is given, http://<a Mac>:8000/v1, is the path without
+# the proxy's hop. Serve's proxy, which direct ingress keeps on the head, listens on ray-config.yaml's
+# http_options port (8100).
+INGRESS_PORT = 8000
+
+
+def ingress_ports(first: int) -> dict[str, str]:
+    """Serve's direct-ingress range from `first`, as wide as Ray's default (1,000 ports)."""
+    return {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 1000)}
+
+
 # Ray Serve's throughput mode: user code on the replica's own event loop (no thread hop per call)
 # and gRPC between Serve actors. Measured through the full path: llama-10m at 16 streams 0.79x ->
 # 0.86x of the in-process engine (docs/serve-benchmark.md). Direct ingress: each ingress replica
-# also serves HTTP itself, on a port of Ray's direct-ingress range (30000 and up, one per replica on
-# a host), so a client there skips the proxy's hop (docs/cluster.md, docs/serve-path.md); in this
-# mode Serve runs one proxy, on the head, on http_options' port. A replica that stops keeps serving
-# for 2 s (Serve's default, 30 s, is for load balancers that deregister targets; raise it behind
-# one). Read by every Serve process at import, so it must be in the environment of every node (Macs:
-# export them all before `ray start`).
+# also serves HTTP itself, on the first free port from INGRESS_PORT (one per replica on a host), so
+# a client there skips the proxy's hop (docs/cluster.md, docs/serve-path.md); in this mode Serve
+# runs one proxy, on the head, on http_options' port. A replica that stops keeps serving for 2 s
+# (Serve's default, 30 s, is for load balancers that deregister targets; raise it behind one). Read
+# by every Serve process at import, so it must be in the environment of every node (Macs: export
+# them all before `ray start`).
 SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    **ingress_ports(INGRESS_PORT),
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
 
@@ -285,6 +298,17 @@ def check_http_port(host: str, port: int) -> None:
         )
 
 
+def check_ingress_port(host: str, port: int) -> None:
+    """Refuse (RuntimeError) when something already listens on the head's ingress port: its replica would
+    take the next free one, and the URL users are given would reach that other process."""
+    holder = port_holder(host, port)
+    if holder is not None:
+        raise RuntimeError(
+            f"the ingress port {host}:{port} is taken by {holder}: the head's ingress replica would serve on another "
+            "port and its URL would reach that process; stop it, or pass another --ingress-port"
+        )
+
+
 def _ray_cli(temp_root: Path) -> list[str]:
     """The command that runs `ray` (through _NODE_MAIN): this interpreter. Ray builds shell command lines
     from its install path unquoted (the head's ray_client_server is started through `bash -c` and died with
@@ -357,6 +381,7 @@ def start(
     dashboard: bool = True,
     dashboard_port: int = 8265,
     http_port: int | None = None,
+    ingress_port: int = INGRESS_PORT,
     head_cpus: int = 2,
     worker_cpus: int = 1,
     object_store_mib: int = 80,
@@ -369,7 +394,8 @@ def start(
     """Start the head and one worker per further node, wait until all are alive, and return the state
     (also written to <temp_root>/orchard-local.json). On failure, stops whatever it started. Refuses before
     starting anything when this temp root's cluster runs, a port is taken (the GCS's, the dashboard's, or
-    Serve's HTTP port: ray-config.yaml's http_options, http_port overriding its port), or temp_root is too
+    Serve's HTTP port: ray-config.yaml's http_options, http_port overriding its port, or the first port
+    of the nodes' ingress replicas, `ingress_port`), or temp_root is too
     long for Ray's socket paths. `stores`: each node's model store is <stores>/<name> (its
     ORCHARD_STORE), the head's `head_store` if given (the demo: the prepared models folder, so only
     the head holds the set and the others copy what is placed on them)."""
@@ -390,9 +416,10 @@ def start(
     http_host, config_port = serve_http_address()
     http_port = config_port if http_port is None else http_port
     check_http_port(http_host, http_port)
+    check_ingress_port(http_host, ingress_port)
     ensure_token(temp_root)
     (temp_root / "logs").mkdir(parents=True, exist_ok=True)
-    env = ray_env(temp_root)
+    env = ray_env(temp_root) | ingress_ports(ingress_port)
     address = f"{ip}:{port}"
     state: dict[str, Any] = {
         "address": address,
@@ -467,9 +494,10 @@ def start(
         log(f"dashboard: {state['dashboard']}")
     log(f"connect with: env RAY_ADDRESS={address} {' '.join(f'{k}={v}' for k, v in driver_env(temp_root).items())} <command>")
     log(f"Ray's auth token (the dashboard asks for it): {temp_root / TOKEN_FILE}")
+    shown = "127.0.0.1" if http_host in ("0.0.0.0", "") else http_host
     log(
-        f"once Orchard is served: http://{'127.0.0.1' if http_host in ('0.0.0.0', '') else http_host}:{http_port}/v1 (the head's Serve proxy),"
-        " and every node's ingress replica on a port of its own (Serve's direct ingress, 30000 and up; GET /v1/cluster lists them as ingress)"
+        f"once Orchard is served: http://{shown}:{ingress_port}/v1, and every other node's ingress replica on the next free port"
+        f" (Serve's direct ingress; GET /v1/cluster lists them as ingress); the head's Serve proxy: http://{shown}:{http_port}/v1"
     )
     if prometheus_port is not None:
         try:
@@ -653,6 +681,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-dashboard", action="store_true")
     s.add_argument("--prometheus-port", type=int, default=None, help="also start Prometheus there, scraping every node (make run: 9090)")
     s.add_argument("--http-port", type=int, default=None, help="Serve's HTTP port to check is free (default: ray-config.yaml's)")
+    s.add_argument(
+        "--ingress-port", type=int, default=INGRESS_PORT, help=f"where the nodes' ingress replicas serve, from the head's (default {INGRESS_PORT})"
+    )
     s.add_argument("--head-cpus", type=int, default=2)
     s.add_argument("--worker-cpus", type=int, default=1)
     s.add_argument("--object-store-mib", type=int, default=80)
@@ -684,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
                 dashboard=not a.no_dashboard,
                 dashboard_port=a.dashboard_port,
                 http_port=a.http_port,
+                ingress_port=a.ingress_port,
                 head_cpus=a.head_cpus,
                 worker_cpus=a.worker_cpus,
                 object_store_mib=a.object_store_mib,

@@ -193,7 +193,8 @@ def test_local_launcher_start_status_stop_from_a_long_path(tmp_path):
     python = str(_venv_at(tmp_path / "My Projects" / "a venv") / "bin" / "python")
     ip = local.default_ip()
     port, dashboard_port, http_port = local.free_port(ip), local.free_port("127.0.0.1"), local.free_port("127.0.0.1")
-    ports = ["--port", str(port), "--dashboard-port", str(dashboard_port), "--http-port", str(http_port)]
+    ingress = local.free_port("127.0.0.1")
+    ports = ["--port", str(port), "--dashboard-port", str(dashboard_port), "--http-port", str(http_port), "--ingress-port", str(ingress)]
     temp_root: Path | None = None
     pids: list[int] = []
     t0 = time.monotonic()
@@ -239,17 +240,24 @@ def test_local_launcher_start_status_stop_from_a_long_path(tmp_path):
 
 def test_start_refuses_a_taken_http_port(tmp_path, monkeypatch):
     """issue 10 item 8: a second Orchard on Serve's HTTP port would share it silently, so `start` refuses,
-    naming the port and who listens there, before it starts anything. (And a --dir too long for Ray's
-    socket paths is refused up front too.)"""
+    naming the port and who listens there, before it starts anything. The same for the port the head's
+    ingress replica serves on (the URL users are given): its replica would take the next one, and that
+    URL would reach the other process. (And a --dir too long for Ray's socket paths is refused up front
+    too.)"""
     short = Path(tempfile.mkdtemp(prefix="orch-http-", dir="/tmp"))
     try:
         with socket.socket() as listener:
             listener.bind(("127.0.0.1", 0))
             listener.listen()
             http_port = listener.getsockname()[1]
-            kwargs = {"port": local.free_port(local.default_ip()), "dashboard": False, "http_port": http_port, "timeout_s": 5}
+            free = local.free_port("127.0.0.1")
+            kwargs = {"port": local.free_port(local.default_ip()), "dashboard": False, "http_port": http_port, "ingress_port": free, "timeout_s": 5}
             with pytest.raises(RuntimeError, match=rf"HTTP port 127\.0\.0\.1:{http_port} is taken by pid {os.getpid()} \("):
                 local.start(local.parse_nodes("head:1"), temp_root=short / "t", **kwargs)
+            assert not (short / "t").exists(), "nothing was started or written"
+            taken_ingress = kwargs | {"http_port": free, "ingress_port": http_port}
+            with pytest.raises(RuntimeError, match=rf"ingress port 127\.0\.0\.1:{http_port} is taken by pid {os.getpid()} \("):
+                local.start(local.parse_nodes("head:1"), temp_root=short / "t", **taken_ingress)
             assert not (short / "t").exists(), "nothing was started or written"
             # Where psutil may not list sockets (macOS without root), the message still names the port.
             import psutil

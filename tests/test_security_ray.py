@@ -62,8 +62,19 @@ class _CreatesFile:
 @pytest.fixture(scope="module")
 def demo():
     temp_root = Path(tempfile.mkdtemp(prefix="orch-sec-", dir="/tmp"))
-    port, dashboard_port, http_port = (local.free_port() for _ in range(3))
-    args = ["--port", str(port), "--dashboard-port", str(dashboard_port), "--http-port", str(http_port), "--head-cpus", "1"]
+    port, dashboard_port, http_port, ingress = (local.free_port() for _ in range(4))
+    args = [
+        "--port",
+        str(port),
+        "--dashboard-port",
+        str(dashboard_port),
+        "--http-port",
+        str(http_port),
+        "--ingress-port",
+        str(ingress),
+        "--head-cpus",
+        "1",
+    ]
     cmd = [sys.executable, "-m", "cluster.local", "--dir", str(temp_root)]
     t0 = time.monotonic()
     try:

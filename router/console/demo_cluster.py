@@ -85,6 +85,7 @@ def demo(models_dir: Path, nodes: str = MAKE_RUN_NODES) -> Iterator[Demo]:
         port=local.free_port(),
         dashboard_port=dashboard_port,
         http_port=http_port,
+        ingress_port=local.free_port(),
         stores=temp_root / "stores",
         head_store=models_dir,
     )
