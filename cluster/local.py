@@ -287,26 +287,24 @@ def port_holder(host: str, port: int) -> str | None:
     return ", ".join(holders) or "another process"
 
 
+def _refuse_taken(host: str, port: int, what: str, why: str) -> None:
+    holder = port_holder(host, port)
+    if holder is not None:
+        raise RuntimeError(f"{what} {host}:{port} is taken by {holder}: {why}")
+
+
 def check_http_port(host: str, port: int) -> None:
     """Refuse (RuntimeError) when something already listens on Serve's HTTP port: a second Serve proxy binds
     it too (with port reuse), and the two unrelated clusters then share its connections silently."""
-    holder = port_holder(host, port)
-    if holder is not None:
-        raise RuntimeError(
-            f"Serve's HTTP port {host}:{port} is taken by {holder}: a second Serve proxy would share it silently; "
-            "stop that process, or serve on another port and pass it as --http-port"
-        )
+    why = "a second Serve proxy would share it silently; stop that process, or serve on another port and pass it as --http-port"
+    _refuse_taken(host, port, "Serve's HTTP port", why)
 
 
 def check_ingress_port(host: str, port: int) -> None:
     """Refuse (RuntimeError) when something already listens on the head's ingress port: its replica would
     take the next free one, and the URL users are given would reach that other process."""
-    holder = port_holder(host, port)
-    if holder is not None:
-        raise RuntimeError(
-            f"the ingress port {host}:{port} is taken by {holder}: the head's ingress replica would serve on another "
-            "port and its URL would reach that process; stop it, or pass another --ingress-port"
-        )
+    why = "the head's ingress replica would serve on another port and its URL would reach that process; stop it, or pass another --ingress-port"
+    _refuse_taken(host, port, "the ingress port", why)
 
 
 def _ray_cli(temp_root: Path) -> list[str]:
