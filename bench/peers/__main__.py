@@ -460,12 +460,16 @@ async def lease_round_trip(model: str, n: int = 50) -> float:
     every request makes today (issue 11: no controller round trip per request)."""
     from ray import serve
 
+    from deployments.wire.leases import Grant
+
     handle = serve.get_deployment_handle("ResidencyService", app_name="orchard")
     times = []
     for _ in range(n + 5):
         started = time.perf_counter()
         grant = await handle.acquire.remote(model)
-        await handle.release.remote(grant["lease_id"])
+        if not isinstance(grant, Grant):
+            raise RuntimeError(f"the residency service refused {model}: {grant}")
+        await handle.release.remote(grant.lease.lease_id)
         times.append(time.perf_counter() - started)
     await handle.shutdown_async()  # on this loop: serve.shutdown() later cannot reach a closed one
     return 1000 * statistics.median(times[5:])
