@@ -51,8 +51,11 @@ class InstanceState(Frozen):
     in_flight: int = Field(default=0, ge=0)
     last_used: float
     loaded_at: float
-    # Measured wall seconds of the load; None until it finished.
+    # Measured wall seconds of the load (the model server's start included); None until it finished.
     load_seconds: float | None = Field(default=None, ge=0)
+    # Seconds of prefill its kept prompt prefixes would cost again were it evicted (its engine's
+    # measured prefill rate), as its last memory report said: part of what losing it costs (E3).
+    prefix_reload_s: float = Field(default=0.0, ge=0)
 
 
 class NodeState(Frozen):

@@ -51,8 +51,16 @@ class PolicyConfig(Frozen):
     # Where a model fits without eviction on several nodes: fill the tightest (pack, keeps large
     # holes for large models) or the emptiest (spread).
     fit_preference: FitPreference = "pack"
-    # Anti-thrash: an instance younger than this is not evicted (ModelMesh's minChurnAge).
-    min_residency_s: float = Field(default=10.0, ge=0)
+    # Anti-thrash (rule E3): a loaded instance is not evicted while it is younger than
+    # residency_per_reload x what losing it costs (its measured reload seconds, process start
+    # included, plus the prefill its kept prompt prefixes would cost again), that figure at most
+    # max_residency_s, the whole at least min_residency_s. The default protects a model for twice its
+    # reload, so no instance spends more than a third of its life loading; a model that comes back in
+    # half a second is not held against a waiting one for 10. min_residency_s 10 with
+    # residency_per_reload 0 is the fixed rule (ModelMesh's minChurnAge).
+    residency_per_reload: float = Field(default=2.0, ge=0)
+    min_residency_s: float = Field(default=0.0, ge=0)
+    max_residency_s: float = Field(default=60.0, ge=0)
 
     # When only busy, loading or young instances stand in the way: fail at once, or wait up to
     # wait_timeout_s (asking again every retry_poll_s) and then fail.

@@ -9,6 +9,7 @@ from policy.caps import CapExcess
 from policy.cluster_state import ClusterState, InstanceRef, InstanceState, RefKey
 from policy.config import EvictionStrategy, PolicyConfig
 from policy.decisions import Protection
+from policy.memory import protected_for_s
 from policy.specs import ModelKind, ModelSpec
 
 
@@ -53,9 +54,9 @@ def ready_copies(state: ClusterState) -> dict[str, int]:
     return counts
 
 
-def protection_of(inst: InstanceState, spec: ModelSpec, copies: int, now: float, min_residency_s: float) -> Protection | None:
+def protection_of(inst: InstanceState, spec: ModelSpec, copies: int, now: float, config: PolicyConfig) -> Protection | None:
     """Why this instance may not be evicted now, or None. Lasting reasons are named before passing
-    ones. min_residency_s: the config's (read once by a caller that asks of every instance)."""
+    ones; `young` lasts memory.protected_for_s after its load (E3)."""
     if spec.pinned:
         return "pinned"
     status = inst.status
@@ -67,7 +68,7 @@ def protection_of(inst: InstanceState, spec: ModelSpec, copies: int, now: float,
         return "draining"
     if inst.in_flight > 0:
         return "busy"
-    if now - inst.loaded_at < min_residency_s:
+    if now - inst.loaded_at < protected_for_s(inst, spec, config):
         return "young"
     return None
 

@@ -64,6 +64,14 @@ def reload_seconds(inst: InstanceState, spec: ModelSpec, config: PolicyConfig) -
     return estimated_load_seconds(inst.bytes, config)
 
 
+def protected_for_s(inst: InstanceState, spec: ModelSpec, config: PolicyConfig) -> float:
+    """E3: how long after its load the instance may not be evicted: residency_per_reload x its reload
+    cost (the load, measured or estimated, plus the prefill its kept prefixes would cost again), at
+    most max_residency_s; at least min_residency_s (the operator's fixed floor wins)."""
+    cost = config.residency_per_reload * (reload_seconds(inst, spec, config) + inst.prefix_reload_s)
+    return max(config.min_residency_s, min(config.max_residency_s, cost))
+
+
 def gib(nbytes: int | float) -> str:
     """Human figure for messages: '12.0 GiB'."""
     return f"{nbytes / GIB:.1f} GiB"

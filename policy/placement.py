@@ -19,6 +19,7 @@ from policy.memory import (
     estimated_load_seconds,
     gib,
     overhead_bytes,
+    protected_for_s,
     required_bytes,
 )
 from policy.snapshot import Snapshot
@@ -378,7 +379,7 @@ _PROTECTION_WORDS = {
     "busy": "busy models",
     "loading": "loading models",
     "draining": "draining models",
-    "young": "models younger than min_residency_s",
+    "young": "models loaded too recently to be evicted (E3: about twice their reload time)",
 }
 
 
@@ -475,7 +476,7 @@ def _retry_after(blockers: Blockers, snap: Snapshot) -> float:
             node = snap.nodes.get(node_id)
             inst = node.instance(model) if node else None
             if inst is not None:
-                waits.append(max(0.1, config.min_residency_s - (snap.now - inst.loaded_at)))
+                waits.append(max(0.1, protected_for_s(inst, snap.state.catalog[model], config) - (snap.now - inst.loaded_at)))
     return min(waits)
 
 

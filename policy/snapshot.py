@@ -14,7 +14,7 @@ from policy.config import PolicyConfig
 from policy.decisions import Protection
 from policy.eviction import Candidate, keep_valuer, ready_copies
 from policy.locality import bandwidth, stored_anywhere
-from policy.memory import margin_bytes
+from policy.memory import margin_bytes, protected_for_s
 from policy.specs import ModelSpec
 
 
@@ -117,7 +117,7 @@ class Snapshot:
         """Every instance on an alive node, with its protection, by node in the state's order, each
         node's instances in its order. The protection is eviction.protection_of written out (a
         decision asks it of every instance; the same answer, tests/test_policy_scale.py checks it)."""
-        now, min_residency_s, catalog = self.now, self.config.min_residency_s, self.state.catalog
+        now, config, catalog = self.now, self.config, self.state.catalog
         by_node = {}
         for node in self.state.nodes:
             if not node.alive:
@@ -136,7 +136,7 @@ class Snapshot:
                     protection = status  # loading or draining
                 elif inst.in_flight > 0:
                     protection = "busy"
-                elif now - inst.loaded_at < min_residency_s:
+                elif now - inst.loaded_at < protected_for_s(inst, spec, config):
                     protection = "young"
                 else:
                     protection = None

@@ -53,14 +53,18 @@ def apply_place(state: ClusterState, place: Place, now: float) -> ClusterState:
     return _set_instances(state, node, node.instances + (new,))
 
 
-def set_prefix_cache(state: ClusterState, ref: InstanceRef, nbytes: int) -> ClusterState:
-    """What the instance's kept prompt prefixes hold now (its memory report, or 0 once given back).
-    An instance the state no longer holds is left alone."""
+def set_prefix_cache(state: ClusterState, ref: InstanceRef, nbytes: int, reload_s: float | None = None) -> ClusterState:
+    """What the instance's kept prompt prefixes hold now (its memory report, or 0 once given back),
+    and (`reload_s`) what prefilling them again would take (E3; with 0 bytes, 0). An instance the
+    state no longer holds is left alone."""
     node = state.node(ref.node_id)
     inst = node.instance(ref.model) if node is not None else None
-    if inst is None or inst.prefix_cache_bytes == nbytes:
+    if inst is None:
         return state
-    return _update_instance(state, ref, prefix_cache_bytes=nbytes)
+    seconds = 0.0 if nbytes == 0 else (inst.prefix_reload_s if reload_s is None else reload_s)
+    if inst.prefix_cache_bytes == nbytes and inst.prefix_reload_s == seconds:
+        return state
+    return _update_instance(state, ref, prefix_cache_bytes=nbytes, prefix_reload_s=seconds)
 
 
 def mark_loaded(state: ClusterState, ref: InstanceRef, now: float, load_seconds: float, measured_bytes: int | None = None) -> ClusterState:

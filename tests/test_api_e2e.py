@@ -68,7 +68,7 @@ def orchard(models_dir, shared_ray):
         {"name": "llama-mistral", "kind": "llm", "path": "llama-10m", "tool_parser": "mistral"},
         {"name": "minilm-rerank", "kind": "rerank", "path": "all-minilm-l6-v2"},
     ]
-    policy = {"min_residency_s": 0, "instance_overhead_bytes": 32 * MIB}
+    policy = {"min_residency_s": 0, "residency_per_reload": 0, "instance_overhead_bytes": 32 * MIB}
     serve.run(
         build_app({"models_dir": str(models_dir), "models": models, "policy": policy, "max_audio_bytes": 2 * MIB}), name="orchard", route_prefix="/"
     )

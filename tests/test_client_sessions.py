@@ -34,7 +34,7 @@ FINISH_REASONS = {"stop", "length", "tool_calls"}
 
 @pytest.fixture(scope="module")
 def base(models_dir, shared_ray) -> Iterator[str]:
-    yield serve_orchard({"models_dir": str(models_dir), "policy": {"min_residency_s": 0}})
+    yield serve_orchard({"models_dir": str(models_dir), "policy": {"min_residency_s": 0, "residency_per_reload": 0}})
     serve.shutdown()
 
 

@@ -66,6 +66,7 @@ def orchard(models_dir, broken_dir):
         "safety_margin_fraction": 0,
         "instance_overhead_bytes": 64 * MIB,
         "min_residency_s": 0,
+        "residency_per_reload": 0,
         "contention": "wait",
         "wait_timeout_s": 60,
     }

@@ -70,7 +70,13 @@ def orchard(models_dir, tmp_path_factory, hub):
     two = slow | {"name": "llama-two", "path": "llama-two"}
     models = [llama, llama | {"name": "llama-bad", "path": "llama-bad"}, from_hub, slow, two]
     # no models_dir holds anything: a node loads from its own store or not at all
-    policy = {"min_residency_s": 0, "safety_margin_bytes": 16 * MIB, "safety_margin_fraction": 0, "instance_overhead_bytes": 64 * MIB}
+    policy = {
+        "min_residency_s": 0,
+        "residency_per_reload": 0,
+        "safety_margin_bytes": 16 * MIB,
+        "safety_margin_fraction": 0,
+        "instance_overhead_bytes": 64 * MIB,
+    }
     # copies capped at 10 MB/s (AppArgs.fetch_max_bytes_per_s): a copy of llama-10m takes ~4 s, long
     # enough to disconnect a client in the middle of one
     args = {"models_dir": str(root / "nowhere"), "models": models, "policy": policy, "watch_period_s": 0.5, "fetch_max_bytes_per_s": 10e6}

@@ -47,6 +47,7 @@ def orchard(models_dir):
                 "safety_margin_fraction": 0,
                 "instance_overhead_bytes": 64 * MIB,
                 "min_residency_s": 0,
+                "residency_per_reload": 0,
                 "contention": "fail",
             },
             "watch_period_s": 0.5,

@@ -85,6 +85,7 @@ def instances(draw, spec: ModelSpec, devices):
         last_used=last_used,
         loaded_at=last_used - draw(st.sampled_from([0.0, 5.0, 100.0, 3000.0])),
         load_seconds=draw(st.sampled_from([None, 2.0, 40.0])),
+        prefix_reload_s=draw(st.sampled_from([0.0, 0.0, 3.0, 30.0])),  # the kept prefixes' prefill (E3)
     )
 
 
@@ -156,6 +157,8 @@ def configs(draw, pressure=False):
         eviction=draw(st.sampled_from(["lru", "cost", "fewest"])),
         fit_preference=draw(st.sampled_from(["pack", "spread"])),
         min_residency_s=draw(st.sampled_from([0.0, 0.0, 10.0] if pressure else [0.0, 10.0, 600.0])),
+        residency_per_reload=draw(st.sampled_from([0.0, 2.0, 2.0, 10.0])),
+        max_residency_s=draw(st.sampled_from([5.0, 60.0, 600.0])),
         contention=draw(st.sampled_from(["fail", "wait"])),
         wait_timeout_s=30.0,
         default_idle_ttl_s=draw(st.sampled_from([None, 300.0])),

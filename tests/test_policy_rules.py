@@ -438,6 +438,44 @@ def test_e1_to_e4_protected_instances_are_never_chosen(protected_inst, protected
         assert isinstance(d, Place) and d.evict == (ref("other", "n1"),), (strategy, protection)
 
 
+# E3: protection earned by what losing the instance costs
+BY_COST = PLAIN.model_copy(update={"residency_per_reload": 2.0, "max_residency_s": 60.0, "retry_poll_s": 30.0})
+
+
+@pytest.mark.parametrize(
+    ("load_s", "prefix_s", "age", "protected"),
+    [
+        (0.5, 0.0, 0.9, True),  # a half-second reload earns one second
+        (0.5, 0.0, 1.1, False),
+        (0.5, 4.0, 8.9, True),  # kept prefixes whose prefill would take 4 s more: 9 s
+        (0.5, 4.0, 9.1, False),
+        (40.0, 0.0, 59.0, True),  # an 80-s figure is cut to max_residency_s
+        (40.0, 0.0, 61.0, False),
+    ],
+)
+def test_e3_an_instance_is_protected_for_twice_its_reload_cost(load_s, prefix_s, age, protected):
+    a, b = spec("a", gb=6), spec("b", gb=6)
+    st = cluster([node("n1", 8, inst("a", 6, loaded_at=NOW - age, load_seconds=load_s, prefix_reload_s=prefix_s))], [a, b])
+    d = ensure("b", st, NOW, BY_COST)
+    if protected:
+        assert isinstance(d, Wait) and d.blockers[0].protection == "young"
+        earned = min(60.0, 2 * (load_s + prefix_s))
+        assert d.retry_after_s == pytest.approx(max(0.1, earned - age))  # P8: when it comes of age
+    else:
+        assert isinstance(d, Place) and d.evict == (ref("a", "n1"),)
+
+
+def test_e3_an_unmeasured_load_is_estimated_and_the_floor_wins_over_a_cheap_reload():
+    a, b = spec("a", gb=6), spec("b", gb=6)
+    young = cluster([node("n1", 8, inst("a", 6, loaded_at=NOW - 13.0))], [a, b])  # never measured: 1 s + 6 GiB / 2 GiB/s = 4 s, x2
+    assert isinstance(ensure("b", young, NOW, BY_COST.model_copy(update={"load_base_s": 1.0})), Place)
+    assert isinstance(ensure("b", young, NOW, BY_COST.model_copy(update={"load_base_s": 6.0})), Wait)  # (6 + 3) x 2 = 18 s
+    cheap = cluster([node("n1", 8, inst("a", 6, loaded_at=NOW - 3.0, load_seconds=0.1))], [a, b])
+    assert isinstance(ensure("b", cheap, NOW, BY_COST), Place)
+    fixed = BY_COST.model_copy(update={"min_residency_s": 10.0, "residency_per_reload": 0.0})  # the fixed rule, as before
+    assert isinstance(ensure("b", cheap, NOW, fixed), Wait)
+
+
 # E5
 def test_e5_keep_warm_goes_last_even_when_it_is_the_oldest():
     emb = spec("emb", "embedding", gb=1, keep_warm=True, role="utility")

@@ -144,7 +144,7 @@ def test_the_snapshots_protection_is_protection_of():
         assert [c.inst for c in candidates] == list(node.instances)
         for c in candidates:
             spec = state.catalog[c.inst.model]
-            expected = protection_of(c.inst, spec, copies.get(spec.name, 0) if spec.min_copies > 0 else 0, NOW, config.min_residency_s)
+            expected = protection_of(c.inst, spec, copies.get(spec.name, 0) if spec.min_copies > 0 else 0, NOW, config)
             assert c.protection == expected, (node.node_id, c.inst)
             seen.add(expected)
     assert seen == {None, "pinned", "min_copies", "loading", "draining", "busy", "young"}

@@ -28,7 +28,7 @@ def orchard(models_dir, shared_ray):
         "models_dir": str(models_dir),
         "ingress_replicas": 2,
         "api_keys": [key_entry("ops", KEYS["ops"], "admin"), key_entry("team-a", KEYS["team-a"], models=[SMOL]), key_entry("team-b", KEYS["team-b"])],
-        "policy": {"min_residency_s": 0},
+        "policy": {"min_residency_s": 0, "residency_per_reload": 0},
         "responses_store": {"max_response_bytes": MAX_RESPONSE_BYTES},
     }
     proxy = serve_orchard(args)

@@ -33,7 +33,13 @@ BIG = {"kind": "llm", "path": "llama-10m", "weight_bytes": "3.5GiB"}
 @pytest.fixture(scope="module")
 def orchard(models_dir, shared_ray):
     models = [{"name": "evict-a"} | BIG, {"name": "evict-b"} | BIG]
-    policy = {"min_residency_s": 0, "instance_overhead_bytes": 32 * MIB, "safety_margin_bytes": 16 * MIB, "safety_margin_fraction": 0}
+    policy = {
+        "min_residency_s": 0,
+        "residency_per_reload": 0,
+        "instance_overhead_bytes": 32 * MIB,
+        "safety_margin_bytes": 16 * MIB,
+        "safety_margin_fraction": 0,
+    }
     args = {
         "models_dir": str(models_dir),
         "models": models,

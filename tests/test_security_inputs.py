@@ -31,7 +31,7 @@ def orchard(models_dir, shared_ray):
     args = {
         "models_dir": str(models_dir),
         "models": [{"name": "llama-10m", "kind": "llm", "path": "llama-10m"}],
-        "policy": {"min_residency_s": 0, "instance_overhead_bytes": 32 * 1024**2},
+        "policy": {"min_residency_s": 0, "residency_per_reload": 0, "instance_overhead_bytes": 32 * 1024**2},
         "api_keys": [
             key_entry("ops", ADMIN_KEY, "admin"),
             key_entry("team", USER_KEY, models=["llama-10m"], rpm=5),

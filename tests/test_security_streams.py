@@ -49,7 +49,7 @@ def orchard(models_dir, shared_ray, broken_dir):
         key_entry("frugal", KEYS["frugal"], models=["llama-10m", EMBEDDING], tpm=400),
         key_entry("team-c", KEYS["team-c"], models=["llama-big", "broken-llama"]),
     ]
-    policy = {"min_residency_s": 0, "instance_overhead_bytes": 32 * MIB, "contention": "fail"}
+    policy = {"min_residency_s": 0, "residency_per_reload": 0, "instance_overhead_bytes": 32 * MIB, "contention": "fail"}
     args = {"models_dir": str(models_dir), "models": models, "policy": policy, "api_keys": api_keys, "watch_period_s": 0.5}
     yield {"base": serve_orchard(args), "broken_dir": broken_dir}
     serve.shutdown()

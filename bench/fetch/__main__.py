@@ -209,7 +209,13 @@ def ttft_runs(models_dir: Path, stores: dict[str, Path], port: int) -> dict:
 
     llama = next(m for m in from_manifest(models_dir, {"llama-10m": {"reserve_context_tokens": 2048}}) if m["name"] == "llama-10m")
     llama = llama | {"policy": llama.get("policy", {}) | {"allowed_nodes": ["mac-1"]}}
-    policy = {"min_residency_s": 0, "safety_margin_bytes": 16 * MIB, "safety_margin_fraction": 0, "instance_overhead_bytes": 64 * MIB}
+    policy = {
+        "min_residency_s": 0,
+        "residency_per_reload": 0,
+        "safety_margin_bytes": 16 * MIB,
+        "safety_margin_fraction": 0,
+        "instance_overhead_bytes": 64 * MIB,
+    }
     args = {"models_dir": str(stores["head"].parent / "nowhere"), "models": [llama], "policy": policy, "watch_period_s": 0.5}
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="orchard", route_prefix="/")

@@ -35,6 +35,8 @@ def strategies(trace, keep_warm: frozenset[str]):
     yield "count-only LRU, 2 per kind per node", count_only(2), keep_warm
     for name in ("lru", "cost", "fewest"):
         yield f"orchard {name}", orchard(base.model_copy(update={"eviction": name})), keep_warm
+    fixed = base.model_copy(update={"residency_per_reload": 0.0, "min_residency_s": 10.0})  # E3 as a fixed 10 s minChurnAge
+    yield "orchard cost, fixed 10 s minimum residency", orchard(fixed), keep_warm
     if keep_warm:
         yield "orchard cost, keep-warm off", orchard(base), frozenset()
     yield "offline Belady (knows the future)", belady(base, trace), keep_warm

@@ -304,7 +304,7 @@ def start_orchard(
     for alias, (model, scheduling) in (aliases or {}).items():
         base = next(m for m in registry if m["name"] == model)
         registry.append(base | {"name": alias, "llm_engine": scheduling})
-    policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
+    policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0, "residency_per_reload": 0}
     serve.run(build_app({"models_dir": str(models_dir), "models": registry, "policy": policy, **app_args}), name="orchard", route_prefix="/")
     proxy = f"http://127.0.0.1:{port}"
     if via == "proxy":

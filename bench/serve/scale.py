@@ -113,7 +113,7 @@ def run_size(n: int, models_dir: Path, model: str, kind: str, clients: int, seco
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="EveryNode")
         registry = [m for m in from_manifest(models_dir, {model: {"max_copies": n}}) if m["name"] == model]
-        policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0}
+        policy = {"safety_margin_bytes": 0, "safety_margin_fraction": 0, "min_residency_s": 0, "residency_per_reload": 0}
         app = {"models_dir": str(models_dir), "models": registry, "policy": policy, "ingress_replicas": "every_node"}
         serve.run(build_app(app), name="orchard", route_prefix="/")
         head = f"http://127.0.0.1:{port}"

@@ -385,15 +385,27 @@ class LLMEngine(Engine):
 
     def memory(self) -> MemoryReport:
         generator = getattr(self, "generator", None)
+        kept = self.prompt_cache.nbytes if generator is not None else 0  # within prompt_cache_bytes; shrink_prefix_cache
         return MemoryReport(
             weight_bytes=getattr(self, "weight_bytes", 0),
             kv_bytes_in_use=generator.prompt_cache_nbytes if generator is not None else 0,
-            prefix_cache_bytes=self.prompt_cache.nbytes if generator is not None else 0,  # within prompt_cache_bytes; shrink_prefix_cache
+            prefix_cache_bytes=kept,
+            prefix_prefill_s=self._prefill_seconds(kept),
             kv_bytes_reserved=getattr(self, "kv_bytes_per_token", 0) * self.reserve_context_tokens * self.reserve_concurrency,
             active_bytes=mx.get_active_memory(),
             peak_bytes=mx.get_peak_memory(),
             load_seconds=self._load_seconds,
         )
+
+    def _prefill_seconds(self, kept_bytes: int) -> float:
+        """Seconds the kept prefixes' tokens would take to prefill again at the rate mlx-lm measured
+        here (its prompt_tokens / prompt_time); 0 before any prefill."""
+        per_token = getattr(self, "kv_bytes_per_token", 0)
+        counted = self.counters()
+        tokens, seconds = counted.get("prompt_tokens", 0), counted.get("prompt_time", 0.0)
+        if not kept_bytes or not per_token or tokens <= 0 or seconds <= 0:
+            return 0.0
+        return kept_bytes / per_token * seconds / tokens
 
     async def shrink_prefix_cache(self, target_bytes: int) -> int:
         """Evict kept prefixes, least recently used first, until the prefix cache holds at most

@@ -21,6 +21,9 @@ class MemoryReport(Frozen):
     weight_bytes: int = Field(ge=0)
     kv_bytes_in_use: int = Field(default=0, ge=0)  # KV of the requests running now
     prefix_cache_bytes: int = Field(default=0, ge=0)  # KV kept for reuse by later requests
+    # What prefilling the kept prefixes again would take at this engine's measured prefill rate (0
+    # before any prefill): part of what evicting the instance costs (policy rule E3).
+    prefix_prefill_s: float = Field(default=0.0, ge=0)
     kv_bytes_reserved: int = Field(default=0, ge=0)
     active_bytes: int = Field(default=0, ge=0)  # mx.get_active_memory() of this process
     peak_bytes: int = Field(default=0, ge=0)

@@ -306,13 +306,15 @@ def _guards(inst: dict[str, Any], f: ModelFacts, row: dict[str, Any], config: Po
     busy = max(inst.get("in_flight", 0), inst.get("leases", 0))
     if busy:
         out.append(Guard(protection="busy", words=f"busy: {busy} request(s) or lease(s) in flight; never evicted while busy (E2)"))
-    if now is not None and inst["status"] == "ready" and config.min_residency_s > 0:
-        left = inst["loaded_at"] + config.min_residency_s - now
+    protected_s = inst.get("protected_for_s", config.min_residency_s)
+    if now is not None and inst["status"] == "ready" and protected_s > 0:
+        left = inst["loaded_at"] + protected_s - now
         if left > 0:
             out.append(
                 Guard(
                     protection="min_residency",
-                    words=f"minimum residency: loaded {duration(now - inst['loaded_at'])} ago, evictable in {duration(left)} (E3)",
+                    words=f"young: loaded {duration(now - inst['loaded_at'])} ago, protected for {duration(protected_s)} "
+                    f"(twice what reloading it would cost), evictable in {duration(left)} (E3)",
                 )
             )
     if f.min_copies and ready_copies <= f.min_copies:
@@ -403,6 +405,21 @@ def _caps(config: PolicyConfig, nodes: list[dict[str, Any]], facts: dict[str, Mo
     return out
 
 
+def _young_words(config: PolicyConfig) -> str:
+    """E3 in words: how long a freshly loaded instance is protected (anti-thrash)."""
+    parts = []
+    if config.residency_per_reload:
+        parts.append(
+            f"for {config.residency_per_reload:g}x what reloading it would cost (its measured load and the prefill of its kept prompts), "
+            f"at most {duration(config.max_residency_s)}"
+        )
+    if config.min_residency_s:
+        parts.append(f"at least {duration(config.min_residency_s)}")
+    if not parts:
+        return "Young instances may be evicted at once (residency_per_reload and min_residency_s 0)."
+    return "A freshly loaded instance is not evicted " + ", ".join(parts) + " (anti-thrash, E3)."
+
+
 def _policy(config: PolicyConfig, nodes, facts: dict[str, ModelFacts], listed: dict[str, dict[str, Any]]) -> PolicyView:
     names = sorted(listed)
     eviction = _EVICTION_WORDS[config.eviction].format(w=config.cost.utility_weight, floor=config.cost.idle_floor_s)
@@ -414,9 +431,7 @@ def _policy(config: PolicyConfig, nodes, facts: dict[str, ModelFacts], listed: d
         f"Every node keeps {size(config.safety_margin_bytes)}"
         + (f" + {config.safety_margin_fraction:.0%} of its usable memory" if config.safety_margin_fraction else "")
         + f" free after any placement; an instance's need is its weights + reserved KV + {size(config.instance_overhead_bytes)} overhead unless its spec says.",
-        f"An instance younger than {duration(config.min_residency_s)} is not evicted (anti-thrash)."
-        if config.min_residency_s
-        else "Young instances may be evicted at once (min_residency_s 0).",
+        _young_words(config),
         (
             f"When only busy instances stand in the way, a request waits up to {duration(config.wait_timeout_s)}, then fails with the reason."
             if config.contention == "wait"

@@ -155,7 +155,7 @@ class ResidencyController:
             inst = node.instance(model)
             if inst is None or inst.status != "ready" or self.placements.shrinking(ref):
                 continue
-            self.state = set_prefix_cache(self.state, ref, 0 if self.placements.unshrinkable(ref) else nbytes)
+            self.state = set_prefix_cache(self.state, ref, 0 if self.placements.unshrinkable(ref) else nbytes, r.prefix_reload_s.get(model))
 
     def _node_lost(self, lost: NodeLost) -> None:
         """Drop the node's instances and leases; requests for its models are placed elsewhere."""

@@ -93,6 +93,7 @@ class RayEffects:
                 **(entry.llm_engine or {}),  # the model's own over the app's
             }
         named = parse_actor_name(order.actor)  # the loop named it by new_actor_name
+        started = time.monotonic()
         handle = create_model_server(
             entry,
             place.node_id,
@@ -112,7 +113,9 @@ class RayEffects:
             raise LoadError(reason, error.message) from e
         if order.root is not None and entry.folder is not None and (agent := get_agent(place.node_id)) is not None:
             agent.touch.remote(entry.folder)  # the disk budget's recency
-        return LoadResult(bytes=max(place.bytes, report.held_bytes), load_seconds=report.load_seconds)
+        # What a reload costs (E3): the whole start, the process's and the engine's set-up included,
+        # not only the weights' load the engine measured
+        return LoadResult(bytes=max(place.bytes, report.held_bytes), load_seconds=max(report.load_seconds, time.monotonic() - started))
 
     async def fetch_weights(self, order: FetchOrder) -> FetchResult:
         """The weights into the node's store as the order says: copied from its first source that
@@ -149,23 +152,24 @@ class RayEffects:
         except Exception as e:  # the target's agent died (its node with it)
             return FetchResult(ok=False, code="error", message=unwrap(e).message)
 
-    async def prefix_caches(self, actors: list[str], timeout_s: float) -> dict[str, int]:
-        """What each actor's kept prompt prefixes hold now (its MemoryReport, X4), by actor name; an
-        actor that does not answer within timeout_s is left out."""
+    async def prefix_caches(self, actors: list[str], timeout_s: float) -> dict[str, tuple[int, float]]:
+        """What each actor's kept prompt prefixes hold now and what prefilling them again would take
+        (its MemoryReport, X4 and E3), by actor name; an actor that does not answer within timeout_s
+        is left out."""
         self._handles = {name: self._handles[name] for name in actors if name in self._handles}  # only those still asked about
 
-        async def one(name: str) -> tuple[str, int | None]:
+        async def one(name: str) -> tuple[str, tuple[int, float] | None]:
             try:
                 handle = self._handles.get(name)
                 if handle is None:
                     handle = self._handles[name] = await asyncio.to_thread(ray.get_actor, name, NAMESPACE)
                 report: MemoryReport = await asyncio.wait_for(handle.memory.remote(), timeout_s)
-                return name, report.prefix_cache_bytes
+                return name, (report.prefix_cache_bytes, report.prefix_prefill_s)
             except Exception:  # gone, or busy past the timeout: its last figure stands
                 self._handles.pop(name, None)
                 return name, None
 
-        return {name: nbytes for name, nbytes in await asyncio.gather(*(one(n) for n in actors)) if nbytes is not None}
+        return {name: held for name, held in await asyncio.gather(*(one(n) for n in actors)) if held is not None}
 
     async def shrink_caches(self, actors: list[str]) -> int:
         async def one(name: str) -> int:

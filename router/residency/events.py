@@ -43,6 +43,8 @@ class CachesReported(Frozen):
 
     node_id: str
     prefix_cache_bytes: dict[str, int] = Field(default_factory=dict)
+    # ... and what prefilling them again would take (`MemoryReport.prefix_prefill_s`, E3), by model
+    prefix_reload_s: dict[str, float] = Field(default_factory=dict)
 
 
 class NodeLost(Frozen):

@@ -5,7 +5,7 @@ from typing import Any
 
 from policy import InstanceRef
 from policy.failures import backoff_left
-from policy.memory import ours_bytes
+from policy.memory import ours_bytes, protected_for_s
 from router.residency.controller import ResidencyController
 
 
@@ -76,6 +76,10 @@ def cluster(controller: ResidencyController) -> dict[str, Any]:
                     | {
                         "leases": sum(1 for lease in leases if lease.node_id == n.node_id and lease.model == i.model),
                         "actor": controller.sites.actor_of(InstanceRef(node_id=n.node_id, model=i.model)),
+                        # E3: seconds after loaded_at it may not be evicted (twice what losing it costs)
+                        "protected_for_s": round(protected_for_s(i, state.catalog[i.model], controller.config), 2)
+                        if i.model in state.catalog
+                        else 0.0,
                     }
                     for i in n.instances
                 ],

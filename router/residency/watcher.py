@@ -111,10 +111,12 @@ class ClusterWatcher:
             return
         held = await self.effects.prefix_caches(list(refs), self.report_timeout_s / 2)
         by_node: dict[str, dict[str, int]] = {}
-        for name, nbytes in held.items():
+        reload_s: dict[str, dict[str, float]] = {}
+        for name, (nbytes, seconds) in held.items():
             by_node.setdefault(refs[name].node_id, {})[refs[name].model] = nbytes
+            reload_s.setdefault(refs[name].node_id, {})[refs[name].model] = seconds
         for node_id, caches in by_node.items():
-            self.controller.apply(CachesReported(node_id=node_id, prefix_cache_bytes=caches))
+            self.controller.apply(CachesReported(node_id=node_id, prefix_cache_bytes=caches, prefix_reload_s=reload_s[node_id]))
 
     async def observe_instances(self) -> None:
         """Ready instances whose actor Ray no longer lists (a detached actor's name is freed at its

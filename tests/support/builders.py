@@ -35,4 +35,4 @@ def failed(model: str, at: float, *, node_id: str = "n1", reason: str = "bad_fil
 
 
 # Margins off and no anti-thrash age unless a test asks: the numbers in tests stay readable.
-PLAIN = PolicyConfig(safety_margin_bytes=0, safety_margin_fraction=0.0, instance_overhead_bytes=0, min_residency_s=0.0)
+PLAIN = PolicyConfig(safety_margin_bytes=0, safety_margin_fraction=0.0, instance_overhead_bytes=0, min_residency_s=0.0, residency_per_reload=0.0)

@@ -13,7 +13,13 @@ from router.residency.controller import ResidencyController
 from router.residency.events import CachesReported, LoadError, LoadResult
 
 PLAIN = PolicyConfig(
-    safety_margin_bytes=0, safety_margin_fraction=0.0, instance_overhead_bytes=0, min_residency_s=0.0, retry_poll_s=0.01, wait_timeout_s=0.2
+    safety_margin_bytes=0,
+    safety_margin_fraction=0.0,
+    instance_overhead_bytes=0,
+    min_residency_s=0.0,
+    residency_per_reload=0.0,
+    retry_poll_s=0.01,
+    wait_timeout_s=0.2,
 )
 
 

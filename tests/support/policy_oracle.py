@@ -40,9 +40,23 @@ def protection(state: ClusterState, node: NodeState, model: str, now: float, con
         return inst.status
     if inst.in_flight > 0:
         return "busy"
-    if now - inst.loaded_at < config.min_residency_s:
+    if now - inst.loaded_at < young_for(inst, spec, config):
         return "young"
     return None
+
+
+def young_for(inst, spec, config: PolicyConfig) -> float:
+    """E3 as docs/residency.md words it: twice (residency_per_reload) the reload cost, the load
+    measured, else the spec's estimate, else base + bytes / bandwidth, plus the kept prefixes'
+    prefill; that at most max_residency_s; the whole at least min_residency_s."""
+    if inst.load_seconds is not None:
+        load = inst.load_seconds
+    elif spec.load_seconds_estimate is not None:
+        load = spec.load_seconds_estimate
+    else:
+        load = config.load_base_s + inst.bytes / config.load_bandwidth_bytes_per_s
+    earned = config.residency_per_reload * (load + inst.prefix_reload_s)
+    return max(config.min_residency_s, min(earned, config.max_residency_s))
 
 
 def all_refs(state: ClusterState):
