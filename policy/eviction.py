@@ -54,9 +54,10 @@ def ready_copies(state: ClusterState) -> dict[str, int]:
     return counts
 
 
-def protection_of(inst: InstanceState, spec: ModelSpec, copies: int, now: float, config: PolicyConfig) -> Protection | None:
+def protection_of(inst: InstanceState, spec: ModelSpec, copies: int, now: float, config: PolicyConfig, waited_s: float = 0.0) -> Protection | None:
     """Why this instance may not be evicted now, or None. Lasting reasons are named before passing
-    ones; `young` lasts memory.protected_for_s after its load (E3)."""
+    ones; `young` lasts memory.protected_for_s after its load, and not against a request that has
+    waited that long (E3)."""
     if spec.pinned:
         return "pinned"
     status = inst.status
@@ -68,7 +69,8 @@ def protection_of(inst: InstanceState, spec: ModelSpec, copies: int, now: float,
         return "draining"
     if inst.in_flight > 0:
         return "busy"
-    if now - inst.loaded_at < protected_for_s(inst, spec, config):
+    protected = protected_for_s(inst, spec, config)
+    if now - inst.loaded_at < protected and waited_s < protected:
         return "young"
     return None
 

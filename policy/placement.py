@@ -341,12 +341,13 @@ def plan_placement(
     exclude_nodes: frozenset[str] = frozenset(),
     passing_evictable: bool = False,
     oracle_keep_values: Mapping[InstanceRef, float] | None = None,
+    waited_s: float = 0.0,
 ) -> tuple[Plan | None, list[NodeShortfall], list[NodeState]]:
     """Best plan over all eligible nodes; when there is none, the shortfall of every eligible node
     (empty when a plan was found); and the eligible nodes. With passing_evictable, busy/loading/young
     instances count as evictable: that answers "would waiting help?"."""
     eligible = _eligible(spec, state, exclude_nodes)
-    plan, shortfalls = _Planner(spec, Snapshot(state, now, config, oracle_keep_values), passing_evictable).best(eligible)
+    plan, shortfalls = _Planner(spec, Snapshot(state, now, config, oracle_keep_values, waited_s), passing_evictable).best(eligible)
     return plan, shortfalls, eligible
 
 
@@ -476,7 +477,8 @@ def _retry_after(blockers: Blockers, snap: Snapshot) -> float:
             node = snap.nodes.get(node_id)
             inst = node.instance(model) if node else None
             if inst is not None:
-                waits.append(max(0.1, protected_for_s(inst, snap.state.catalog[model], config) - (snap.now - inst.loaded_at)))
+                protected = protected_for_s(inst, snap.state.catalog[model], config)  # until it comes of age, or this request has waited as long
+                waits.append(max(0.1, protected - max(snap.now - inst.loaded_at, snap.waited_s)))
     return min(waits)
 
 
@@ -523,7 +525,7 @@ def ensure(
     if mark is not None and backoff_left(mark, now, config) > 0:
         return reject_marked(mark, now, config)
 
-    planner = _Planner(spec, Snapshot(state, now, config, oracle_keep_values), passing_evictable=False)
+    planner = _Planner(spec, Snapshot(state, now, config, oracle_keep_values, waited_s), passing_evictable=False)
     eligible = _eligible(spec, state, exclude_nodes, frozenset(n.node_id for n, _ in copies))
     plan, shortfalls = planner.best(eligible)
     if plan is not None:

@@ -19,13 +19,22 @@ from policy.specs import ModelSpec
 
 
 class Snapshot:
-    """`state` at `now` under `config`; nodes are asked about by the state's own NodeState objects.
-    oracle_keep_values: replaces every keep value (the simulator's offline reference)."""
+    """`state` at `now` under `config`, for a request that has waited `waited_s`; nodes are asked about
+    by the state's own NodeState objects. oracle_keep_values: replaces every keep value (the
+    simulator's offline reference)."""
 
-    def __init__(self, state: ClusterState, now: float, config: PolicyConfig, oracle_keep_values: Mapping[InstanceRef, float] | None = None) -> None:
+    def __init__(
+        self,
+        state: ClusterState,
+        now: float,
+        config: PolicyConfig,
+        oracle_keep_values: Mapping[InstanceRef, float] | None = None,
+        waited_s: float = 0.0,
+    ) -> None:
         self.state = state
         self.now = now
         self.config = config
+        self.waited_s = waited_s  # how long the request being decided has waited: a young instance yields to one as old as its protection (E3)
         self.oracle: dict[RefKey, float] | None = (
             None if oracle_keep_values is None else {(r.node_id, r.model): v for r, v in oracle_keep_values.items()}
         )
@@ -117,7 +126,7 @@ class Snapshot:
         """Every instance on an alive node, with its protection, by node in the state's order, each
         node's instances in its order. The protection is eviction.protection_of written out (a
         decision asks it of every instance; the same answer, tests/test_policy_scale.py checks it)."""
-        now, config, catalog = self.now, self.config, self.state.catalog
+        now, config, catalog, waited_s = self.now, self.config, self.state.catalog, self.waited_s
         by_node = {}
         for node in self.state.nodes:
             if not node.alive:
@@ -136,7 +145,7 @@ class Snapshot:
                     protection = status  # loading or draining
                 elif inst.in_flight > 0:
                     protection = "busy"
-                elif now - inst.loaded_at < protected_for_s(inst, spec, config):
+                elif now - inst.loaded_at < (protected := protected_for_s(inst, spec, config)) and waited_s < protected:
                     protection = "young"
                 else:
                     protection = None

@@ -79,7 +79,7 @@ def pick_swap(
         spec = state.catalog.get(ask.model)
         if spec is None or ask.waited_s < config.swap_after_s or ask.model in draining_for:
             continue
-        plan, _, _ = plan_placement(spec, idle, now, config, exclude_nodes=draining)
+        plan, _, _ = plan_placement(spec, idle, now, config, exclude_nodes=draining, waited_s=ask.waited_s)
         if plan is None:
             continue
         victims = tuple(c.ref for c in plan.victims)

@@ -221,7 +221,7 @@ def test_every_decision_obeys_the_spec(request):
         return
 
     nodes = [n for n in state.nodes if eligible(state, spec, n)]
-    unprotected = evictable(state, NOW, config)
+    unprotected = evictable(state, NOW, config, waited=waited)
     fits_untouched = [n for n in nodes if feasible_after(state, spec, n.node_id, set(), config)]
     fits_by_shrinking = [n for n in nodes if feasible_after(state, spec, n.node_id, set(), config, shrink=True)]
     feasible_at_all = [n for n in nodes if feasible_after(state, spec, n.node_id, unprotected, config, shrink=True)]
@@ -233,7 +233,7 @@ def test_every_decision_obeys_the_spec(request):
         assert len(victims) == len(decision.evict)
         for v in victims:  # E1-E4
             vnode = state.node(v.node_id)
-            assert vnode.alive and protection(state, vnode, v.model, NOW, config) is None
+            assert vnode.alive and protection(state, vnode, v.model, NOW, config, waited) is None
         assert decision.bytes == need_bytes(spec, config)
         shrinks = not feasible_after(state, spec, node.node_id, set(), config, memory_only=True)  # short as it is
         assert set(decision.shrink) == expected_shrink(state, spec, node.node_id, victims, config)  # X4
@@ -251,7 +251,7 @@ def test_every_decision_obeys_the_spec(request):
         if fits_untouched:
             assert not decision.shrink
         if any(state.catalog[v.model].keep_warm for v in victims):  # E5
-            no_warm = evictable(state, NOW, config, keep_warm_too=False)
+            no_warm = evictable(state, NOW, config, keep_warm_too=False, waited=waited)
             assert not any(feasible_after(state, spec, n.node_id, no_warm, config, shrink=True) for n in nodes)
         return
 

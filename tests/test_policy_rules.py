@@ -465,6 +465,14 @@ def test_e3_an_instance_is_protected_for_twice_its_reload_cost(load_s, prefix_s,
         assert isinstance(d, Place) and d.evict == (ref("a", "n1"),)
 
 
+def test_e3_a_young_instance_yields_to_a_request_that_has_waited_as_long_as_its_protection():
+    a, b = spec("a", gb=6), spec("b", gb=6)
+    st = cluster([node("n1", 8, inst("a", 6, loaded_at=NOW - 2.0, load_seconds=10.0))], [a, b])  # protected for 20 s
+    d = ensure("b", st, NOW, BY_COST, waited_s=15.0)
+    assert isinstance(d, Wait) and d.retry_after_s == pytest.approx(5.0)  # when this request will have waited 20 s
+    assert isinstance(ensure("b", st, NOW, BY_COST, waited_s=20.0), Place)  # no request waits on youth past it
+
+
 def test_e3_an_unmeasured_load_is_estimated_and_the_floor_wins_over_a_cheap_reload():
     a, b = spec("a", gb=6), spec("b", gb=6)
     young = cluster([node("n1", 8, inst("a", 6, loaded_at=NOW - 13.0))], [a, b])  # never measured: 1 s + 6 GiB / 2 GiB/s = 4 s, x2

@@ -152,7 +152,8 @@ async def replay(
         wall = time.monotonic() - t0
         if task is not None:
             task.cancel()
-            await poll(session)  # type: ignore[misc]  # not None with the task
+        if poll is not None:
+            await poll(session)
     return list(outcomes), t0, wall
 
 

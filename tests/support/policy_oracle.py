@@ -28,7 +28,7 @@ def eligible(state: ClusterState, spec: ModelSpec, node: NodeState) -> bool:
     )
 
 
-def protection(state: ClusterState, node: NodeState, model: str, now: float, config: PolicyConfig):
+def protection(state: ClusterState, node: NodeState, model: str, now: float, config: PolicyConfig, waited: float = 0.0):
     inst = next(i for i in node.instances if i.model == model)
     spec = state.catalog[model]
     ready = sum(1 for n in state.nodes if n.alive for i in n.instances if i.model == model and i.status == "ready")
@@ -40,7 +40,8 @@ def protection(state: ClusterState, node: NodeState, model: str, now: float, con
         return inst.status
     if inst.in_flight > 0:
         return "busy"
-    if now - inst.loaded_at < young_for(inst, spec, config):
+    young_for_s = young_for(inst, spec, config)
+    if now - inst.loaded_at < young_for_s and waited < young_for_s:  # a request that waited as long is not held back
         return "young"
     return None
 
@@ -63,10 +64,10 @@ def all_refs(state: ClusterState):
     return [(n, InstanceRef(node_id=n.node_id, model=i.model)) for n in state.nodes if n.alive for i in n.instances]
 
 
-def evictable(state, now, config, *, passing_too=False, keep_warm_too=True) -> set[InstanceRef]:
+def evictable(state, now, config, *, passing_too=False, keep_warm_too=True, waited=0.0) -> set[InstanceRef]:
     out = set()
     for n, r in all_refs(state):
-        p = protection(state, n, r.model, now, config)
+        p = protection(state, n, r.model, now, config, waited)
         if state.catalog[r.model].keep_warm and not keep_warm_too:
             continue
         if p is None or (passing_too and p not in LASTING):
