@@ -13,6 +13,7 @@ from policy.failures import failed_load_backoff
 from policy.locality import fetch_seconds, fetch_source
 from policy.memory import free_bytes, required_bytes
 from policy.placement import ensure, retry_after_failure
+from policy.spares import plan_spares
 from policy.specs import DEVICE_KINDS, MODEL_KINDS, DeviceKind, ModelKind, ModelSpec, Role
 from policy.sweep import sweep
 from policy.transitions import clear_failed, learn_bandwidth, mark_failed, mark_stored
@@ -53,6 +54,7 @@ __all__ = [
     "mark_stored",
     "plan_background_copies",
     "plan_copies",
+    "plan_spares",
     "free_bytes",
     "mark_failed",
     "required_bytes",

@@ -77,6 +77,9 @@ class NodeState(Frozen):
     draining: bool = False
     # Models whose weights this node's model store holds (rule L1): loading them here needs no fetch.
     stored: frozenset[str] = frozenset()
+    # A spare model-server process ready on the node (rule R1): its memory, ours, which the next
+    # placement here takes as its own process (its overhead) instead of starting one.
+    spare_bytes: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _one_instance_per_model(self) -> "NodeState":

@@ -62,6 +62,13 @@ class PolicyConfig(Frozen):
     min_residency_s: float = Field(default=0.0, ge=0)
     max_residency_s: float = Field(default=60.0, ge=0)
 
+    # Spare processes (rule R1): each node keeps this many model-server processes started ahead
+    # of demand (0 or 1), so a placement loads weights into a running process instead of starting
+    # one; only where the node has room for one beyond the margin. Its memory, as measured once it
+    # runs (spare_bytes until then), is ours and becomes the next instance's overhead there.
+    spares_per_node: int = Field(default=1, ge=0, le=1)
+    spare_bytes: ByteSize = ByteSize(256 * MIB)
+
     # When only busy, loading or young instances stand in the way: fail at once, or wait up to
     # wait_timeout_s (asking again every retry_poll_s) and then fail.
     contention: Contention = "wait"

@@ -25,7 +25,14 @@ def held_bytes(inst: InstanceState) -> int:
 
 
 def ours_bytes(node: NodeState) -> int:
-    return sum(held_bytes(i) for i in node.instances)
+    """What our instances hold on the node, and its spare process (R1)."""
+    return sum(held_bytes(i) for i in node.instances) + node.spare_bytes
+
+
+def spare_credit(spec: ModelSpec, node: NodeState, config: PolicyConfig) -> int:
+    """R1: what a placement on the node needs less because its process is there already (the
+    node's spare becomes it): the spare's bytes, at most the instance's overhead that counts them."""
+    return min(node.spare_bytes, overhead_bytes(spec, config))
 
 
 def reclaimable_bytes(node: NodeState) -> int:

@@ -101,6 +101,7 @@ class _Planner:
         self.snap = snap
         self.config = snap.config
         self.required = required_bytes(spec, snap.config)
+        self.overhead = overhead_bytes(spec, snap.config)
         self.global_excesses = tuple(global_cap_excesses(spec, snap.state, snap.config)) if global_excesses is None else global_excesses
         self.oracle = snap.oracle is not None
         self.node_caps = node_caps_set(spec, snap.config)
@@ -113,11 +114,16 @@ class _Planner:
         self.margin_bytes, self.margin_fraction = snap.config.safety_margin_bytes, snap.config.safety_margin_fraction
 
     def need(self, node: NodeState, device: DeviceKind) -> Need:
-        memory = self.required + self.margin_bytes + int(self.margin_fraction * node.usable_bytes) - self.snap.free(node)  # memory.margin_bytes
+        # memory.margin_bytes; a spare process there becomes the new instance's (R1)
+        memory = self.required - self.credit(node) + self.margin_bytes + int(self.margin_fraction * node.usable_bytes) - self.snap.free(node)
         excesses = self.global_excesses
         if self.node_caps:
             excesses += tuple(node_cap_excesses(self.spec, node, device, self.snap.state, self.config))
         return Need(node.node_id, memory, excesses)
+
+    def credit(self, node: NodeState) -> int:
+        """memory.spare_credit (R1)."""
+        return min(node.spare_bytes, self.overhead) if node.spare_bytes else 0
 
     def reclaimed(self, node: NodeState, need: Need) -> Need:
         """X4: a node short of the room as it is counts what its ready instances' kept prompt
@@ -207,7 +213,7 @@ class _Planner:
         """The node's place in the preference (lowest first), and what its plan leaves free."""
         node_id = node.node_id
         freed_here = sum(v.bytes for v in victims if v.key[0] == node_id) + (self.snap.reclaimable(node) if shrinks else 0)
-        free_after = self.snap.free(node) + freed_here - self.required
+        free_after = self.snap.free(node) + freed_here - self.required + self.credit(node)
         fetch_s = self.snap.fetch_seconds(self.spec, node)  # L1: where the model is ready soonest
         if not victims:
             fit = free_after if self.config.fit_preference == "pack" else -free_after

@@ -47,7 +47,7 @@ class Snapshot:
         """memory.ours_bytes, once per node."""
         found = self._ours.get(node.node_id)
         if found is None:
-            found = self._ours[node.node_id] = sum([i.bytes + i.prefix_cache_bytes for i in node.instances])
+            found = self._ours[node.node_id] = sum([i.bytes + i.prefix_cache_bytes for i in node.instances]) + node.spare_bytes
         return found
 
     def reclaimable(self, node: NodeState) -> int:

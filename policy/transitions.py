@@ -50,7 +50,19 @@ def apply_place(state: ClusterState, place: Place, now: float) -> ClusterState:
     if node.instance(place.model) is not None:
         raise ValueError(f"{place.model} is already on {place.node_id}")
     new = InstanceState(model=place.model, device=place.device, bytes=place.bytes, status="loading", last_used=now, loaded_at=now)
+    if node.spare_bytes:  # R1: the node's spare process becomes this instance's; its bytes are in place.bytes now
+        headroom = node.reported_headroom_bytes
+        taken = min(node.spare_bytes, place.bytes)  # measured as used already: not taken again
+        node = node.model_copy(update={"spare_bytes": 0, "reported_headroom_bytes": None if headroom is None else headroom + taken})
     return _set_instances(state, node, node.instances + (new,))
+
+
+def set_spare(state: ClusterState, node_id: str, nbytes: int) -> ClusterState:
+    """The node's spare process (R1) is ready and holds `nbytes`, or (0) it is gone."""
+    node = state.node(node_id)
+    if node is None or node.spare_bytes == nbytes:
+        return state
+    return _replace_node(state, node.model_copy(update={"spare_bytes": nbytes}))
 
 
 def set_prefix_cache(state: ClusterState, ref: InstanceRef, nbytes: int, reload_s: float | None = None) -> ClusterState:

@@ -39,7 +39,7 @@ from policy import (
     retry_after_failure,
     sweep,
 )
-from policy.config import GIB
+from policy.config import GIB, MIB
 from policy.transitions import apply_place, remove_instance
 
 NOW = 10_000.0
@@ -115,6 +115,7 @@ def clusters(draw, pressure=False):
                 alive=pressure or draw(st.sampled_from([True] * 11 + [False])),
                 draining=not pressure and draw(st.sampled_from([False] * 11 + [True])),
                 stored=frozenset(draw(st.lists(st.sampled_from([s.name for s in catalog]), max_size=3))),
+                spare_bytes=draw(st.sampled_from([0, 0, 200 * MIB, GIB])),  # R1: a spare process, within an overhead or past it
             )
         )
     # Some models carry a failed-load mark (P10), within its back-off or past it.

@@ -24,6 +24,7 @@ from policy import (
     mark_stored,
     plan_background_copies,
     plan_copies,
+    plan_spares,
     retry_after_failure,
 )
 from policy.config import GIB
@@ -864,3 +865,31 @@ def test_l4_a_copy_that_failed_lately_is_skipped_for_the_next_model():
     assert plan_background_copies(st, L4, demand, _rooms("n2"))[0].model == "a"
     assert plan_background_copies(st, L4, demand, _rooms("n2"), not_now=frozenset({("a", "n2")}))[0].model == "b"
     assert plan_background_copies(st, L4, demand, _rooms("n2"), not_now=frozenset({("a", "n1")}))[0].model == "a"
+
+
+# R1: spare processes
+def test_r1_a_placement_on_a_node_with_a_spare_needs_the_spares_bytes_less_and_takes_it():
+    a = spec("a", gb=2.5, overhead_bytes=GIB // 2)  # needs 3 GiB: 2.5 of weights, 0.5 of process
+    spared = cluster([node("n1", 3.25, spare_bytes=GIB // 2)], [a])  # 2.75 GiB free beside the spare
+    d = ensure("a", spared, NOW, PLAIN)
+    assert isinstance(d, Place) and d.bytes == 3 * GIB and not d.evict  # the spare becomes its process
+    after = apply_place(spared, d, NOW)
+    assert after.node("n1").spare_bytes == 0 and after.node("n1").instance("a").bytes == 3 * GIB
+    bare = cluster([node("n1", 2.75)], [a])  # the same free memory without a spare: no room
+    assert not isinstance(ensure("a", bare, NOW, PLAIN), Place)
+    big = cluster([node("n1", 3.25, spare_bytes=GIB)], [a])  # a spare larger than the overhead counts as much as it
+    assert not isinstance(ensure("a", big, NOW, PLAIN), Place)
+
+
+def test_r1_a_spare_runs_only_where_there_is_room_for_it_beyond_the_margin():
+    config = PLAIN.model_copy(update={"spare_bytes": GIB // 4, "safety_margin_bytes": GIB // 2})
+    roomy, full = node("roomy", 4, inst("a", 3)), node("full", 4, inst("a", 3.5))  # 1 GiB free / 0.5 GiB: the margin alone
+    draining, dead = node("draining", 8, draining=True), node("dead", 8, alive=False)
+    has_one = node("has-one", 8, spare_bytes=GIB // 4)
+    over = node("over", 4, inst("a", 3.5), spare_bytes=GIB // 4)  # its spare puts it below the margin
+    state = cluster([roomy, full, draining, dead, has_one, over], [spec("a")])
+    start, stop = plan_spares(state, config)
+    assert start == ("roomy",) and stop == ("over",)
+    assert plan_spares(state, config, starting=frozenset({"roomy"}))[0] == ()  # one at a time
+    off = config.model_copy(update={"spares_per_node": 0})
+    assert plan_spares(state, off) == ((), ("has-one", "over"))

@@ -148,9 +148,10 @@ def in_process_cold(path: Path, prompt: str, repeats: int = 3) -> dict[str, Any]
     return {"load_s": round(load_s, 3), "first_token_s": round(token_s, 4), "total_s": round(load_s + token_s, 3), "repeats": repeats}
 
 
-def cold_request(base: str, model: str, prompt: str) -> Outcome:
-    (outcome,), _, _ = asyncio.run(replay(base, [Request(0, model, 0.0, False, prompt)], 1, 8))
-    return outcome
+def cold_request(base: str, model: str, prompt: str) -> tuple[Outcome, float]:
+    """One streamed request: its outcome, and when it was sent (time.monotonic)."""
+    (outcome,), sent, _ = asyncio.run(replay(base, [Request(0, model, 0.0, False, prompt)], 1, 8))
+    return outcome, sent
 
 
 # ---- Orchard ---------------------------------------------------------------------------------------------
@@ -231,8 +232,7 @@ def run_orchard(models_dir: Path, trace: list[Request], a: argparse.Namespace, s
         stored = requests.get(f"{base}/v1/models/{models[0]}", timeout=30).json().get("orchard", {}).get("stored_on")
         time.sleep(3.0)  # up and idle
         print(f"orchard: up on {base} (logs in {session_dir}/logs; {models[0]} stored on {stored}); the cold request", flush=True)
-        cold_started = time.monotonic()
-        cold = cold_request(base, models[0], trace[0].prompt)
+        cold, cold_sent = cold_request(base, models[0], trace[0].prompt)
         print(f"orchard: cold first token of {models[0]} {cold.first_token_s} s ({cold.error or 'ok'}); the trace", flush=True)
         outcomes, t0, wall = asyncio.run(replay(base, trace, a.clients, a.max_tokens, read_events, poll_every_s=2.0))
     finally:
@@ -241,9 +241,9 @@ def run_orchard(models_dir: Path, trace: list[Request], a: argparse.Namespace, s
     in_trace = [e for e in log if e["at"] >= t0]
     counts = {k: sum(e["kind"] == k for e in in_trace) for k in TIMELINE_KINDS}
     cold_events = [
-        {"s": round(e["at"] - cold_started, 3), "kind": e["kind"], "model": e["model"], "seconds": e.get("seconds")}
+        {"s": round(e["at"] - cold_sent, 3), "kind": e["kind"], "model": e["model"], "seconds": e.get("seconds")}
         for e in log
-        if cold_started <= e["at"] < t0 and e["kind"] in ("placed", "fetching", "loading", "loaded")
+        if cold_sent <= e["at"] < t0 and e["kind"] in ("placed", "fetching", "loading", "loaded")
     ]
     return {
         "url": base,
@@ -254,10 +254,10 @@ def run_orchard(models_dir: Path, trace: list[Request], a: argparse.Namespace, s
         "loads": counts["loaded"],
         "event_counts": counts,
         "burst": orchard_burst(in_trace, outcomes, t0, models[-1]),
-        "residency": [
-            {"s": round(e["at"] - t0, 2), "kind": e["kind"], "model": e["model"], "reason": e["reason"]}
+        # every event of the trace, seconds into it
+        "events": [
+            {"s": round(e["at"] - t0, 3), "kind": e["kind"], "model": e["model"], "seconds": e.get("seconds"), "reason": e["reason"]}
             for e in in_trace
-            if e["kind"] in ("draining", "evicted", "loading", "loaded", "cancelled", "gave_up")
         ],
         "outcomes": [o.__dict__ for o in outcomes],
     }
@@ -285,10 +285,14 @@ def orchard_burst(events: list[dict], outcomes: list[Outcome], t0: float, model:
         return next((e for e in window if e["kind"] == kind and (of is None or e["model"] == of) and e["at"] >= after), None)
 
     # the room it got: an idle instance evicted "to place" it, or a busy one drained "for" it
-    evict = next((e for e in window if e["kind"] == "evicted" and (f"to place {model}" in e["reason"] or f"drained for {model}" in e["reason"])), None)
+    evict = next(
+        (e for e in window if e["kind"] == "evicted" and (f"to place {model}" in e["reason"] or f"drained for {model}" in e["reason"])), None
+    )
     victim = evict["model"] if evict else None
     drain = next((e for e in reversed(window) if evict and e["kind"] == "draining" and e["model"] == victim and e["at"] <= evict["at"]), None)
+    before = [e for e in events if e["at"] < arrival and e["model"] == model and e["kind"] in ("loaded", "evicted", "unloaded", "died", "stopped")]
     marks = {
+        "resident_at_arrival": bool(before) and before[-1]["kind"] == "loaded",
         "waiting": at(find("waiting", model, arrival - 0.5)),
         "victim": victim,
         "victim_drained": drain is not None,
@@ -348,7 +352,7 @@ def run_vllm(path: Path, trace: list[Request], a: argparse.Namespace) -> dict[st
             listed = requests.get(f"{base}/v1/models", timeout=30).json()
             time.sleep(3.0)
             print(f"vllm-mlx: up on {base} ({', '.join(x['id'] for x in listed['data'])}); the cold request", flush=True)
-            cold = cold_request(base, models[0], trace[0].prompt)
+            cold, _ = cold_request(base, models[0], trace[0].prompt)
             print(f"vllm-mlx: cold first token of {models[0]} {cold.first_token_s} s ({cold.error or 'ok'}); the trace", flush=True)
             offset = peer.log.stat().st_size
             outcomes, t0, wall = asyncio.run(replay(base, trace, a.clients, a.max_tokens, read_status, poll_every_s=0.5))
@@ -374,6 +378,10 @@ def run_vllm(path: Path, trace: list[Request], a: argparse.Namespace) -> dict[st
         "burst": {
             "model": models[-1],
             "arrival_s": burst[0].at_s if burst else None,
+            # seconds after the burst arrived when a poll first saw its model loaded (a poll every 0.5 s)
+            "seen_loaded": next(
+                (round(x["at"] - arrival, 2) for x in timeline if x["at"] >= arrival and x["model"] == models[-1] and x["status"] == "loaded"), None
+            ),
             "timeline": [
                 {"s": round(x["at"] - arrival, 2), "model": x["model"], "status": x["status"]} for x in timeline if arrival - 0.5 <= x["at"]
             ][:40],
@@ -412,7 +420,7 @@ def render(r: dict[str, Any]) -> str:
         lines += [
             "",
             f"Orchard / vllm-mlx: first token p95 {q['p95']}x, worst model's p95 {q['worst_model_p95']}x, "
-            f"burst median {q['burst_p50']}x, tok/s {q['tok_s']}x (below 1: Orchard better, tok/s above 1).",
+            f"burst model's median {q['burst_p50']}x (below 1: Orchard's first tokens come sooner); tok/s {q['tok_s']}x.",
         ]
     for name, x in r["servers"].items():
         if x["summary"]["errors"]:
@@ -439,16 +447,43 @@ def render(r: dict[str, Any]) -> str:
                 f"- {name}: {x['cold']['first_token_s']:.2f} s from the client, {x['cold']['first_token_s'] - raw['total_s']:+.2f} s"
                 f" against in process{extra}"
             )
+    lines += burst_lines(r)
+    return "\n".join(lines) + "\n"
+
+
+def burst_lines(r: dict[str, Any]) -> list[str]:
+    """Where the burst model's first tokens went, from Orchard's event log (and vllm-mlx's polled status)."""
+    out: list[str] = []
     b = (r["servers"].get("orchard") or {}).get("burst") or {}
     if b.get("marks"):
-        m = b["marks"]
-        lines += [
-            "",
-            f"Orchard, the burst of {b['model']} (seconds after it arrived): waiting {_s(m['waiting'])}, {m['drained_model']} draining"
-            f" {_s(m['draining'])}, evicted {_s(m['evicted'])}, its process gone {_s(m['stopped'])}, {b['model']} loading {_s(m['loading'])},"
-            f" loaded {_s(m['loaded'])}, first tokens {_s(m['first_token_min'])} (first) / {_s(m['first_token_p50'])} (median).",
-        ]
-    return "\n".join(lines) + "\n"
+        m, model = b["marks"], b["model"]
+        head = f"Orchard, the burst of {model} at {b['arrival_s']:.0f} s (seconds after it arrived):"
+        if m["resident_at_arrival"]:
+            out += ["", f"{head} {model} was loaded already; first tokens {_s(m['first_token_min'])} (first) / {_s(m['first_token_p50'])} (median)."]
+        else:
+            how = f"drained from {_s(m['draining'])}, " if m["victim_drained"] else "idle, "
+            out += [
+                "",
+                f"{head} `waiting` {_s(m['waiting'])}; room from {m['victim'] or '-'} ({how}`evicted` {_s(m['evicted'])}, its process gone"
+                f" (`stopped`) {_s(m['stopped'])}); {model} `loading` {_s(m['loading'])}, `loaded` {_s(m['loaded'])} (the load"
+                f" {_s(m['load_s'])} s); first tokens {_s(m['first_token_min'])} (first) / {_s(m['first_token_p50'])} (median).",
+            ]
+
+            def gap(x: float | None, y: float | None) -> str:
+                return "-" if x is None or y is None else f"{y - x:.2f} s"
+
+            out += [
+                "",
+                f"- until room was given (the victim chosen{', drained' if m['victim_drained'] else ''} and evicted): {gap(0.0, m['evicted'])}",
+                f"- the victim's process exiting: {gap(m['evicted'], m['stopped'])}",
+                f"- after that, until the load started: {gap(m['stopped'], m['loading'])}",
+                f"- the load (a model-server process started, the weights loaded): {gap(m['loading'], m['loaded'])}",
+                f"- from loaded to the first token: {gap(m['loaded'], m['first_token_min'])}",
+            ]
+    v = (r["servers"].get("vllm-mlx") or {}).get("burst") or {}
+    if v:
+        out += ["", f"vllm-mlx: a poll of /v1/status (every 0.5 s) first saw {v['model']} loaded {_s(v['seen_loaded'])} s after the burst arrived."]
+    return out
 
 
 HEAD = """# Swap benchmark: more models than fit, Orchard against vllm-mlx

@@ -87,10 +87,12 @@ def feasible_after(
     kept = [i for i in node.instances if InstanceRef(node_id=node_id, model=i.model) not in victims]
     given_back = sum(i.prefix_cache_bytes for i in kept if shrink and i.status == "ready")
     freed = sum(i.bytes + i.prefix_cache_bytes for i in gone) + given_back
-    accounted = node.usable_bytes - node.foreign_bytes - sum(i.bytes + i.prefix_cache_bytes for i in kept) + given_back
+    accounted = node.usable_bytes - node.foreign_bytes - sum(i.bytes + i.prefix_cache_bytes for i in kept) - node.spare_bytes + given_back
     free = accounted if node.reported_headroom_bytes is None else min(accounted, node.reported_headroom_bytes + freed)
     margin = config.safety_margin_bytes + int(config.safety_margin_fraction * node.usable_bytes)
-    if free - need_bytes(spec, config) < margin:
+    overhead = config.instance_overhead_bytes if spec.overhead_bytes is None else spec.overhead_bytes
+    process_there = min(node.spare_bytes, overhead)  # R1: a spare becomes the instance's process
+    if free - (need_bytes(spec, config) - process_there) < margin:
         return False
     if memory_only:
         return True
