@@ -5,7 +5,9 @@ namespace "orchard") pinned to one node by a hard node affinity: Apple GPUs are 
 the node is Orchard's policy's choice, not Ray's. Detached, so a router redeploy does not kill loaded
 models, and named, so a new router finds them again (find_model_servers). Every placement is a new
 incarnation with a name of its own: a model placed again on a node right after it left never
-reaches the actor that is still stopping under the old name."""
+reaches the actor that is still stopping under the old name. A spare (rule R1: a model server
+started ahead of demand, "orchard:@<node_id>#<incarnation>") keeps its name when it takes a model:
+the residency service knows which model each actor holds, and `health()` says it."""
 
 import asyncio
 import time
@@ -19,6 +21,7 @@ from ray.actor import ActorHandle
 from cluster.ray_api import NAMESPACE, all_actor_records
 from deployments.manifest import ManifestEntry
 from deployments.model_server import model_server_options, remote_model_server
+from deployments.wire.reports import HealthReport
 
 PREFIX = "orchard:"
 
@@ -31,8 +34,23 @@ def new_incarnation() -> str:
     return uuid.uuid4().hex[:8]
 
 
+def spare_name(node_id: str, incarnation: str) -> str:
+    """A spare's actor name (rule R1): no model in it, since the spare learns its model later; the
+    name stays when it takes one (Ray cannot rename an actor), and the residency service knows which."""
+    return f"{PREFIX}@{node_id}#{incarnation}"
+
+
+def parse_spare_name(name: str) -> str | None:
+    """The node of a spare's actor name (`spare_name`); None for another name."""
+    if not name.startswith(PREFIX + "@"):
+        return None
+    node_id, hashed, incarnation = name[len(PREFIX) + 1 :].partition("#")
+    return node_id if node_id and hashed and incarnation else None
+
+
 def parse_actor_name(name: str) -> tuple[str, str, str | None] | None:
-    """(model, node_id, incarnation) of a model server's actor name; None for another name."""
+    """(model, node_id, incarnation) of a model server's actor name; None for another name (a
+    spare's too: `parse_spare_name`)."""
     if not name.startswith(PREFIX):
         return None
     rest, _, incarnation = name[len(PREFIX) :].partition("#")
@@ -61,18 +79,29 @@ def create_model_server(
     options: dict[str, Any] | None = None,
     ray_options: dict[str, Any] | None = None,
     incarnation: str | None = None,
+    name: str | None = None,
 ) -> ActorHandle:
     """Start the model server of `model` on the Ray node `ray_node_id` (hard affinity), named after
     Orchard's `node_id`. The engine is not loaded yet: call `load`. `models_dir` is where the
     entry's relative path lives on that node; `options` go to ModelServer (engine_options,
     coalesce_tokens, coalesce_ms); `ray_options` override the actor options (max_concurrency,
-    runtime_env, ...). Raises ValueError if that name is taken (the model already runs there)."""
+    runtime_env, ...). `name`: the actor's name when it is not the model's own (a spare's that died
+    before it took the model, R1). Raises ValueError if that name is taken (the model already runs there)."""
     entry = _entry(model)
     if not Path(entry.path).is_absolute() and models_dir is None:
         raise ValueError(f"{entry.name}: give models_dir for the relative path {entry.path!r}")
-    opts = model_server_options(ray_node_id=ray_node_id, name=actor_name(entry.name, node_id, incarnation), namespace=NAMESPACE)
+    opts = model_server_options(ray_node_id=ray_node_id, name=name or actor_name(entry.name, node_id, incarnation), namespace=NAMESPACE)
     opts.update(ray_options or {})
     return remote_model_server().options(**opts).remote(entry, str(models_dir or "/"), node_id, **(options or {}))
+
+
+def create_spare(
+    node_id: str, *, ray_node_id: str, incarnation: str, models_dir: str | Path = "/", options: dict[str, Any] | None = None
+) -> ActorHandle:
+    """Start a spare model server on the Ray node (rule R1): imports done and device set up during
+    its creation, no model; `take` gives it one. `options`: ModelServer's (coalescing)."""
+    opts = model_server_options(ray_node_id=ray_node_id, name=spare_name(node_id, incarnation), namespace=NAMESPACE)
+    return remote_model_server().options(**opts).remote(None, str(models_dir), node_id, **(options or {}))
 
 
 def find_model_servers() -> list[tuple[str, ActorHandle]]:
@@ -91,10 +120,20 @@ def find_model_servers() -> list[tuple[str, ActorHandle]]:
 def find_model_server(model: str, node_id: str) -> ActorHandle:
     """The live incarnation of `model` on `node_id` (ValueError if none): for tools and tests that
     know the model and the node, not the incarnation."""
-    for name in live_model_server_names():
+    names = live_model_server_names()
+    for name in names:
         parsed = parse_actor_name(name)
         if parsed is not None and parsed[:2] == (model, node_id):
             return ray.get_actor(name, namespace=NAMESPACE)
+    for name in names:  # a spare that took the model (R1) keeps its own name: ask it
+        if parse_spare_name(name) == node_id:
+            try:
+                handle = ray.get_actor(name, namespace=NAMESPACE)
+                health = HealthReport.model_validate(ray.get(handle.health.remote(), timeout=10))
+                if health.model == model:
+                    return handle
+            except Exception:  # gone, or busy past the timeout
+                continue
     raise ValueError(f"no live model server for {model} on {node_id}")
 
 

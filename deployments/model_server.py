@@ -373,7 +373,7 @@ class _Delivery:
         if self.task is not None:
             self.task.cancel()
         if self.engine_id is not None:
-            self.server.engine.cancel(self.engine_id)  # type: ignore[attr-defined]  # an LLM/VLM engine's own
+            self.server.engine.cancel(self.engine_id)  # an LLM/VLM engine's own
 
     def watch(self, task: asyncio.Task) -> None:
         """`task` starts or feeds this generation. A cancelled task ends it (also one cancelled before
@@ -403,13 +403,46 @@ def open_channel(server: Any, channel_id: str) -> Any:
     return server.channel.options(_generator_backpressure_num_objects=1).remote(channel_id)
 
 
+# What a spare (rule R1) reads as its entry until `take` gives it one.
+SPARE_ENTRY = ManifestEntry(name="", kind="llm", path=".", weight_bytes=0, weights="real", architecture="none", source="spare")
+
+
+class _NoModel:
+    """A spare's engine: no model yet, nothing running."""
+
+    def health(self) -> Any:
+        from deployments.wire.reports import Health
+
+        return Health(status="spare", kind="llm", model="", detail="a spare process: no model yet")
+
+    def memory(self) -> MemoryReport:
+        return MemoryReport(weight_bytes=0)
+
+    def running_requests(self) -> int:
+        return 0
+
+    async def stop(self) -> None:
+        return None
+
+
+def warm_up() -> None:
+    """What a model server's start costs before any weights: the engines' imports (MLX, mlx-lm,
+    mlx-vlm, the audio stacks), and the device set up by a first evaluation."""
+    from deployments.models import engine_classes
+
+    engine_classes()
+    import mlx.core as mx
+
+    mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
+
+
 class ModelServer:
     """One engine (built by deployments.models.open_engine) behind a Ray actor. Methods valid only
     for another kind raise OrchardError("unsupported"); engine RequestErrors keep their code."""
 
     def __init__(
         self,
-        entry: ManifestEntry | dict,
+        entry: ManifestEntry | dict | None,
         models_dir: str,
         node_id: str,
         *,
@@ -427,7 +460,8 @@ class ModelServer:
             # event loop or Ray's threads; Python's default is 5 ms, a whole fast GPU step.
             sys.setswitchinterval(gil_switch_ms / 1000.0)
 
-        self.entry = entry if isinstance(entry, ManifestEntry) else ManifestEntry.model_validate(entry)
+        self.spare = entry is None  # a process started ahead of demand (rule R1): `take` gives it its model
+        self.entry = SPARE_ENTRY if entry is None else entry if isinstance(entry, ManifestEntry) else ManifestEntry.model_validate(entry)
         self.models_dir = models_dir
         self.node_id = node_id
         self.path = Path(model_location(self.entry, models_dir))
@@ -437,7 +471,9 @@ class ModelServer:
         # coalesce_max_ms (16 streams and more): each SSE event costs the same CPU whatever it
         # carries, and a stream's own token rate falls as the batch grows.
         self.coalesce_max_ms = max(coalesce_ms, coalesce_max_ms if coalesce_max_ms is not None else coalesce_ms)
-        self.engine = open_engine(self.entry, Path(models_dir), **(engine_options or {}))
+        self.engine: Any = _NoModel() if self.spare else open_engine(self.entry, Path(models_dir), **(engine_options or {}))
+        if self.spare:
+            warm_up()
         self._in_flight = 0
         self._load_lock = asyncio.Lock()
         self._load_error: BaseException | None = None
@@ -452,6 +488,8 @@ class ModelServer:
     def __repr__(self) -> str:
         """What the Ray dashboard shows for this actor. Ray reads it once, when the creation task
         (this __init__) ends: loading in __init__ is what makes it tell the loaded state and size."""
+        if self.spare:
+            return f"ModelServer(spare@{self.node_id}, ready for a model)"
         health = self.engine.health()
         where = f"{self.entry.name}@{self.node_id}"
         if health.status == "ready":
@@ -495,6 +533,8 @@ class ModelServer:
         (the caller's not_found), OrchardError("load_failed") when the engine fails; loading
         twice returns the report of the first."""
         async with self._load_lock:
+            if self.spare:
+                raise OrchardError("invalid_request", f"the spare on {self.node_id} holds no model: `take` gives it one")
             if self._load_error is not None:
                 raise _load_error_for_caller(self._load_error)
             if self.engine.health().status == "ready":
@@ -505,6 +545,28 @@ class ModelServer:
                 print(f"orchard: {self.entry.name}@{self.node_id} failed to load: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 raise _load_error_for_caller(e) from None
             return self.memory()
+
+    async def take(self, entry: ManifestEntry | dict, models_dir: str, engine_options: dict[str, Any] | None = None) -> MemoryReport:
+        """A spare (rule R1) becomes `entry`'s model server and loads it, as `load` does: the process,
+        its imports and the device are ready, so this costs the weights. Its actor keeps the
+        spare's name (the residency service knows which model it holds), and its log says which."""
+        from deployments.models import open_engine
+
+        if not self.spare:
+            raise OrchardError("invalid_request", f"this model server already holds {self.entry.name}")
+        self.spare = False
+        self.entry = entry if isinstance(entry, ManifestEntry) else ManifestEntry.model_validate(entry)
+        self.models_dir = models_dir
+        self.path = Path(model_location(self.entry, models_dir))
+        self.engine = open_engine(self.entry, Path(models_dir), **(engine_options or {}))
+        print(f"orchard: the spare on {self.node_id} takes {self.entry.name}", file=sys.stderr, flush=True)
+        return await self.load()
+
+    def process_bytes(self) -> int:
+        """This process's resident memory: what a spare holds (R1's `spare_bytes`)."""
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
 
     def health(self) -> HealthReport:
         """The HealthReport: engine health plus this server's node and its calls in flight (streams included)."""
@@ -573,6 +635,8 @@ class ModelServer:
 
     # ---- requests ----------------------------------------------------------------------------
     def _engine_for(self, method: str) -> Any:
+        if self.spare:
+            raise OrchardError("unavailable", f"this model server on {self.node_id} holds no model yet", retry_after_s=_RETRY_S)
         kinds, what = _SERVES[method]
         if self.entry.kind not in kinds:
             raise OrchardError("unsupported", f"model {self.entry.name} ({self.entry.kind}) does not serve {what}", "model")
@@ -700,13 +764,13 @@ class ModelServer:
 
     def _start(self, delivery: _Delivery, request: Any, grammar: Any) -> None:
         try:
-            delivery.engine_id = self.engine.start(request, delivery, grammar)  # type: ignore[attr-defined]  # an LLM/VLM engine's own
+            delivery.engine_id = self.engine.start(request, delivery, grammar)  # an LLM/VLM engine's own
         except Exception as e:
             delivery.fail(unwrap(e))
 
     async def _start_constrained(self, delivery: _Delivery, request: Any) -> None:
         try:
-            grammar = await self.engine.compile(request)  # type: ignore[attr-defined]  # an LLM/VLM engine's own
+            grammar = await self.engine.compile(request)  # an LLM/VLM engine's own
         except Exception as e:
             delivery.fail(unwrap(e))
             return
@@ -727,7 +791,7 @@ class ModelServer:
 
     async def _feed(self, delivery: _Delivery, request: VLMRequest) -> None:
         """A VLM generation: its engine's delta stream -> the delivery."""
-        stream = self.engine.generate(  # type: ignore[attr-defined]  # an LLM/VLM engine's own
+        stream = self.engine.generate(  # an LLM/VLM engine's own
             request.messages,
             images=request.images,
             max_tokens=request.max_tokens,
@@ -754,7 +818,7 @@ class ModelServer:
             self._engine_for("generate")
             if self.entry.kind != "llm":
                 raise OrchardError("unsupported", f"model {self.entry.name} ({self.entry.kind}) does not count tokens", "model")
-            return len(await asyncio.to_thread(self.engine.tokenize, self._parse_generation(request)))  # type: ignore[attr-defined]  # an LLM/VLM engine's own
+            return len(await asyncio.to_thread(self.engine.tokenize, self._parse_generation(request)))  # an LLM/VLM engine's own
 
     async def embed(self, texts: list[str] | str, dimensions: int | None = None) -> EmbeddingResult:
         """The vectors, the tokens the model ran, their dimensions."""

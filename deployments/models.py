@@ -52,8 +52,9 @@ def prepare(models_dir: Path, only: set[str] | None = None, log=print) -> Manife
     return manifest
 
 
-def open_engine(entry: ManifestEntry, models_dir: Path, **options) -> Engine:
-    """An engine for a manifest entry (not yet loaded). On a Mac the same classes take hub folders."""
+def engine_classes() -> dict[str, type[Engine]]:
+    """The engine class of each model kind (importing them is most of a model server's start: a
+    spare process does it ahead of demand, rule R1)."""
     from deployments.engines.embedding import EmbeddingEngine
     from deployments.engines.llm import LLMEngine
     from deployments.engines.rerank import RerankEngine
@@ -61,8 +62,12 @@ def open_engine(entry: ManifestEntry, models_dir: Path, **options) -> Engine:
     from deployments.engines.tts import TTSEngine
     from deployments.engines.vlm import VLMEngine
 
-    classes = {"llm": LLMEngine, "vlm": VLMEngine, "embedding": EmbeddingEngine, "rerank": RerankEngine, "stt": STTEngine, "tts": TTSEngine}
-    return classes[entry.kind](entry.name, model_location(entry, models_dir), **options)
+    return {"llm": LLMEngine, "vlm": VLMEngine, "embedding": EmbeddingEngine, "rerank": RerankEngine, "stt": STTEngine, "tts": TTSEngine}
+
+
+def open_engine(entry: ManifestEntry, models_dir: Path, **options) -> Engine:
+    """An engine for a manifest entry (not yet loaded). On a Mac the same classes take hub folders."""
+    return engine_classes()[entry.kind](entry.name, model_location(entry, models_dir), **options)
 
 
 def main(argv: list[str] | None = None) -> int:

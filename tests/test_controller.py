@@ -1145,3 +1145,77 @@ def test_background_copies_and_pulls_take_the_loops_one_copy_path():
     assert "a" in c.state.node("n2").stored and "b" not in c.state.node("n2").stored
     assert c.state.node("n2").instances == ()  # copied, not placed
     assert pulled.code == "fetch_failed" and "sha256" in pulled.message
+
+
+SPARES = PLAIN.model_copy(update={"spares_per_node": 1, "spare_bytes": GIB // 4})
+
+
+async def _spares_ready(c, fx, nodes) -> None:
+    c.tick()
+    for _ in range(200):
+        if all(c.state.node(n).spare_bytes for n in nodes):
+            return
+        await fx.run_for(0.01)
+    raise AssertionError(f"no spare on {nodes}: {[(n.node_id, n.spare_bytes) for n in c.state.nodes]}")
+
+
+def test_r1_a_placement_loads_into_the_nodes_spare_and_a_new_spare_starts_after():
+    """Rule R1 in the loop: every node with room gets a spare; a placement takes it (its load runs
+    in that process, under the spare's name, counted once: no overcommit), and the next spare
+    starts once the load is done."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=3)], config=SPARES)
+        await _spares_ready(c, fx, ("n1", "n2"))
+        spare = next(a for a, (node, _) in fx.spares.items() if node == "n2")
+        lease = await c.acquire("a")
+        for _ in range(200):
+            if c.state.node("n2").spare_bytes:
+                break
+            await fx.run_for(0.01)
+        return c, fx, spare, lease
+
+    c, fx, spare, lease = run(scenario())
+    assert lease.node_id == "n2"
+    assert c.sites.actors[("a", "n2")] == spare
+    assert not fx.overcommits
+    assert c.state.node("n2").spare_bytes == GIB // 4  # a new spare (4 GiB node: 3 for a, 0.25 for it)
+    assert [k for k, n in fx.log if k == "spare"].count("spare") == 3 and spare not in fx.spares
+
+
+def test_r1_no_spare_where_the_room_is_short():
+    async def scenario():
+        c, fx = make([spec("a", gb=3.6, overhead_bytes=GIB // 4)], config=SPARES)
+        await _spares_ready(c, fx, ("n1", "n2"))
+        await c.acquire("a")  # n2 (pack: it fits only with its spare as a's process), 0.15 GiB left, too little for another
+        c.tick()
+        await fx.run_for(0.1)
+        return c, fx
+
+    c, fx = run(scenario())
+    assert c.state.node("n2").instance("a") is not None and c.state.node("n2").spare_bytes == 0
+    assert fx.log.count(("spare", "n2")) == 1 and not any(node == "n2" for node, _ in fx.spares.values())
+
+
+def test_r1_a_spare_taken_by_a_placement_that_never_loads_is_stopped_and_the_reservation_released():
+    """A placement that took the node's spare waits for its victim to exit (X1); its last request
+    goes away meanwhile: the placement is cancelled, and the spare stops with it."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),), config=SPARES)
+        lease = await c.acquire("a")
+        c.release(lease.lease_id)
+        await _spares_ready(c, fx, ("n1",))
+        spare = next(iter(fx.spares))
+        fx.stop_gate = asyncio.Event()  # a's process does not exit yet
+        ask = asyncio.ensure_future(c.acquire("b"))
+        await fx.run_for(0.05)
+        taken = c.placements.spare_for.get(("b", "n1"))
+        ask.cancel()
+        await fx.run_for(0.05)
+        return c, fx, spare, taken
+
+    c, fx, spare, taken = run(scenario())
+    assert taken == spare
+    assert ("spare_stopped", "n1") in fx.log and spare not in fx.spares
+    assert c.state.node("n1").instance("b") is None

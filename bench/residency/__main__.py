@@ -165,7 +165,9 @@ MARKDOWN_TAIL = """
 - Cluster: four Macs with 96, 48, 36 and 24 GiB usable (bench/residency/catalog.py); catalog of ten
   4.5-70 GB LLM/VLMs (8K context x 2 reserved KV) and fifteen small embedders, rerankers, STT and TTS
   models. Loads take 1 s + size / 2 GiB/s. Every Orchard row uses the shipped `PolicyConfig` defaults
-  (512 MiB + 2% safety margin, 256 MiB per-instance overhead, 10 s minimum residency, wait up to 60 s).
+  (512 MiB + 2% safety margin, 256 MiB per-instance overhead, a loaded instance protected for twice
+  its reload time (E3), wait up to 60 s), except "fixed 10 s minimum residency": E3 as a fixed
+  10 s (ModelMesh's minChurnAge), how it was before.
 - hit rate: requests served at once by a ready instance. reloads / GB reloaded / reload s: loads of a
   model that had been loaded before (first loads are the same for every strategy and not counted).
   utility reloads: those of embedders, rerankers, STT and TTS. waited: requests that had to wait for

@@ -489,7 +489,8 @@ def burst_lines(r: dict[str, Any]) -> list[str]:
 HEAD = """# Swap benchmark: more models than fit, Orchard against vllm-mlx
 
 Produced by `make bench-swap` (`python -m bench.swap --markdown docs/swap-benchmark.md`); JSON, every
-request and the servers' residency timelines in `bench/results/swap.json`. One run on {machine}, {date}.
+request and the servers' residency timelines in `bench/results/swap.json`. One run on {machine}, {date},
+Orchard at {revision}.
 
 The job Orchard is for: more models than fit, with requests for all of them. {n} names (m1..m{n})
 for the embedded llama-10m, each declaring {weight:g} GiB of weights so that the servers' own
@@ -513,6 +514,20 @@ def machine() -> str:
 
     device = "CPU MLX" if mx.default_device() == mx.cpu else "MLX on the GPU"
     return f"{os.cpu_count()}-core {platform.system()} {platform.machine()}, {device}"
+
+
+def revision() -> str:
+    """The commit Orchard ran at, and whether its code (not bench/ nor docs/) differed from it."""
+    import subprocess
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode != 0:
+        return "an unknown commit (no git)"
+    dirty = git("diff", "--quiet", "HEAD", "--", "cluster", "deployments", "policy", "router").returncode != 0
+    return f"commit {head.stdout.strip()}" + (" with uncommitted changes" if dirty else "")
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -556,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.weight_gib:g} GB each: {a.room} fit",
         flush=True,
     )
+    rev = revision()  # before the servers: what they run
     trace = build(models, a.requests, a.seconds, a.burst, BURST_AT, a.zipf, a.seed)
     per_model = {m: sum(r.model == m and not r.burst for r in trace) for m in models}
     print(f"trace: {len(trace)} requests, {per_model} + {a.burst} x {models[-1]} at {BURST_AT * a.seconds:.0f} s", flush=True)
@@ -570,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
+        "revision": rev,
         "room": a.room,
         "weight_gib": a.weight_gib,
         "sizes": size,
@@ -601,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     head = HEAD.format(
         machine=results["machine"],
         date=results["date"],
+        revision=results["revision"],
         n=a.models,
         weight=a.weight_gib,
         room=a.room,

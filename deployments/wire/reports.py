@@ -10,7 +10,7 @@ from pydantic import Field
 from policy._frozen import Frozen
 from policy.specs import ModelKind
 
-EngineStatus = Literal["loading", "ready", "stopped", "failed"]
+EngineStatus = Literal["loading", "ready", "stopped", "failed", "spare"]  # spare: a process with no model yet (rule R1)
 
 
 class MemoryReport(Frozen):

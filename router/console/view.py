@@ -65,7 +65,7 @@ class ConsoleSettings(_Out):
     dashboard_url: str | None = None
 
 
-SegmentKind = Literal["weights", "kv", "cache", "foreign", "margin", "free", "over"]
+SegmentKind = Literal["weights", "kv", "cache", "spare", "foreign", "margin", "free", "over"]
 
 
 class Segment(_Out):
@@ -220,6 +220,9 @@ def _segments(node: dict[str, Any], facts: dict[str, ModelFacts], margin: int) -
         cache = inst.get("prefix_cache_bytes") or 0  # the instance's own, given back before an eviction (X4)
         if cache:
             out.append(Segment(kind="cache", bytes=cache, model=inst["model"], label=f"{inst['model']} kept prompt prefixes: {size(cache)}"))
+    spare = (node.get("spare") or {}).get("bytes") or 0  # R1: the next placement's process, started ahead
+    if spare:
+        out.append(Segment(kind="spare", bytes=spare, label=f"spare process (the next load here starts in it): {size(spare)}"))
     foreign = mem["foreign_bytes"]
     if foreign:
         out.append(Segment(kind="foreign", bytes=foreign, label=f"other processes: {size(foreign)}"))

@@ -45,6 +45,7 @@ from router.residency.log import EventLog
 from router.residency.placements import Placements
 from router.residency.removals import Removals
 from router.residency.sites import Sites
+from router.residency.spares import Spares
 from router.residency.swaps import Swaps
 
 
@@ -78,6 +79,7 @@ class ResidencyController:
         self.swaps = Swaps(self)  # instances drained for a model kept out (W1-W3, swaps.py)
         self._failed_files: dict[str, str | None] = {}  # model marked failed -> its files' version then
         self.removals = Removals(self)  # store folders an operator removes (X3) or that left for room
+        self.spares = Spares(self)  # model-server processes started ahead of demand (R1, spares.py)
         self._tasks: set[asyncio.Task] = set()
         self._redecide_soon = False
         self._timer: tuple[float, Timer] | None = None
@@ -116,8 +118,9 @@ class ResidencyController:
         measured free memory, less what placements waiting to load there reserved, is the headroom."""
         old = self.state.node(r.node_id)
         instances = old.instances if old is not None and old.alive else ()
+        spare = old.spare_bytes if old is not None and old.alive else 0  # R1: ours, not foreign
         waiting = self.placements.awaiting_bytes(r.node_id)
-        ours = sum(held_bytes(i) for i in instances) - waiting  # kept prompt prefixes included (X4): not foreign
+        ours = sum(held_bytes(i) for i in instances) + spare - waiting  # kept prompt prefixes included (X4): not foreign
         self.sites.reported(r.node_id, r.ray_node_id, r.store, self.clock.now() if r.asked_at is None else r.asked_at, r.chip)
         room, copying = (self.sites.room(r.node_id), bool(r.store.fetching)) if r.store is not None else (None, False)
         self.placements.reported(r.node_id, self.clock.now() if r.asked_at is None else r.asked_at, r.free_bytes, room, copying)
@@ -134,6 +137,7 @@ class ResidencyController:
             alive=True,
             draining=old.draining if old is not None else False,
             stored=stored if stored is not None else old.stored if old is not None else frozenset(),
+            spare_bytes=spare,
         )
         nodes = tuple(n for n in self.state.nodes if n.node_id != r.node_id) + (node,)
         self.state = self.state.model_copy(update={"nodes": tuple(sorted(nodes, key=lambda n: n.node_id))})
@@ -167,7 +171,8 @@ class ResidencyController:
             self._record("unloaded", model=inst.model, node_id=lost.node_id, reason=cause.replace("_", " "), bytes=inst.bytes, cause=cause)
             self.leases.end_on(InstanceRef(node_id=lost.node_id, model=inst.model))
             self.swaps.drains.pop(InstanceRef(node_id=lost.node_id, model=inst.model), None)
-        gone = node.model_copy(update={"alive": False, "instances": ()})
+        self.spares.gone(lost.node_id)
+        gone = node.model_copy(update={"alive": False, "instances": (), "spare_bytes": 0})
         self.state = self.state.model_copy(update={"nodes": tuple(gone if n.node_id == lost.node_id else n for n in self.state.nodes)})
         self._record("node_suspect" if lost.suspect else "node_dead", node_id=lost.node_id, reason=lost.reason)
         self.placements.check(lost.node_id)  # placements waiting for room there load nothing now
@@ -270,7 +275,8 @@ class ResidencyController:
 
     # ---- ticks and operator actions -------------------------------------------------------------
     def tick(self) -> None:
-        """Periodic: expire forgotten leases, unload idle / drained / dead instances, start copies."""
+        """Periodic: expire forgotten leases, unload idle / drained / dead instances, start copies
+        and spare processes (R1)."""
         now = self.clock.now()
         for lease, why in self.leases.expired(now):
             self._count(InstanceRef(node_id=lease.node_id, model=lease.model), now)
@@ -283,6 +289,7 @@ class ResidencyController:
         for place in plan_copies(self.state, now, self.config):
             self.placements.begin(place)
         self.placements.background_copies(now, self.demand.snapshot(now))
+        self.spares.plan()
         self._wake()
 
     async def pull(self, model: str, node_id: str) -> None:

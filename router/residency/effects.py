@@ -4,6 +4,7 @@ actors started there and loaded, drained and killed, store folders removed; even
 handed to their listeners (metrics, the operator's store)."""
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -12,7 +13,7 @@ from typing import Any
 
 import ray
 
-from cluster.model_servers import actor_name, create_model_server, kill_model_server, new_incarnation, parse_actor_name
+from cluster.model_servers import actor_name, create_model_server, create_spare, kill_model_server, new_incarnation, parse_actor_name, spare_name
 from cluster.node_agent import get_agent
 from cluster.node_report import FetchResult, StoreReport
 from cluster.ray_api import NAMESPACE, actor_id, actor_record
@@ -92,18 +93,25 @@ class RayEffects:
                 **scheduling,
                 **(entry.llm_engine or {}),  # the model's own over the app's
             }
-        named = parse_actor_name(order.actor)  # the loop named it by new_actor_name
+        models_dir = order.root or self.models_dir
         started = time.monotonic()
-        handle = create_model_server(
-            entry,
-            place.node_id,
-            ray_node_id=order.ray_node_id,
-            models_dir=order.root or self.models_dir,
-            options=options,
-            incarnation=named[2] if named is not None else None,
-        )
+        handle = await self._spare(order) if order.spare else None
+        if handle is not None:  # R1: the spare's process loads the weights; its log says which model
+            load = handle.take.remote(entry, models_dir, options.get("engine_options"))
+        else:  # a new process, named as the loop said (a spare that died meanwhile: under its name)
+            named = parse_actor_name(order.actor)
+            handle = create_model_server(
+                entry,
+                place.node_id,
+                ray_node_id=order.ray_node_id,
+                models_dir=models_dir,
+                options=options,
+                incarnation=named[2] if named is not None else None,
+                name=None if named is not None else order.actor,
+            )
+            load = handle.load.remote()
         try:
-            report: MemoryReport = await asyncio.wait_for(handle.load.remote(), self.load_timeout_s)
+            report: MemoryReport = await asyncio.wait_for(load, self.load_timeout_s)
         except Exception as e:
             if isinstance(e, ray.exceptions.ActorUnschedulableError):  # its node is gone (N1), not its files
                 raise NodeUnreachable(place.node_id, f"Ray cannot start {order.actor} on {place.node_id}: {type(e).__name__}") from e
@@ -116,6 +124,41 @@ class RayEffects:
         # What a reload costs (E3): the whole start, the process's and the engine's set-up included,
         # not only the weights' load the engine measured
         return LoadResult(bytes=max(place.bytes, report.held_bytes), load_seconds=max(report.load_seconds, time.monotonic() - started))
+
+    async def _spare(self, order: StartOrder) -> Any:
+        """The spare the order names, if its actor still answers (else None: a new process starts)."""
+        try:
+            handle = await asyncio.to_thread(ray.get_actor, order.actor, NAMESPACE)
+            await asyncio.wait_for(handle.health.remote(), self.exit_timeout_s)
+            return handle
+        except Exception as e:
+            log.warning("the spare %s for %s did not answer (%s): starting a new process", order.actor, order.place.model, type(e).__name__)
+            with contextlib.suppress(Exception):
+                await kill_model_server(order.actor, drain_timeout_s=0, reason="a spare that did not answer")
+            return None
+
+    def new_spare_name(self, node_id: str) -> str:
+        return spare_name(node_id, new_incarnation())
+
+    async def start_spare(self, node_id: str, ray_node_id: str | None, actor: str) -> int:
+        """R1: a model server with no model, its imports done and its device set up while Ray
+        creates it; its resident memory once it runs."""
+        if ray_node_id is None:
+            raise NodeUnreachable(node_id, f"node {node_id} is not known to Ray")
+        options = {k: v for k, v in self.server_options.items() if k != "llm_engine"}
+        named = actor.rpartition("#")[2]
+        handle = create_spare(node_id, ray_node_id=ray_node_id, incarnation=named, models_dir=self.models_dir, options=options)
+        try:
+            return int(await asyncio.wait_for(handle.process_bytes.remote(), self.load_timeout_s))
+        except Exception as e:
+            if isinstance(e, ray.exceptions.ActorUnschedulableError):
+                raise NodeUnreachable(node_id, f"Ray cannot start {actor} on {node_id}") from e
+            raise
+
+    async def stop_spare(self, node_id: str, actor: str, reason: str) -> None:
+        log.info("stopping the spare %s on %s: %s", actor, node_id, reason)
+        with contextlib.suppress(Exception):  # a node that died with it: nothing left to stop
+            await kill_model_server(actor, drain_timeout_s=0, reason=reason)
 
     async def fetch_weights(self, order: FetchOrder) -> FetchResult:
         """The weights into the node's store as the order says: copied from its first source that

@@ -23,6 +23,7 @@ class StartOrder(Frozen):
     actor: str
     ray_node_id: str | None
     root: str | None = None
+    spare: bool = False  # `actor` is a spare that takes the model (R1), not a server to start
 
 
 class FetchOrder(Frozen):
@@ -54,6 +55,18 @@ class Effects(Protocol):
         ...
 
     async def start_instance(self, order: StartOrder) -> LoadResult: ...
+
+    def new_spare_name(self, node_id: str) -> str:
+        """The name of a new spare model server on the node (R1)."""
+        ...
+
+    async def start_spare(self, node_id: str, ray_node_id: str | None, actor: str) -> int:
+        """Start a spare model server (R1) named `actor` on the node; its memory once it runs."""
+        ...
+
+    async def stop_spare(self, node_id: str, actor: str, reason: str) -> None:
+        """Stop the spare `actor` (it is gone when this returns, or it never started)."""
+        ...
 
     async def stop_instance(self, instance: InstanceRef, actor: str | None, reason: str) -> bool:
         """Stop the incarnation `actor`; True once no process of it runs any more."""

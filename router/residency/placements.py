@@ -71,6 +71,7 @@ class Placements:
         self._unsure: dict[str, float] = {}
         self._shrinking: dict[int, InstanceRef] = {}  # caches being given back (X4), by id: loads wait for them as for stops
         self._unshrinkable: dict[InstanceRef, float] = {}  # instance -> when its shrink freed nothing it was counted for
+        self.spare_for: dict[tuple[str, str], str] = {}  # (model, node) -> the spare its placement took (R1), until its load starts
 
     # ---- caches given back before evictions (X4) ----------------------------------------------------
     def shrinking(self, ref: InstanceRef) -> bool:
@@ -146,7 +147,14 @@ class Placements:
         if pending is None:
             return False
         self._forget(pending)
+        self._spare_unused(ref.model, ref.node_id, "its placement was cancelled")
         return True
+
+    def _spare_unused(self, model: str, node_id: str, why: str) -> None:
+        """A placement that took a spare (R1) ends before its load starts: the spare stops with it."""
+        spare = self.spare_for.pop((model, node_id), None)
+        if spare is not None:
+            self.loop._spawn(self.loop.effects.stop_spare(node_id, spare, why))
 
     def cancel_for_requests(self, model: str) -> None:
         """The last request for `model` went away: cancel what was started for requests alone (a
@@ -159,8 +167,11 @@ class Placements:
             loop._record("cancelled", model=model, node_id=node_id, reason="every request that asked for it went away")
             if task is not None:
                 task.cancel()
-            else:  # still waiting for room: nothing runs yet
-                self.cancel(InstanceRef(node_id=node_id, model=model))
+            else:  # still waiting for room: nothing runs yet, and its reservation goes
+                ref = InstanceRef(node_id=node_id, model=model)
+                if self.cancel(ref) and loop._instance(ref) is not None:
+                    loop.state = remove_instance(loop.state, ref)
+                    loop._wake()
 
     def awaiting_bytes(self, node_id: str) -> int:
         return sum(p.place.bytes for ref, p in self._pending.items() if ref.node_id == node_id)
@@ -367,7 +378,12 @@ class Placements:
             self.loop._record("evicted", model=victim.model, node_id=victim.node_id, bytes=inst.bytes if inst else None, reason=evicted, cause=cause)
             self.loop._drop(victim, None, evicted, stop_reason)
         self.shrink(place)  # before apply_place counts the caches given back
+        node = self.loop.state.node(place.node_id)
+        spared = node is not None and node.spare_bytes > 0  # R1: the policy counted it as this placement's process
         self.loop.state = apply_place(self.loop.state, place, self.loop.clock.now())
+        spare = self.loop.spares.take(place.node_id) if spared else None
+        if spare is not None:
+            self.spare_for[(place.model, place.node_id)] = spare
         self.loop._record("placed", model=place.model, node_id=place.node_id, bytes=place.bytes, reason=place.reason)
         if for_requests:
             self.for_requests[(place.model, place.node_id)] = None
@@ -382,7 +398,8 @@ class Placements:
 
     async def _run_load(self, place: Place, attempt: int) -> None:
         loop = self.loop
-        actor = loop.effects.new_actor_name(place.model, place.node_id)
+        spare = self.spare_for.pop((place.model, place.node_id), None)
+        actor = spare or loop.effects.new_actor_name(place.model, place.node_id)
         loop.sites.actors[(place.model, place.node_id)] = actor
         try:
             asked = loop.clock.now()
@@ -393,7 +410,7 @@ class Placements:
                 failed = await self._fetch(place.model, place.node_id, "load")
                 if failed is not None:
                     raise LoadError("error", failed)
-            result = await loop.effects.start_instance(loop.sites.start_order(place, loop.state.catalog[place.model], actor))
+            result = await loop.effects.start_instance(loop.sites.start_order(place, loop.state.catalog[place.model], actor, spare is not None))
         except asyncio.CancelledError:  # nobody waits for it (the event is recorded)
             self.loop.apply(LoadFailed(place=place, attempt=attempt, reason="cancelled", message="nobody waits for it"))
             return
@@ -420,12 +437,14 @@ class Placements:
             return
         self.loop.state = mark_loaded(self.loop.state, ref, self.loop.clock.now(), done.load_seconds, done.bytes)
         self.loop._record("loaded", model=ref.model, node_id=ref.node_id, bytes=done.bytes, seconds=done.load_seconds)
+        self.loop.spares.plan()  # the next spare, where one was taken and there is room (R1)
 
     def load_failed(self, failed: LoadFailed) -> None:
         place = failed.place
         ref = InstanceRef(node_id=place.node_id, model=place.model)
         self.for_requests.pop((place.model, place.node_id), None)
         started = failed.reason != "no_room"  # a placement that never found room started nothing
+        self._spare_unused(place.model, place.node_id, f"its placement ended before its load began ({failed.reason})")
         if failed.reason == "cancelled":
             pass
         elif failed.reason == "no_room":

@@ -117,7 +117,7 @@ class Sites:
         hub = not sources and entry.hub and background is None
         return FetchOrder(model=model, node_id=node_id, entry=entry, root=store.root, sources=sources, hub=hub, keep=keep, background=background)
 
-    def start_order(self, place: Place, spec: ModelSpec, actor: str) -> StartOrder:
+    def start_order(self, place: Place, spec: ModelSpec, actor: str, spare: bool = False) -> StartOrder:
         """Load from the node's store when it holds the folder (a hub model then loads as a local
         folder), else from the registry's own path (every node has it at the same path, as before
         stores; hub models by repo id)."""
@@ -125,4 +125,4 @@ class Sites:
         root = self.stores[place.node_id].root if self.holds(place.node_id, place.model) else None
         if root is not None and entry is not None:
             entry = entry.model_copy(update={"path": entry.folder, "hub": False})
-        return StartOrder(place=place, spec=spec, entry=entry, actor=actor, ray_node_id=self.ray_ids.get(place.node_id), root=root)
+        return StartOrder(place=place, spec=spec, entry=entry, actor=actor, ray_node_id=self.ray_ids.get(place.node_id), root=root, spare=spare)

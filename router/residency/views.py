@@ -84,6 +84,8 @@ def cluster(controller: ResidencyController) -> dict[str, Any]:
                     for i in n.instances
                 ],
                 "store": store.model_dump() if (store := controller.sites.stores.get(n.node_id)) is not None else None,
+                # R1: the model-server process started ahead of demand here (None: none ready)
+                "spare": {"actor": spare.actor, "bytes": spare.bytes} if (spare := controller.spares.ready.get(n.node_id)) is not None else None,
             }
             for n in state.nodes
         ],

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from cluster.model_servers import death_cause, find_model_servers, kill_model_server, live_model_server_names, parse_actor_name
+from cluster.model_servers import death_cause, find_model_servers, kill_model_server, live_model_server_names, parse_actor_name, parse_spare_name
 from cluster.node_agent import alive_nodes, collect_reports, ensure_agents
 from deployments.wire.reports import HealthReport, MemoryReport
 from policy import InstanceRef
@@ -122,6 +122,9 @@ class ClusterWatcher:
         """Ready instances whose actor Ray no longer lists (a detached actor's name is freed at its
         death: killed, out of memory, crashed) are dropped, with the cause Ray gives."""
         live = set(await asyncio.to_thread(live_model_server_names))
+        for spare in list(self.controller.spares.ready.values()):  # R1: a spare that died is started again later
+            if spare.actor not in live:
+                self.controller.spares.died(spare.actor)
         for node in self.controller.state.nodes:
             for inst in node.instances if node.alive else ():
                 ref = InstanceRef(node_id=node.node_id, model=inst.model)
@@ -134,13 +137,10 @@ class ClusterWatcher:
         """The ingress saw `actor` fail a call as dead or unreachable: drop its instance at once if
         Ray confirms the actor is gone (an unreachable one, e.g. a frozen node, is left to the node
         watcher and the ingress's inactivity timeout)."""
-        parsed = parse_actor_name(actor)
-        if parsed is None:
+        ref = next((InstanceRef(node_id=node, model=model) for (model, node), name in self.sites.actors.items() if name == actor), None)
+        if ref is None:  # not an instance this loop knows (stopped already, or another incarnation)
             return
-        model, node_id, _ = parsed
-        ref = InstanceRef(node_id=node_id, model=model)
-        if self.sites.actor_of(ref) != actor:
-            return
+        node_id = ref.node_id
         if actor not in await asyncio.to_thread(live_model_server_names):
             self.controller.instance_died(ref, await asyncio.to_thread(death_cause, actor, message))
         elif not await agent_answers(node_id, self.report_timeout_s / 2):  # Ray has not noticed yet: rule N1
@@ -152,10 +152,14 @@ class ClusterWatcher:
         longer in the registry), whose memory nobody would account for."""
         for name, handle in await asyncio.to_thread(find_model_servers):
             parsed = parse_actor_name(name)
-            node = self.controller.state.node(parsed[1]) if parsed is not None else None
-            if parsed is None or node is None or not node.alive or (only_nodes is not None and parsed[1] not in only_nodes):
+            spare_on = parse_spare_name(name)  # R1: a spare, which may have taken a model
+            node_id = parsed[1] if parsed is not None else spare_on
+            node = self.controller.state.node(node_id) if node_id is not None else None
+            if node_id is None or node is None or not node.alive or (only_nodes is not None and node_id not in only_nodes):
                 continue  # not ours, or on a node that is gone
-            model, node_id, _ = parsed
+            if self.controller.spares.owns(name) or name in self.sites.actors.values():
+                continue  # this loop's own spare, or an instance of its own
+            model = parsed[0] if parsed is not None else None
             health: HealthReport | None
             memory: MemoryReport | None
             try:
@@ -163,6 +167,8 @@ class ClusterWatcher:
                 memory = await asyncio.wait_for(handle.memory.remote(), answer_within_s)
             except Exception:
                 health, memory = None, None
+            if model is None and health is not None:
+                model = health.model  # the model a spare took (none: a spare of a loop that is gone)
             if (
                 health is not None
                 and memory is not None

@@ -20,6 +20,7 @@ PLAIN = PolicyConfig(
     residency_per_reload=0.0,
     retry_poll_s=0.01,
     wait_timeout_s=0.2,
+    spares_per_node=0,  # rule R1's tests turn spares on
 )
 
 
@@ -56,6 +57,8 @@ class FakeEffects:
         self.caches: dict[tuple[str, str], int] = {}  # (model, node) -> bytes its kept prompt prefixes hold
         self.stuck: set[str] = set()  # models whose shrink gives nothing back (no answer in time)
         self.shrunk: list[list[str]] = []  # each shrink_caches call's actors
+        self.spares: dict[str, tuple[str, int]] = {}  # spare actor -> (node, bytes its process holds) (R1)
+        self.spare_size = GIB // 4
 
     def now(self) -> float:
         return self.clock.now()
@@ -78,12 +81,32 @@ class FakeEffects:
         while self.clock.now() < end:
             await asyncio.sleep(0)
 
+    def new_spare_name(self, node_id):
+        self._incarnations += 1
+        return f"@{node_id}#{self._incarnations}"
+
+    async def start_spare(self, node_id, ray_node_id, actor):
+        """A spare process (R1): it holds `spare_size` bytes from its start until its stop, or until
+        a placement takes it (then its instance's bytes hold it)."""
+        self.log.append(("spare", node_id))
+        if self.gate is not None:
+            await self.gate.wait()
+        await asyncio.sleep(0)
+        self.spares[actor] = (node_id, self.spare_size)
+        return self.spare_size
+
+    async def stop_spare(self, node_id, actor, reason):
+        self.log.append(("spare_stopped", node_id))
+        self.spares.pop(actor, None)
+
     def new_actor_name(self, model, node_id):
         self._incarnations += 1
         return f"{model}@{node_id}#{self._incarnations}"
 
     async def start_instance(self, order):
         place = order.place
+        if order.spare:  # its process is the spare's: its bytes are the instance's from now on
+            assert self.spares.pop(order.actor, None) is not None, f"{order.actor} is no spare"
         self.started.append(place)
         self.log.append(("start", place.model))
         node = self.controller.state.node(place.node_id) if self.controller else None
@@ -135,7 +158,8 @@ class FakeEffects:
 
     def held(self, node_id):
         """What the processes there hold: what they loaded and their kept prefixes."""
-        return sum(n for (_, node), n in (*self.resident.items(), *self.caches.items()) if node == node_id)
+        spares = sum(n for node, n in self.spares.values() if node == node_id)
+        return spares + sum(n for (_, node), n in (*self.resident.items(), *self.caches.items()) if node == node_id)
 
     def want_report(self, node_id):
         if self.controller is not None and self.auto_report:

@@ -1,0 +1,121 @@
+"""Spare model-server processes (rule R1): started ahead of demand where a node has room, taken by
+the next placement there, and started again in the background.
+
+The policy decides where (`plan_spares`) and counts a spare's memory (`NodeState.spare_bytes`);
+this part of the residency loop starts and stops them through the effects and hands a spare to the
+placement that the policy credited with it: the placement is carried out in the same loop step as
+its decision (`take`), so the spare the state no longer counts belongs to that placement from then
+on, and stops with it if it never loads."""
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from policy import plan_spares
+from policy.spares import spare_short
+from policy.transitions import set_spare
+
+if TYPE_CHECKING:
+    from router.residency.controller import ResidencyController
+
+log = logging.getLogger("orchard.residency")
+
+
+@dataclass(frozen=True)
+class Spare:
+    actor: str
+    bytes: int
+
+
+class Spares:
+    def __init__(self, loop: "ResidencyController", retry_s: float = 30.0):
+        self.loop = loop
+        self.ready: dict[str, Spare] = {}  # node -> its ready spare
+        self._starting: dict[str, asyncio.Task] = {}  # node -> the start under way
+        self._failed: dict[str, float] = {}  # node -> when its last spare failed to start
+        self._names: set[str] = set()  # the actors of the spares starting
+        self.retry_s = retry_s  # a node whose spare failed to start gets none for this long
+
+    def plan(self) -> None:
+        """R1: start a spare where the policy wants one, stop those it says must go, and put back in
+        the state a ready spare it lost count of (a node report that came with no instance change)."""
+        loop, now = self.loop, self.loop.clock.now()
+        for node_id, spare in self.ready.items():
+            node = loop.state.node(node_id)
+            if node is not None and node.alive and node.spare_bytes != spare.bytes:
+                loop.state = set_spare(loop.state, node_id, spare.bytes)
+        self._failed = {n: at for n, at in self._failed.items() if now - at < self.retry_s}
+        busy = frozenset(self._starting) | frozenset(self._failed)
+        start, stop = plan_spares(loop.state, loop.config, busy)
+        for node_id in stop:
+            self.stop(node_id, "its node is short of memory, drained, or spares are off (R1)")
+        for node_id in start:
+            if node_id not in self.ready:
+                self._starting[node_id] = loop._spawn(self._start(node_id, loop.sites.ray_ids.get(node_id)))
+
+    def owns(self, actor: str) -> bool:
+        """Whether `actor` is a spare of this loop: ready, starting, or taken by a placement whose
+        load has not begun."""
+        return actor in self._names or any(s.actor == actor for s in self.ready.values()) or actor in self.loop.placements.spare_for.values()
+
+    def take(self, node_id: str) -> str | None:
+        """The node's ready spare for the placement the policy credited with it (its actor name), or
+        None when it has none."""
+        spare = self.ready.pop(node_id, None)
+        return spare.actor if spare is not None else None
+
+    def stop(self, node_id: str, reason: str) -> None:
+        """Stop the node's spare (or the one starting there): it leaves the state at once."""
+        task = self._starting.pop(node_id, None)
+        if task is not None:
+            task.cancel()
+        spare = self.ready.pop(node_id, None)
+        self.loop.state = set_spare(self.loop.state, node_id, 0)
+        if spare is not None:
+            self.loop._spawn(self.loop.effects.stop_spare(node_id, spare.actor, reason))
+
+    def gone(self, node_id: str) -> None:
+        """The node died or is suspect: its spare went with it (a node that comes back has what it
+        kept stopped by the adoption, which takes no spare)."""
+        task = self._starting.pop(node_id, None)
+        if task is not None:
+            task.cancel()
+        self.ready.pop(node_id, None)
+
+    def died(self, actor: str) -> None:
+        """A ready spare's actor is gone (the watcher): it leaves the state; another starts later."""
+        for node_id, spare in list(self.ready.items()):
+            if spare.actor == actor:
+                del self.ready[node_id]
+                self.loop.state = set_spare(self.loop.state, node_id, 0)
+
+    async def _start(self, node_id: str, ray_node_id: str | None) -> None:
+        loop = self.loop
+        actor = loop.effects.new_spare_name(node_id)
+        self._names.add(actor)
+        try:
+            nbytes = await loop.effects.start_spare(node_id, ray_node_id, actor)
+        except asyncio.CancelledError:
+            self._names.discard(actor)
+            loop._spawn(loop.effects.stop_spare(node_id, actor, "no longer wanted"))
+            raise
+        except Exception as e:  # the node is gone, or the process could not start: none there for a while
+            self._names.discard(actor)
+            log.warning("a spare on %s did not start: %s: %s", node_id, type(e).__name__, e)
+            self._failed[node_id] = loop.clock.now()
+            self._starting.pop(node_id, None)
+            loop._spawn(loop.effects.stop_spare(node_id, actor, "it did not start"))
+            return
+        self._starting.pop(node_id, None)
+        self._names.discard(actor)
+        node = loop.state.node(node_id)
+        if node is None or not node.alive or node.draining or node_id in self.ready:
+            loop._spawn(loop.effects.stop_spare(node_id, actor, "its node left or is draining"))
+            return
+        self.ready[node_id] = Spare(actor=actor, bytes=nbytes)
+        loop.state = set_spare(loop.state, node_id, nbytes)
+        log.info("a spare is ready on %s (%s, %.0f MiB)", node_id, actor, nbytes / 2**20)
+        if spare_short(loop.state.node(node_id) or node, loop.config):  # measured larger than the room: R1 stops it
+            self.plan()
+        loop._wake()  # a request waiting for room may fit now
