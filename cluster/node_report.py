@@ -69,6 +69,7 @@ class StoreReport(Frozen):
     unsealed: dict[str, int] = Field(default_factory=dict)  # there, not sealed with a manifest yet
     partial: dict[str, int] = Field(default_factory=dict)
     fetching: dict[str, CopyProgress] = Field(default_factory=dict)
+    prefix_bytes: int = 0  # what the prefix cache's disk tier holds beside the store (deployments/engines/prefix_disk.py)
 
     def holds(self, folder: str) -> bool:
         """Whether the folder is there (sealed or not yet)."""

@@ -38,6 +38,7 @@ from policy._frozen import Frozen
 ENV_STORE = "ORCHARD_STORE"
 MANIFEST = ".orchard-manifest.json"
 PARTIAL = ".partial"
+PREFIXES = ".prefixes"  # the block prefix cache's disk tier (deployments/engines/prefix_disk.py's DIR_NAME), with its own budget
 CHUNK_BYTES = 8 * 1024 * 1024  # one read or write (a copy keeps a few in flight), never a whole file in memory
 # A stream is received into a ring of RECEIVE_DEPTH buffers of RECEIVE_BYTES: one being received into
 # and written from while the hash thread reads the others. Small on purpose: on the 2-core VM a ring of
@@ -138,7 +139,16 @@ class Store:
         self.budget_bytes = budget_bytes
 
     def used_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file()) if self.root.is_dir() else 0
+        """What the store's folders hold (.partial included); the prefix tier beside them has its own budget."""
+        if not self.root.is_dir():
+            return 0
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file() and p.relative_to(self.root).parts[0] != PREFIXES)
+
+    def prefix_bytes(self) -> int:
+        """What the block prefix cache's disk tier holds beside the store (its model servers keep it
+        within its own budget: deployments/engines/prefix_disk.py)."""
+        tier = self.root / PREFIXES
+        return sum(p.stat().st_size for p in tier.glob("*/*.safetensors") if p.is_file()) if tier.is_dir() else 0
 
     def touch(self, folder: str) -> None:
         """Mark the folder used now (a model server loaded from it): the disk budget removes the least
@@ -281,6 +291,7 @@ class Store:
             "complete": complete,
             "unsealed": unsealed,
             "partial": partial,
+            "prefix_bytes": self.prefix_bytes(),
         }
 
     def copy_in(

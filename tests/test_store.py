@@ -146,3 +146,15 @@ def test_a_manifest_under_a_hidden_folder_does_not_break_the_inventory(tmp_path)
     Store(tmp_path).seal("a")
     shutil.copytree(tmp_path / "a", tmp_path / ".trash" / "a")  # e.g. a file manager's bin
     assert set(Store(tmp_path).inventory()["complete"]) == {"a"}
+
+
+def test_the_prefix_tier_beside_the_store_is_reported_and_not_counted_in_its_budget(tmp_path):
+    store = Store(tmp_path, budget_bytes=10**9)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    tier = tmp_path / ".prefixes" / "abc"
+    tier.mkdir(parents=True)
+    (tier / "k.safetensors").write_bytes(b"x" * 5000)
+    assert store.used_bytes() == 2
+    assert store.inventory()["prefix_bytes"] == 5000

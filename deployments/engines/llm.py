@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
@@ -37,11 +38,12 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from pydantic import Field
 
 from deployments.engine import Engine, Frozen, MemoryReport, RequestError, RequestErrorCode, queued_adds
-from deployments.engines import block_rows, buffer_cache
+from deployments.engines import block_rows, buffer_cache, prefix_disk
 from deployments.engines.chat_format import chat_inputs, template_kwargs_error, template_supports_tools
 from deployments.engines.constrained import GrammarCompiler, GrammarProcessor
 from deployments.engines.options import LLMEngineOptions
 from deployments.engines.prefix_cache import PrefixCache, sliceable
+from deployments.engines.prefix_disk import DiskTier
 from deployments.engines.quantized_cache import KV_BITS, KV_GROUP_SIZES, fresh_caches, quantizable
 from deployments.engines.sampling import BatchSampler, RowSampling
 from deployments.engines.text_stream import StopStringFilter
@@ -51,6 +53,8 @@ from deployments.wire.generation import FinishReason, GenerationRequest
 from deployments.worker import MLXWorker
 
 logger = logging.getLogger(__name__)
+
+DISK_FLUSH_S = 5.0  # a stopping engine waits at most this long for its blocks to reach the disk tier
 
 
 class TokenLogprob(Frozen):
@@ -143,6 +147,8 @@ class LLMEngine(Engine):
         prompt_cache_bytes: int = 512 * 2**20,  # the prefix cache's byte budget (either kind)
         prefix_cache: str = "blocks",  # "blocks": shared blocks (prefix_cache.py); "lru": mlx-lm's LRUPromptCache
         prefix_block_tokens: int = 128,
+        prefix_disk_bytes: int = 0,  # the disk tier (prefix_disk.py): 0 here, on in the served defaults (options.py)
+        prefix_disk_dir: str | None = None,
         share_prefill: bool = True,
         prefill_pad_ratio: float = 2.0,
         prefill_align: bool = True,
@@ -187,6 +193,10 @@ class LLMEngine(Engine):
             raise ValueError(f"prefix_block_tokens must be at least 1, not {prefix_block_tokens}")
         self.prefix_cache = prefix_cache  # what was asked; prefix_cache_kind: what the model allows
         self.prefix_block_tokens = prefix_block_tokens
+        if prefix_disk_bytes < 0:
+            raise ValueError(f"prefix_disk_bytes must not be negative, not {prefix_disk_bytes}")
+        self.prefix_disk_bytes, self.prefix_disk_dir = prefix_disk_bytes, prefix_disk_dir
+        self.disk: DiskTier | None = None
         self.prefix_cache_kind = prefix_cache
         # With the block cache: a prompt's KV is kept once it is prefilled (not only when its request
         # ends), and an arrival that begins like a prompt still being prefilled waits for it (a step
@@ -324,10 +334,27 @@ class LLMEngine(Engine):
             logger.info("%s: its KV cache cannot be cut into blocks; prefixes are reused whole (LRUPromptCache)", self.name)
             self.prefix_cache_kind = "lru"
         if self.prefix_cache_kind == "blocks":
+            self.disk = self._disk_tier()
             return PrefixCache(
-                block_tokens=self.prefix_block_tokens, max_bytes=self.prompt_cache_bytes, kv_bits=self.kv_bits, kv_group_size=self.kv_group_size
+                block_tokens=self.prefix_block_tokens,
+                max_bytes=self.prompt_cache_bytes,
+                kv_bits=self.kv_bits,
+                kv_group_size=self.kv_group_size,
+                disk=self.disk,
             )
         return LRUPromptCache(max_size=max(1, self._prompt_cache_entries), max_bytes=self.prompt_cache_bytes)
+
+    def _disk_tier(self) -> DiskTier | None:
+        """The block cache's disk tier, where a budget and a folder are given (prefix_disk.py)."""
+        root = Path(self.prefix_disk_dir).expanduser() if self.prefix_disk_dir else prefix_disk.default_dir()
+        if not self.prefix_disk_bytes or root is None or not Path(self.path).is_dir():
+            return None
+        identity = prefix_disk.model_identity(self.path, self.kv_bits, self.kv_group_size, self.prefix_block_tokens, "")
+        try:
+            return DiskTier(root, identity, self.prefix_disk_bytes)
+        except OSError as e:  # an unwritable folder: the memory cache alone
+            logger.warning("%s: no prefix disk tier at %s: %s", self.name, root, e)
+            return None
 
     @property
     def _prefill_chunk(self) -> int:
@@ -381,6 +408,8 @@ class LLMEngine(Engine):
         sampling = {"sampling_calls": self.sampling.calls, "sampled_rows": self.sampling.rows_sampled}  # one call per batch stepped
         cache = getattr(self, "prompt_cache", None)
         prefix = dict(cache.stats) if isinstance(cache, PrefixCache) else {}  # lookups, hits, tokens given back, blocks made / evicted
+        if self.disk is not None:
+            prefix |= self.disk.stats  # blocks written, restored, refused
         return mlx_lm_counters | self._admitted | sampling | prefix  # and the engine's own: groups admitted into the batch
 
     def memory(self) -> MemoryReport:
@@ -398,8 +427,11 @@ class LLMEngine(Engine):
         )
 
     def _prefill_seconds(self, kept_bytes: int) -> float:
-        """Seconds the kept prefixes' tokens would take to prefill again at the rate mlx-lm measured
-        here (its prompt_tokens / prompt_time); 0 before any prefill."""
+        """Seconds the kept prefixes would cost again: read back from the disk tier when there is one,
+        else their tokens prefilled at the rate mlx-lm measured here (its prompt_tokens / prompt_time;
+        0 before any prefill)."""
+        if self.disk is not None:
+            return kept_bytes / self.disk.read_bytes_per_s()
         per_token = getattr(self, "kv_bytes_per_token", 0)
         counted = self.counters()
         tokens, seconds = counted.get("prompt_tokens", 0), counted.get("prompt_time", 0.0)
@@ -560,6 +592,9 @@ class LLMEngine(Engine):
         del self.generator
         buffer_cache.release(self)
         self.sampling.clear()
+        if self.disk is not None:  # what is still queued for the disk goes there before the process ends
+            self.disk.flush(DISK_FLUSH_S)
+            self.disk.close()
         self.prompt_cache = LRUPromptCache(max_size=1)  # the kept KV is freed here, on the thread that made it
         self.model = None
         gc.collect()
@@ -608,6 +643,7 @@ class LLMEngine(Engine):
             arrival = self._held[0]
             rest = len(arrival.tokens)
             if blocks is not None:
+                blocks.restore(arrival.tokens)  # what the disk tier has of it, first (prefix_disk.py)
                 cached = matched[arrival.rid] = blocks.match(arrival.tokens)
                 rest -= cached if cached >= self.prompt_cache_min_tokens else 0
                 if self.share_prefill and self._prefilled_beside(arrival.tokens, cached, streams, group):
@@ -834,6 +870,7 @@ class LLMEngine(Engine):
             pass
         elif isinstance(self.prompt_cache, PrefixCache):  # at least one token is left to prefill: it gives the first logits
             limit = len(tokens) - 1
+            self.prompt_cache.restore(tokens)  # nothing to read when its admission restored it already
             if align is not None and len(tokens) - align >= max(1, self.prompt_cache_min_tokens):
                 limit = len(tokens) - align
             cache, reused = self.prompt_cache.fetch(tokens, limit=limit, min_tokens=self.prompt_cache_min_tokens)

@@ -61,6 +61,15 @@ class LLMEngineOptions(BaseModel):
     prefix_cache: Literal["blocks", "lru"] = "blocks"
     prompt_cache_bytes: int = Field(default=512 * 2**20, ge=0)
     prefix_block_tokens: int = Field(default=128, ge=1, le=4096)
+    # With blocks: the disk tier (deployments/engines/prefix_disk.py). Every full block is written to
+    # the node's disk too, under `prefix_disk_dir` (None: `<the node's ORCHARD_STORE>/.prefixes`,
+    # beside the model store and outside its budget; a node without a store: no tier), and a
+    # prompt's blocks that memory lacks are read back from there, so a model that is evicted and
+    # loaded again (or a restart) does not prefill a conversation's prefix again. At most
+    # `prefix_disk_bytes` for all the node's models together, least recently used blocks removed
+    # first (0: no tier).
+    prefix_disk_bytes: int = Field(default=16 * 2**30, ge=0)
+    prefix_disk_dir: str | None = None
     # With blocks: a prompt is kept once prefilled, and an arrival that begins like a prompt being
     # prefilled waits a step or two for its blocks instead of prefilling the same tokens beside it.
     share_prefill: bool = True

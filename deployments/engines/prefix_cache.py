@@ -44,6 +44,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from deployments.engines.block_rows import BlockKVCache, BlockQuantizedKVCache
+from deployments.engines.prefix_disk import DiskTier, chain
 
 # Keys (or values): one array, or mx.quantize's triple with kv_bits. A layer's are (1, heads,
 # tokens, dim); a block's are every layer's stacked, (layers, 1, heads, tokens, dim). The sequence
@@ -103,6 +104,7 @@ class _Block:
     children: dict[tuple[int, ...], "_Block"] = field(default_factory=dict)
     used: int = 0  # the cache's clock at its last use
     gone: bool = False
+    key: str = ""  # its chained hash (the disk tier's name for it): its parent's and its tokens
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -124,7 +126,9 @@ def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 class PrefixCache:
     """KV of kept token sequences, shared block by block (see the module's docstring)."""
 
-    def __init__(self, block_tokens: int = 128, max_bytes: int = 512 * 2**20, kv_bits: int | None = None, kv_group_size: int = 64):
+    def __init__(
+        self, block_tokens: int = 128, max_bytes: int = 512 * 2**20, kv_bits: int | None = None, kv_group_size: int = 64, disk: DiskTier | None = None
+    ):
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be at least 1, not {block_tokens}")
         if max_bytes < 0:
@@ -138,6 +142,7 @@ class PrefixCache:
         self._tie = itertools.count()
         self._blocks = 0
         self._bytes = 0
+        self.disk = disk  # every full block is written there too, and read back by `restore` (prefix_disk.py)
         # what it did, for counters(): tokens given back, blocks made and evicted
         self.stats = {"prefix_lookups": 0, "prefix_hits": 0, "prefix_hit_tokens": 0, "prefix_blocks_added": 0, "prefix_blocks_evicted": 0}
 
@@ -171,6 +176,37 @@ class PrefixCache:
                 path.append((best, n))
             break
         return path
+
+    def restore(self, tokens: Sequence[int]) -> int:
+        """Read back from the disk tier the full blocks of `tokens` that follow its longest prefix in
+        memory, as far as the tier has them in a row (a block whose parent is not there cannot be
+        reached); returns the tokens restored. Then `match` and `fetch` see them as any kept prefix.
+        Nothing is read for a prompt whose blocks memory holds."""
+        if self.disk is None:
+            return 0
+        node, at, size, restored = self._root, 0, self.block_tokens, 0
+        now = next(self._clock)
+        fresh: list[mx.array] = []
+        while at + size <= len(tokens):
+            want = tuple(tokens[at : at + size])
+            child = node.children.get(want)
+            if child is None:
+                key = chain(node.key, want)
+                found = self.disk.load(key, want) if self.disk.has(key) else None
+                if found is None:
+                    break
+                child = self._attach(node, want, *found)
+                fresh += _arrays(child.keys) + _arrays(child.values)
+                restored += size
+            child.used = now
+            node, at = child, at + size
+        if not restored:
+            return 0
+        self._push(node)
+        mx.eval(fresh)
+        self.shrink(self.max_bytes)
+        self.stats["prefix_restored_tokens"] = self.stats.get("prefix_restored_tokens", 0) + restored
+        return restored
 
     def match(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of `tokens` are cached, found without copying anything."""
@@ -210,6 +246,7 @@ class PrefixCache:
         node, at, size, added = self._root, 0, self.block_tokens, 0
         now = next(self._clock)
         fresh: list[mx.array] = []
+        written: list[_Block] = []  # full blocks made now: the disk tier keeps them too
         while at < n:
             block = tuple(tokens[at : min(at + size, n)])
             child = node.children.get(block)
@@ -219,10 +256,8 @@ class PrefixCache:
                 child = self._block(node, block, layer_caches, at)
                 fresh += _arrays(child.keys) + _arrays(child.values)
                 added += child.nbytes
-                for other in [
-                    c for c in node.children.values() if c is not child and len(c.tokens) < len(block) and block[: len(c.tokens)] == c.tokens
-                ]:
-                    self._drop(other)  # a shorter last block this one starts with: it adds nothing now
+                if len(block) == size:
+                    written.append(child)
             child.used = now
             node, at = child, at + len(child.tokens)
             if len(child.tokens) < size:
@@ -231,6 +266,9 @@ class PrefixCache:
             self._push(node)
         if fresh:
             mx.eval(fresh)  # the blocks own their memory now; the request's whole cache can go
+            if self.disk is not None:
+                for made in written:
+                    self.disk.put(made.key, made.tokens, made.keys, made.values)
         self.shrink(self.max_bytes)
         return added
 
@@ -238,7 +276,14 @@ class PrefixCache:
         end = at + len(tokens)
         keys = _stacked([_cut(c.keys, at, end) for c in layer_caches])
         values = _stacked([_cut(c.values, at, end) for c in layer_caches])
-        block = _Block(tokens=tokens, parent=parent, keys=keys, values=values)
+        return self._attach(parent, tokens, keys, values)
+
+    def _attach(self, parent: _Block, tokens: tuple[int, ...], keys: Kv, values: Kv) -> _Block:
+        """A block of `tokens` under `parent`: made from a request's cache, or read back from disk. A
+        shorter last block it starts with adds nothing any more and goes."""
+        for other in [c for c in parent.children.values() if len(c.tokens) < len(tokens) and tokens[: len(c.tokens)] == c.tokens and not c.children]:
+            self._drop(other)
+        block = _Block(tokens=tokens, parent=parent, keys=keys, values=values, key=chain(parent.key, tokens))
         block.nbytes = sum(a.nbytes for a in _arrays(keys) + _arrays(values))
         parent.children[tokens] = block
         self._blocks += 1

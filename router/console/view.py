@@ -275,6 +275,8 @@ def _node(
         )
         if mine:
             said += f"; {len(mine)} copy(ies) coming in"
+        if raw.get("prefix_bytes"):  # the prefix cache's disk tier beside it, its own budget
+            said += f"; kept prompt prefixes on disk: {size(raw['prefix_bytes'])}"
         store = StoreView(
             used_bytes=raw.get("used_bytes", 0), budget_bytes=budget, free_bytes=raw.get("free_bytes", 0), models=held, copies=mine, words=said
         )
