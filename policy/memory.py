@@ -29,10 +29,11 @@ def ours_bytes(node: NodeState) -> int:
     return sum(held_bytes(i) for i in node.instances) + node.spare_bytes
 
 
-def spare_credit(spec: ModelSpec, node: NodeState, config: PolicyConfig) -> int:
+def spare_credit(node: NodeState) -> int:
     """R1: what a placement on the node needs less because its process is there already (the
-    node's spare becomes it): the spare's bytes, at most the instance's overhead that counts them."""
-    return min(node.spare_bytes, overhead_bytes(spec, config))
+    node's spare becomes it): the spare's bytes. What a process holds beside its model is the same
+    whether it started as a spare or not; the instance's overhead estimates it for both."""
+    return node.spare_bytes
 
 
 def reclaimable_bytes(node: NodeState) -> int:

@@ -101,7 +101,6 @@ class _Planner:
         self.snap = snap
         self.config = snap.config
         self.required = required_bytes(spec, snap.config)
-        self.overhead = overhead_bytes(spec, snap.config)
         self.global_excesses = tuple(global_cap_excesses(spec, snap.state, snap.config)) if global_excesses is None else global_excesses
         self.oracle = snap.oracle is not None
         self.node_caps = node_caps_set(spec, snap.config)
@@ -123,7 +122,7 @@ class _Planner:
 
     def credit(self, node: NodeState) -> int:
         """memory.spare_credit (R1)."""
-        return min(node.spare_bytes, self.overhead) if node.spare_bytes else 0
+        return node.spare_bytes
 
     def reclaimed(self, node: NodeState, need: Need) -> Need:
         """X4: a node short of the room as it is counts what its ready instances' kept prompt

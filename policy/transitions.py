@@ -52,7 +52,7 @@ def apply_place(state: ClusterState, place: Place, now: float) -> ClusterState:
     new = InstanceState(model=place.model, device=place.device, bytes=place.bytes, status="loading", last_used=now, loaded_at=now)
     if node.spare_bytes:  # R1: the node's spare process becomes this instance's; its bytes are in place.bytes now
         headroom = node.reported_headroom_bytes
-        taken = min(node.spare_bytes, place.bytes)  # measured as used already: not taken again
+        taken = node.spare_bytes  # measured as used already: not taken again
         node = node.model_copy(update={"spare_bytes": 0, "reported_headroom_bytes": None if headroom is None else headroom + taken})
     return _set_instances(state, node, node.instances + (new,))
 

@@ -1153,7 +1153,7 @@ SPARES = PLAIN.model_copy(update={"spares_per_node": 1, "spare_bytes": GIB // 4}
 async def _spares_ready(c, fx, nodes) -> None:
     c.tick()
     for _ in range(200):
-        if all(c.state.node(n).spare_bytes for n in nodes):
+        if all(n in c.spares.ready for n in nodes):
             return
         await fx.run_for(0.01)
     raise AssertionError(f"no spare on {nodes}: {[(n.node_id, n.spare_bytes) for n in c.state.nodes]}")
@@ -1170,7 +1170,7 @@ def test_r1_a_placement_loads_into_the_nodes_spare_and_a_new_spare_starts_after(
         spare = next(a for a, (node, _) in fx.spares.items() if node == "n2")
         lease = await c.acquire("a")
         for _ in range(200):
-            if c.state.node("n2").spare_bytes:
+            if "n2" in c.spares.ready:
                 break
             await fx.run_for(0.01)
         return c, fx, spare, lease
@@ -1210,7 +1210,7 @@ def test_r1_a_spare_taken_by_a_placement_that_never_loads_is_stopped_and_the_res
         fx.stop_gate = asyncio.Event()  # a's process does not exit yet
         ask = asyncio.ensure_future(c.acquire("b"))
         await fx.run_for(0.05)
-        taken = c.placements.spare_for.get(("b", "n1"))
+        taken = c.placements.spare_for.get(("b", "n1"), (None, None))[0]
         ask.cancel()
         await fx.run_for(0.05)
         return c, fx, spare, taken
@@ -1219,3 +1219,26 @@ def test_r1_a_spare_taken_by_a_placement_that_never_loads_is_stopped_and_the_res
     assert taken == spare
     assert ("spare_stopped", "n1") in fx.log and spare not in fx.spares
     assert c.state.node("n1").instance("b") is None
+
+
+def test_r1_a_placement_takes_a_spare_still_starting_and_its_load_waits_for_it():
+    """A request that comes while the node's spare starts: its placement takes that spare (counted
+    from its start) and loads once it is up, instead of starting a second process beside it."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=3)], nodes=(("n1", 8),), config=SPARES)
+        fx.spare_gate = asyncio.Event()
+        c.tick()
+        await fx.run_for(0.02)
+        counted = c.state.node("n1").spare_bytes  # the estimate, while it starts
+        ask = asyncio.ensure_future(c.acquire("a"))
+        await fx.run_for(0.05)
+        before = list(fx.started)
+        fx.spare_gate.set()
+        lease = await ask
+        return c, fx, counted, before, lease
+
+    c, fx, counted, before, lease = run(scenario())
+    assert counted == SPARES.spare_bytes and before == []  # no process of its own while the spare starts
+    assert lease.node_id == "n1" and len(fx.spare_starts) == 1 and fx.log.count(("spare", "n1")) >= 1
+    assert fx.log.index(("spare", "n1")) < fx.log.index(("start", "a"))

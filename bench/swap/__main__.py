@@ -79,6 +79,12 @@ POLICY: dict[str, Any] = {
     "safety_margin_bytes": "64MiB",  # the default 512 MiB + 2% would be most of a small budget
     "safety_margin_fraction": 0,
 }
+# Orchard as shipped, and variants a run may add to --servers to see what a setting buys (policy overrides)
+ORCHARDS: dict[str, dict[str, Any]] = {
+    "orchard": {},
+    "orchard-no-spares": {"spares_per_node": 0},  # every load starts its process (rule R1 off)
+    "orchard-fixed-e3": {"residency_per_reload": 0, "min_residency_s": 10},  # a fixed 10 s minimum residency (E3 before)
+}
 VLLM_WAIT_S = 600  # vllm-mlx's wait for room: generous, no request of the trace should give up on it
 BURST_AT = 0.4
 TIMELINE_KINDS = ("waiting", "draining", "evicted", "stopped", "unloaded", "loading", "loaded", "cancelled", "gave_up", "rejected")
@@ -155,7 +161,7 @@ def cold_request(base: str, model: str, prompt: str) -> tuple[Outcome, float]:
 
 
 # ---- Orchard ---------------------------------------------------------------------------------------------
-def start_orchard(models_dir: Path, models: list[str], weight_gib: float, budget_gib: float) -> tuple[Cluster, str, str]:
+def start_orchard(models_dir: Path, models: list[str], weight_gib: float, budget_gib: float, policy: dict[str, Any]) -> tuple[Cluster, str, str]:
     """One node, `budget_gib`, its store the prepared models folder: (the cluster, the ingress
     replica's own URL, Ray's session folder)."""
     cluster = Cluster(
@@ -173,7 +179,7 @@ def start_orchard(models_dir: Path, models: list[str], weight_gib: float, budget
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app({"models_dir": str(models_dir), "models": registry(models, weight_gib), "policy": POLICY})
+        app = build_app({"models_dir": str(models_dir), "models": registry(models, weight_gib), "policy": policy})
         serve.run(app, name="orchard", route_prefix="/")
         base = direct_ingress(f"http://127.0.0.1:{port}")
         wait_ready(base)
@@ -217,10 +223,10 @@ def stop_orchard(cluster: Cluster) -> None:
     cluster.shutdown()
 
 
-def run_orchard(models_dir: Path, trace: list[Request], a: argparse.Namespace, size: dict[str, Any]) -> dict[str, Any]:
+def run_orchard(models_dir: Path, trace: list[Request], a: argparse.Namespace, size: dict[str, Any], name: str = "orchard") -> dict[str, Any]:
     models = names(a.models)
-    print(f"orchard: starting one node of {size['node_budget_gib']} GiB", flush=True)
-    cluster, base, session_dir = start_orchard(models_dir, models, a.weight_gib, size["node_budget_gib"])
+    print(f"{name}: starting one node of {size['node_budget_gib']} GiB", flush=True)
+    cluster, base, session_dir = start_orchard(models_dir, models, a.weight_gib, size["node_budget_gib"], POLICY | ORCHARDS[name])
     events: dict[int, dict] = {}
 
     async def read_events(session: aiohttp.ClientSession) -> None:
@@ -536,7 +542,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--servers", default="orchard,vllm-mlx", help="comma-separated, of orchard and vllm-mlx")
+    ap.add_argument("--servers", default="orchard,vllm-mlx", help=f"comma-separated, of {', '.join(ORCHARDS)} and vllm-mlx")
     ap.add_argument("--models", type=int, default=4, help="N: how many names (m1..mN) for llama-10m")
     ap.add_argument("--room", type=int, default=2, help="K: how many fit at a time")
     ap.add_argument("--weight-gib", type=float, default=1.0, help="the weights each name declares")
@@ -553,8 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args(argv)
     wanted = [s.strip() for s in a.servers.split(",") if s.strip()]
-    if not wanted or set(wanted) - {"orchard", "vllm-mlx"}:
-        ap.error(f"--servers: orchard and/or vllm-mlx, not {a.servers!r}")
+    if not wanted or set(wanted) - {*ORCHARDS, "vllm-mlx"}:
+        ap.error(f"--servers: of {', '.join([*ORCHARDS, 'vllm-mlx'])}, not {a.servers!r}")
     if not 1 <= a.room < a.models:
         ap.error("need 1 <= --room < --models: more models than fit")
     models = names(a.models)
@@ -579,8 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = in_process_cold(path, trace[0].prompt)
     print(f"in process: mlx_lm.load {raw['load_s']} s + one greedy token {raw['first_token_s']} s", flush=True)
     servers: dict[str, Any] = {}
-    if "orchard" in wanted:
-        servers["orchard"] = run_orchard(models_dir, trace, a, size)
+    for name in (w for w in wanted if w in ORCHARDS):
+        servers[name] = run_orchard(models_dir, trace, a, size, name)
     if "vllm-mlx" in wanted:
         servers["vllm-mlx"] = run_vllm(path, trace, a)
     results: dict[str, Any] = {

@@ -71,7 +71,11 @@ class Placements:
         self._unsure: dict[str, float] = {}
         self._shrinking: dict[int, InstanceRef] = {}  # caches being given back (X4), by id: loads wait for them as for stops
         self._unshrinkable: dict[InstanceRef, float] = {}  # instance -> when its shrink freed nothing it was counted for
-        self.spare_for: dict[tuple[str, str], str] = {}  # (model, node) -> the spare its placement took (R1), until its load starts
+        # (model, node) -> the spare its placement took (R1: its actor, and its start while that runs), until its load starts
+        self.spare_for: dict[tuple[str, str], tuple[str, asyncio.Task | None]] = {}
+        # (model, node) -> when its placement was decided, and the seconds its load's own copy took: a
+        # reload costs the span in between less the copy (E3), the victims' exits and the start included
+        self._placed_at: dict[tuple[str, str], tuple[float, float]] = {}
 
     # ---- caches given back before evictions (X4) ----------------------------------------------------
     def shrinking(self, ref: InstanceRef) -> bool:
@@ -147,6 +151,7 @@ class Placements:
         if pending is None:
             return False
         self._forget(pending)
+        self._placed_at.pop((ref.model, ref.node_id), None)
         self._spare_unused(ref.model, ref.node_id, "its placement was cancelled")
         return True
 
@@ -154,7 +159,10 @@ class Placements:
         """A placement that took a spare (R1) ends before its load starts: the spare stops with it."""
         spare = self.spare_for.pop((model, node_id), None)
         if spare is not None:
-            self.loop._spawn(self.loop.effects.stop_spare(node_id, spare, why))
+            actor, started = spare
+            if started is not None and not started.done():
+                started.cancel()  # its start ends there (the spare leaves with it)
+            self.loop._spawn(self.loop.effects.stop_spare(node_id, actor, why))
 
     def cancel_for_requests(self, model: str) -> None:
         """The last request for `model` went away: cancel what was started for requests alone (a
@@ -381,6 +389,7 @@ class Placements:
         node = self.loop.state.node(place.node_id)
         spared = node is not None and node.spare_bytes > 0  # R1: the policy counted it as this placement's process
         self.loop.state = apply_place(self.loop.state, place, self.loop.clock.now())
+        self._placed_at[(place.model, place.node_id)] = (self.loop.clock.now(), 0.0)
         spare = self.loop.spares.take(place.node_id) if spared else None
         if spare is not None:
             self.spare_for[(place.model, place.node_id)] = spare
@@ -398,16 +407,21 @@ class Placements:
 
     async def _run_load(self, place: Place, attempt: int) -> None:
         loop = self.loop
-        spare = self.spare_for.pop((place.model, place.node_id), None)
+        spare, started = self.spare_for.pop((place.model, place.node_id), (None, None))
         actor = spare or loop.effects.new_actor_name(place.model, place.node_id)
         loop.sites.actors[(place.model, place.node_id)] = actor
         try:
+            if started is not None:  # a spare still starting: sooner ready than a process started now
+                await asyncio.wait({started})
             asked = loop.clock.now()
             fresh = await loop.effects.store_report(place.node_id)  # what the store holds now, not at the last report
             if fresh is not None:
                 loop.sites.reported(place.node_id, None, fresh, asked)
             if loop.sites.fetch_order(place.model, place.node_id).needed:  # L1 with nothing evicted: the copy comes first
+                copying = loop.clock.now()
                 failed = await self._fetch(place.model, place.node_id, "load")
+                at, copied = self._placed_at.get((place.model, place.node_id), (copying, 0.0))
+                self._placed_at[(place.model, place.node_id)] = (at, copied + loop.clock.now() - copying)
                 if failed is not None:
                     raise LoadError("error", failed)
             result = await loop.effects.start_instance(loop.sites.start_order(place, loop.state.catalog[place.model], actor, spare is not None))
@@ -435,12 +449,16 @@ class Placements:
         if node is None or not node.alive or inst is None:
             self.stop(ref, "its node died or it was unloaded while loading", done.bytes)
             return
-        self.loop.state = mark_loaded(self.loop.state, ref, self.loop.clock.now(), done.load_seconds, done.bytes)
+        now = self.loop.clock.now()
+        at, copied = self._placed_at.pop((ref.model, ref.node_id), (now, 0.0))
+        swap_s = max(done.load_seconds, now - at - copied)  # what bringing it back costs (E3): exits, start, load
+        self.loop.state = mark_loaded(self.loop.state, ref, now, swap_s, done.bytes)
         self.loop._record("loaded", model=ref.model, node_id=ref.node_id, bytes=done.bytes, seconds=done.load_seconds)
         self.loop.spares.plan()  # the next spare, where one was taken and there is room (R1)
 
     def load_failed(self, failed: LoadFailed) -> None:
         place = failed.place
+        self._placed_at.pop((place.model, place.node_id), None)
         ref = InstanceRef(node_id=place.node_id, model=place.model)
         self.for_requests.pop((place.model, place.node_id), None)
         started = failed.reason != "no_room"  # a placement that never found room started nothing

@@ -5,7 +5,10 @@ The policy decides where (`plan_spares`) and counts a spare's memory (`NodeState
 this part of the residency loop starts and stops them through the effects and hands a spare to the
 placement that the policy credited with it: the placement is carried out in the same loop step as
 its decision (`take`), so the spare the state no longer counts belongs to that placement from then
-on, and stops with it if it never loads."""
+on, and stops with it if it never loads. A spare counts from the moment it starts (the estimate
+`spare_bytes`, then what it measured once ready), and a placement may take one that is still
+starting: its load waits for that start, which began earlier than a new process would, instead of
+starting a second process beside it."""
 
 import asyncio
 import logging
@@ -22,54 +25,65 @@ if TYPE_CHECKING:
 log = logging.getLogger("orchard.residency")
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Spare:
     actor: str
     bytes: int
+    started: asyncio.Task | None = None  # its start, while it runs
 
 
 class Spares:
     def __init__(self, loop: "ResidencyController", retry_s: float = 30.0):
         self.loop = loop
         self.ready: dict[str, Spare] = {}  # node -> its ready spare
-        self._starting: dict[str, asyncio.Task] = {}  # node -> the start under way
+        self._starting: dict[str, Spare] = {}  # node -> the spare starting there
+        self._promised: dict[str, Spare] = {}  # actor -> a starting spare a placement took
         self._failed: dict[str, float] = {}  # node -> when its last spare failed to start
-        self._names: set[str] = set()  # the actors of the spares starting
         self.retry_s = retry_s  # a node whose spare failed to start gets none for this long
 
     def plan(self) -> None:
         """R1: start a spare where the policy wants one, stop those it says must go, and put back in
-        the state a ready spare it lost count of (a node report that came with no instance change)."""
+        the state a spare it lost count of (an adoption's placement takes none)."""
         loop, now = self.loop, self.loop.clock.now()
-        for node_id, spare in self.ready.items():
+        for node_id, spare in [*self.ready.items(), *self._starting.items()]:
             node = loop.state.node(node_id)
             if node is not None and node.alive and node.spare_bytes != spare.bytes:
                 loop.state = set_spare(loop.state, node_id, spare.bytes)
         self._failed = {n: at for n, at in self._failed.items() if now - at < self.retry_s}
-        busy = frozenset(self._starting) | frozenset(self._failed)
-        start, stop = plan_spares(loop.state, loop.config, busy)
+        # not beside a load under way on the node (the two would share its cores): once it is done
+        loading = frozenset(n.node_id for n in loop.state.nodes if any(i.status == "loading" for i in n.instances))
+        start, stop = plan_spares(loop.state, loop.config, frozenset(self._starting) | frozenset(self._failed) | loading)
         for node_id in stop:
             self.stop(node_id, "its node is short of memory, drained, or spares are off (R1)")
         for node_id in start:
             if node_id not in self.ready:
-                self._starting[node_id] = loop._spawn(self._start(node_id, loop.sites.ray_ids.get(node_id)))
+                spare = self._starting[node_id] = Spare(actor=loop.effects.new_spare_name(node_id), bytes=int(loop.config.spare_bytes))
+                loop.state = set_spare(loop.state, node_id, spare.bytes)  # counted from its start
+                spare.started = loop._spawn(self._start(node_id, loop.sites.ray_ids.get(node_id), spare))
 
     def owns(self, actor: str) -> bool:
         """Whether `actor` is a spare of this loop: ready, starting, or taken by a placement whose
         load has not begun."""
-        return actor in self._names or any(s.actor == actor for s in self.ready.values()) or actor in self.loop.placements.spare_for.values()
+        mine = [*self.ready.values(), *self._starting.values()]
+        return actor in self._promised or any(s.actor == actor for s in mine) or any(a == actor for a, _ in self.loop.placements.spare_for.values())
 
-    def take(self, node_id: str) -> str | None:
-        """The node's ready spare for the placement the policy credited with it (its actor name), or
-        None when it has none."""
+    def take(self, node_id: str) -> tuple[str, asyncio.Task | None] | None:
+        """The node's spare for the placement the policy credited with it: its actor name, and its
+        start while that runs (the load waits for it); None when the node has none."""
         spare = self.ready.pop(node_id, None)
-        return spare.actor if spare is not None else None
+        if spare is not None:
+            return spare.actor, None
+        spare = self._starting.pop(node_id, None)
+        if spare is None:
+            return None
+        self._promised[spare.actor] = spare
+        return spare.actor, spare.started
 
     def stop(self, node_id: str, reason: str) -> None:
         """Stop the node's spare (or the one starting there): it leaves the state at once."""
-        task = self._starting.pop(node_id, None)
-        if task is not None:
-            task.cancel()
+        starting = self._starting.pop(node_id, None)
+        if starting is not None and starting.started is not None:
+            starting.started.cancel()
         spare = self.ready.pop(node_id, None)
         self.loop.state = set_spare(self.loop.state, node_id, 0)
         if spare is not None:
@@ -78,9 +92,9 @@ class Spares:
     def gone(self, node_id: str) -> None:
         """The node died or is suspect: its spare went with it (a node that comes back has what it
         kept stopped by the adoption, which takes no spare)."""
-        task = self._starting.pop(node_id, None)
-        if task is not None:
-            task.cancel()
+        starting = self._starting.pop(node_id, None)
+        if starting is not None and starting.started is not None:
+            starting.started.cancel()
         self.ready.pop(node_id, None)
 
     def died(self, actor: str) -> None:
@@ -90,30 +104,35 @@ class Spares:
                 del self.ready[node_id]
                 self.loop.state = set_spare(self.loop.state, node_id, 0)
 
-    async def _start(self, node_id: str, ray_node_id: str | None) -> None:
-        loop = self.loop
-        actor = loop.effects.new_spare_name(node_id)
-        self._names.add(actor)
+    async def _start(self, node_id: str, ray_node_id: str | None, spare: Spare) -> None:
+        loop, actor = self.loop, spare.actor
         try:
             nbytes = await loop.effects.start_spare(node_id, ray_node_id, actor)
         except asyncio.CancelledError:
-            self._names.discard(actor)
-            loop._spawn(loop.effects.stop_spare(node_id, actor, "no longer wanted"))
+            if self._promised.pop(actor, None) is None:  # a placement that took it waits for this task: its load starts its own
+                loop._spawn(loop.effects.stop_spare(node_id, actor, "no longer wanted"))
             raise
         except Exception as e:  # the node is gone, or the process could not start: none there for a while
-            self._names.discard(actor)
             log.warning("a spare on %s did not start: %s: %s", node_id, type(e).__name__, e)
             self._failed[node_id] = loop.clock.now()
-            self._starting.pop(node_id, None)
-            loop._spawn(loop.effects.stop_spare(node_id, actor, "it did not start"))
+            if self._starting.get(node_id) is spare:
+                del self._starting[node_id]
+                loop.state = set_spare(loop.state, node_id, 0)
+            if self._promised.pop(actor, None) is None:  # a placement that took it starts a process under its name
+                loop._spawn(loop.effects.stop_spare(node_id, actor, "it did not start"))
             return
-        self._starting.pop(node_id, None)
-        self._names.discard(actor)
+        if self._promised.pop(actor, None) is not None:  # a placement took it while it started: its load goes on in it
+            return
+        if self._starting.get(node_id) is not spare:
+            return
+        del self._starting[node_id]
         node = loop.state.node(node_id)
-        if node is None or not node.alive or node.draining or node_id in self.ready:
+        if node is None or not node.alive or node.draining:
+            loop.state = set_spare(loop.state, node_id, 0)
             loop._spawn(loop.effects.stop_spare(node_id, actor, "its node left or is draining"))
             return
-        self.ready[node_id] = Spare(actor=actor, bytes=nbytes)
+        spare.bytes, spare.started = nbytes, None
+        self.ready[node_id] = spare
         loop.state = set_spare(loop.state, node_id, nbytes)
         log.info("a spare is ready on %s (%s, %.0f MiB)", node_id, actor, nbytes / 2**20)
         if spare_short(loop.state.node(node_id) or node, loop.config):  # measured larger than the room: R1 stops it

@@ -59,6 +59,8 @@ class FakeEffects:
         self.shrunk: list[list[str]] = []  # each shrink_caches call's actors
         self.spares: dict[str, tuple[str, int]] = {}  # spare actor -> (node, bytes its process holds) (R1)
         self.spare_size = GIB // 4
+        self.spare_gate: asyncio.Event | None = None  # spares start once it is set
+        self.spare_starts: list[str] = []  # the spares whose start_instance took them
 
     def now(self) -> float:
         return self.clock.now()
@@ -89,8 +91,8 @@ class FakeEffects:
         """A spare process (R1): it holds `spare_size` bytes from its start until its stop, or until
         a placement takes it (then its instance's bytes hold it)."""
         self.log.append(("spare", node_id))
-        if self.gate is not None:
-            await self.gate.wait()
+        if self.spare_gate is not None:
+            await self.spare_gate.wait()
         await asyncio.sleep(0)
         self.spares[actor] = (node_id, self.spare_size)
         return self.spare_size
@@ -107,6 +109,7 @@ class FakeEffects:
         place = order.place
         if order.spare:  # its process is the spare's: its bytes are the instance's from now on
             assert self.spares.pop(order.actor, None) is not None, f"{order.actor} is no spare"
+            self.spare_starts.append(order.actor)
         self.started.append(place)
         self.log.append(("start", place.model))
         node = self.controller.state.node(place.node_id) if self.controller else None

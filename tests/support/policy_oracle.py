@@ -90,8 +90,7 @@ def feasible_after(
     accounted = node.usable_bytes - node.foreign_bytes - sum(i.bytes + i.prefix_cache_bytes for i in kept) - node.spare_bytes + given_back
     free = accounted if node.reported_headroom_bytes is None else min(accounted, node.reported_headroom_bytes + freed)
     margin = config.safety_margin_bytes + int(config.safety_margin_fraction * node.usable_bytes)
-    overhead = config.instance_overhead_bytes if spec.overhead_bytes is None else spec.overhead_bytes
-    process_there = min(node.spare_bytes, overhead)  # R1: a spare becomes the instance's process
+    process_there = node.spare_bytes  # R1: a spare becomes the instance's process
     if free - (need_bytes(spec, config) - process_there) < margin:
         return False
     if memory_only:
