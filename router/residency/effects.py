@@ -17,6 +17,7 @@ from cluster.model_servers import actor_name, create_model_server, create_spare,
 from cluster.node_agent import get_agent
 from cluster.node_report import FetchResult, StoreReport
 from cluster.ray_api import NAMESPACE, actor_id, actor_record
+from cluster.store import PREFIXES
 from deployments.manifest import ManifestEntry, model_location
 from deployments.model_server import unwrap
 from deployments.wire.failure import OrchardError
@@ -93,6 +94,8 @@ class RayEffects:
                 **scheduling,
                 **(entry.llm_engine or {}),  # the model's own over the app's
             }
+            if order.store_root is not None and not options["engine_options"].get("prefix_disk_dir"):  # the tier beside the node's store
+                options["engine_options"]["prefix_disk_dir"] = str(Path(order.store_root) / PREFIXES)
         models_dir = order.root or self.models_dir
         started = time.monotonic()
         handle = await self._spare(order) if order.spare else None

@@ -24,6 +24,7 @@ class StartOrder(Frozen):
     ray_node_id: str | None
     root: str | None = None
     spare: bool = False  # `actor` is a spare that takes the model (R1), not a server to start
+    store_root: str | None = None  # the node's model store (its agent's report): the prefix disk tier lives beside it
 
 
 class FetchOrder(Frozen):

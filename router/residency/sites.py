@@ -125,4 +125,14 @@ class Sites:
         root = self.stores[place.node_id].root if self.holds(place.node_id, place.model) else None
         if root is not None and entry is not None:
             entry = entry.model_copy(update={"path": entry.folder, "hub": False})
-        return StartOrder(place=place, spec=spec, entry=entry, actor=actor, ray_node_id=self.ray_ids.get(place.node_id), root=root, spare=spare)
+        store = self.stores.get(place.node_id)
+        return StartOrder(
+            place=place,
+            spec=spec,
+            entry=entry,
+            actor=actor,
+            ray_node_id=self.ray_ids.get(place.node_id),
+            root=root,
+            spare=spare,
+            store_root=store.root if store is not None else None,
+        )

@@ -37,7 +37,9 @@ class SharedCluster:
             self.temp = tempfile.mkdtemp(prefix="orch-shared-", dir="/tmp")  # short: Ray's socket paths live here
             self._tmpdir_before = os.environ.get("RAY_TMPDIR")
             os.environ["RAY_TMPDIR"] = self.temp  # else Ray writes /tmp/ray/ray_current_cluster
-            self.cluster = Cluster(initialize_head=True, head_node_args=node_args(NODE, BUDGET_GIB, 2) | {"include_dashboard": False})
+            # a store of its own (empty: models load from the registry's folder), so nothing is left in the home folder
+            head = node_args(NODE, BUDGET_GIB, 2) | {"include_dashboard": False, "env_vars": {"ORCHARD_STORE": os.path.join(self.temp, "store")}}
+            self.cluster = Cluster(initialize_head=True, head_node_args=head)
             self.cluster.wait_for_nodes()
             ray.init(address=self.cluster.address, log_to_driver=False)
             self.started_in_s = time.monotonic() - started
