@@ -394,16 +394,19 @@ def test_rerank_orders_relevant_documents_first(orchard):
 
 
 def test_a_registry_entrys_llm_engine_reaches_its_instances_engine_over_the_apps(orchard):
-    from cluster.model_servers import find_model_servers, parse_actor_name
+    from cluster.model_servers import find_model_servers
     from deployments.engines.options import LLMEngineOptions
 
     for model in ("llama-no-tools", "llama-10m"):
         orchard["openai"].chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     running = {}
-    for name, handle in find_model_servers():
-        parsed = parse_actor_name(name)
-        if parsed and parsed[0] in ("llama-no-tools", "llama-10m"):
-            running[parsed[0]] = ray.get(handle.health.remote()).scheduling
+    for _, handle in find_model_servers():  # a model loaded into a spare (rule R1) has the spare's name: ask each
+        health = ray.get(handle.health.remote())
+        if health.model in ("llama-no-tools", "llama-10m"):
+            running[health.model] = dict(health.scheduling)
+    for scheduling in running.values():  # the prefix disk tier beside the node's store, as the residency service says
+        assert str(scheduling.pop("prefix_disk_dir")).endswith("/.prefixes")
     defaults = LLMEngineOptions().model_dump()
+    defaults.pop("prefix_disk_dir")
     assert running["llama-10m"] == defaults  # the app's (ray-config's defaults)
     assert running["llama-no-tools"] == defaults | {"admit_hold_steps": 0, "prefill_batch": 8}  # its own, the rest the app's

@@ -36,6 +36,9 @@ def orchard(models_dir, shared_ray):
     policy = {
         "min_residency_s": 0,
         "residency_per_reload": 0,
+        # no spare (R1): the watch tells B's process by its name, and a spare that B's model would
+        # load into exists before A exits by design (test_cluster_spares covers that path)
+        "spares_per_node": 0,
         "instance_overhead_bytes": 32 * MIB,
         "safety_margin_bytes": 16 * MIB,
         "safety_margin_fraction": 0,

@@ -142,7 +142,6 @@ def main() -> int:
             f"\ndisk / cold, turns 2+: {', '.join(f'{r}x' for r in later)} (median {statistics.median(later) if later else '-'}); same greedy tokens: {same}"
         )
     write_json(results, args.json)
-    print(f"wrote {args.json}")
     return 0 if same else 1
 
 

@@ -147,7 +147,7 @@ class LLMEngine(Engine):
         prompt_cache_bytes: int = 512 * 2**20,  # the prefix cache's byte budget (either kind)
         prefix_cache: str = "blocks",  # "blocks": shared blocks (prefix_cache.py); "lru": mlx-lm's LRUPromptCache
         prefix_block_tokens: int = 128,
-        prefix_disk_bytes: int = 0,  # the disk tier (prefix_disk.py): 0 here, on in the served defaults (options.py)
+        prefix_disk_bytes: int = 16 * 2**30,  # the disk tier (prefix_disk.py), where a folder is given or the node names a store
         prefix_disk_dir: str | None = None,
         share_prefill: bool = True,
         prefill_pad_ratio: float = 2.0,
