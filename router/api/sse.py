@@ -14,7 +14,6 @@ that asked (router.api.errors.for_principal)."""
 
 import asyncio
 import contextlib
-import time
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
@@ -32,12 +31,6 @@ from router.serving.generation import DeltaStream
 from router.serving.renderers import Renderer
 
 log = logging.getLogger("orchard.ingress")
-
-
-def _T(*a):  # TEMP TRACE
-    import time as _t
-    with open("/tmp/orch-repro/trace.log", "a") as f:
-        f.write("%.3f %s\n" % (_t.time(), " ".join(str(x) for x in a)))
 
 STREAM_BUFFER_BYTES = 4 * 1024**2  # rendered bytes a stream may hold for a client that reads slower than its model writes
 
@@ -104,13 +97,11 @@ class StreamBuffer:
 async def pump(first: GenerationDelta, deltas: DeltaStream, renderer: Renderer, model: str, who: Principal, out: StreamBuffer) -> None:
     """Drain the generation into `out` as rendered SSE bytes; close it (cancelling what is left and
     releasing the lease) at its end, on a failure, when `out` is over its bound, or when cancelled."""
-    _T("pump start")
     try:
         out.put(renderer.start() + renderer.feed(first))
         async for delta in deltas:
             out.put(renderer.feed(delta))
             if out.over and not delta.get("finish_reason"):
-                _T("over", out.size)
                 log.info("a stream of %s fell %d bytes behind its model: its generation is cancelled", model, out.size)
                 out.put(
                     renderer.fail(499, "cancelled", f"the client read more than {out.limit_bytes} bytes behind the model: the generation was stopped")
@@ -120,10 +111,8 @@ async def pump(first: GenerationDelta, deltas: DeltaStream, renderer: Renderer, 
         error = for_principal(unwrap(e), who.admin, model)
         out.put(renderer.fail(error.status, error.code, error.message))
     finally:
-        _T("pump finally", out.size)
         try:
             await deltas.aclose()
-            _T("pump aclosed", deltas.lease.released)
         finally:
             metrics.on_request(model, deltas.ttft_s, deltas.tokens, deltas.elapsed_s())
             out.put(renderer.close())
@@ -156,29 +145,18 @@ class PumpedEventStream(ClosingStreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def timed_send(message: Message) -> None:
-            t = time.monotonic()
             try:
                 async with asyncio.timeout(self.write_timeout_s):
                     await send(message)
             except TimeoutError:
-                _T("write timeout")
                 raise _ClientStalled from None
-            except BaseException as e:
-                _T("send raised", repr(e))
-                raise
-            if time.monotonic() - t > 0.5:
-                _T("send took", time.monotonic() - t, len(message.get("body", b"")))
 
-        _T("response start", scope.get("asgi"))
         try:
             await super().__call__(scope, receive, timed_send)
         except* _ClientStalled:  # a task group (ASGI < 2.4) wraps it
-            _T("stalled caught")
             log.info("a stream of %s: its client took nothing for %.0f s; the response ends", self.model, self.write_timeout_s)
         finally:
-            _T("response finally")
             await self.stop()
-            _T("response stopped")
 
     async def stop(self) -> None:
         """End the pump now if it still runs (the generation is cancelled, the lease released)."""

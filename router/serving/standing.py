@@ -128,8 +128,6 @@ class StandingLeases:
 
     def done(self, standing: Standing) -> None:
         """One request on `standing` ended."""
-        from router.api.sse import _T
-        _T("standing done", standing.in_flight)
         standing.in_flight = max(0, standing.in_flight - 1)
         if standing.in_flight == 0:
             standing.idle_since = time.monotonic()
@@ -236,8 +234,6 @@ class StandingLeases:
         ):  # nothing held: nothing to keep alive
             started, self._started = self._started, {}
             self._reported, self._reported_at = counts, now
-            from router.api.sse import _T
-            _T("report", counts)
             send_detached(self.residency.report_usage, UsageReport(holder=self.holder, in_flight=counts, started=started))
 
     async def _poll(self) -> None:
