@@ -60,7 +60,7 @@ class PolicyConfig(Frozen):
     # residency_per_reload 0 is the fixed rule (ModelMesh's minChurnAge).
     residency_per_reload: float = Field(default=2.0, ge=0)
     min_residency_s: float = Field(default=0.0, ge=0)
-    max_residency_s: float = Field(default=60.0, ge=0)
+    max_residency_s: float = Field(default=30.0, ge=0)
 
     # Spare processes (rule R1): each node keeps this many model-server processes started ahead
     # of demand (0 or 1), so a placement loads weights into a running process instead of starting
