@@ -38,6 +38,7 @@ from policy._frozen import Frozen
 ENV_STORE = "ORCHARD_STORE"
 MANIFEST = ".orchard-manifest.json"
 PARTIAL = ".partial"
+KERNELS = ".kernels"  # MLX's compiled CUDA kernels, kept across model servers (deployments/model_server.py keep_kernels)
 PREFIXES = ".prefixes"  # the block prefix cache's disk tier (deployments/engines/prefix_disk.py's DIR_NAME), with its own budget
 CHUNK_BYTES = 8 * 1024 * 1024  # one read or write (a copy keeps a few in flight), never a whole file in memory
 # A stream is received into a ring of RECEIVE_DEPTH buffers of RECEIVE_BYTES: one being received into
@@ -142,7 +143,7 @@ class Store:
         """What the store's folders hold (.partial included); the prefix tier beside them has its own budget."""
         if not self.root.is_dir():
             return 0
-        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file() and p.relative_to(self.root).parts[0] != PREFIXES)
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file() and p.relative_to(self.root).parts[0] not in (PREFIXES, KERNELS))
 
     def prefix_bytes(self) -> int:
         """What the block prefix cache's disk tier holds beside the store (its model servers keep it

@@ -23,6 +23,7 @@ from typing import Any
 
 from deployments.engine import RequestError
 from deployments.manifest import ManifestEntry, model_location
+from deployments.spare import SPARE_ENTRY, NoModel, keep_kernels, warm_up
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import ChannelItem, GenerationDelta, GenerationRequest, VLMRequest, WholeReply, parse_request
 from deployments.wire.reports import HealthReport, MemoryReport
@@ -403,39 +404,6 @@ def open_channel(server: Any, channel_id: str) -> Any:
     return server.channel.options(_generator_backpressure_num_objects=1).remote(channel_id)
 
 
-# What a spare (rule R1) reads as its entry until `take` gives it one.
-SPARE_ENTRY = ManifestEntry(name="", kind="llm", path=".", weight_bytes=0, weights="real", architecture="none", source="spare")
-
-
-class _NoModel:
-    """A spare's engine: no model yet, nothing running."""
-
-    def health(self) -> Any:
-        from deployments.wire.reports import Health
-
-        return Health(status="spare", kind="llm", model="", detail="a spare process: no model yet")
-
-    def memory(self) -> MemoryReport:
-        return MemoryReport(weight_bytes=0)
-
-    def running_requests(self) -> int:
-        return 0
-
-    async def stop(self) -> None:
-        return None
-
-
-def warm_up() -> None:
-    """What a model server's start costs before any weights: the engines' imports (MLX, mlx-lm,
-    mlx-vlm, the audio stacks), and the device set up by a first evaluation."""
-    from deployments.models import engine_classes
-
-    engine_classes()
-    import mlx.core as mx
-
-    mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
-
-
 class ModelServer:
     """One engine (built by deployments.models.open_engine) behind a Ray actor. Methods valid only
     for another kind raise OrchardError("unsupported"); engine RequestErrors keep their code."""
@@ -455,6 +423,7 @@ class ModelServer:
     ):
         from deployments.models import open_engine
 
+        keep_kernels()
         if gil_switch_ms is not None:
             # How soon a thread waiting for the GIL (the engine's, after an eval) gets it from the
             # event loop or Ray's threads; Python's default is 5 ms, a whole fast GPU step.
@@ -471,7 +440,7 @@ class ModelServer:
         # coalesce_max_ms (16 streams and more): each SSE event costs the same CPU whatever it
         # carries, and a stream's own token rate falls as the batch grows.
         self.coalesce_max_ms = max(coalesce_ms, coalesce_max_ms if coalesce_max_ms is not None else coalesce_ms)
-        self.engine: Any = _NoModel() if self.spare else open_engine(self.entry, Path(models_dir), **(engine_options or {}))
+        self.engine: Any = NoModel() if self.spare else open_engine(self.entry, Path(models_dir), **(engine_options or {}))
         if self.spare:
             warm_up()
         self._in_flight = 0

@@ -1,0 +1,53 @@
+"""A model server's process before it holds a model: a spare (rule R1 in docs/residency.md) is a
+ModelServer started ahead of demand, with the engines' imports done and the device set up, that
+`take` turns into a model's server. What it reads as its entry and engine until then, and what its
+start does."""
+
+import os
+from pathlib import Path
+from typing import Any
+
+from deployments.manifest import ManifestEntry
+from deployments.wire.reports import MemoryReport
+
+# What a spare (rule R1) reads as its entry until `take` gives it one.
+SPARE_ENTRY = ManifestEntry(name="", kind="llm", path=".", weight_bytes=0, weights="real", architecture="none", source="spare")
+
+
+class NoModel:
+    """A spare's engine: no model yet, nothing running."""
+
+    def health(self) -> Any:
+        from deployments.wire.reports import Health
+
+        return Health(status="spare", kind="llm", model="", detail="a spare process: no model yet")
+
+    def memory(self) -> MemoryReport:
+        return MemoryReport(weight_bytes=0)
+
+    def running_requests(self) -> int:
+        return 0
+
+    async def stop(self) -> None:
+        return None
+
+
+def keep_kernels() -> None:
+    """MLX's CUDA kernels, compiled at a process's first use of each, go to a folder of the node's that
+    outlives the process (`<ORCHARD_STORE>/.kernels`, unless MLX_PTX_CACHE_DIR says): a model server
+    started later, or on a node rebooted since, does not compile what another already did (MLX's
+    default is under /tmp). Set before MLX's first compilation; nothing on a Mac (Metal's are built in)."""
+    store = os.environ.get("ORCHARD_STORE")
+    if store and "MLX_PTX_CACHE_DIR" not in os.environ:
+        os.environ["MLX_PTX_CACHE_DIR"] = str(Path(store).expanduser() / ".kernels")
+
+
+def warm_up() -> None:
+    """What a model server's start costs before any weights: the engines' imports (MLX, mlx-lm,
+    mlx-vlm, the audio stacks), and the device set up by a first evaluation."""
+    from deployments.models import engine_classes
+
+    engine_classes()
+    import mlx.core as mx
+
+    mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
