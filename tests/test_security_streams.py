@@ -1,8 +1,11 @@
 """Issue 25 items 4-6 on a running cluster (the shared one-node cluster, real models, HTTP), with an
-admin key and scoped user keys: a streaming client that stops reading does not keep its lease; a
-key's tpm counts the prompt at admission and what embeddings use; a user key's 503 names its own
-model only, while an admin key's says which models, nodes and bytes stand in the way."""
+admin key and scoped user keys: a streaming client that stops reading does not keep its lease (a
+key with limits: its own lease; a key without: the ingress's standing lease), and the response it
+does not read is ended, its connection reset, on the write timeout; a key's tpm counts the prompt
+at admission and what embeddings use; a user key's 503 names its own model only, while an admin
+key's says which models, nodes and bytes stand in the way."""
 
+import errno
 import json
 import socket
 import time
@@ -26,8 +29,10 @@ KEYS = {
     "solo": "sk-sec-solo",  # one request at a time
     "frugal": "sk-sec-frugal",  # 400 tokens a minute
     "team-c": "sk-sec-team-c",  # two models that cannot be served
+    "open": "sk-sec-open",  # llama-10m only, no limits: its requests share the ingress's standing lease
 }
 EMBEDDING = "all-minilm-l6-v2"
+WRITE_TIMEOUT_S = 15.0  # the app's stream_write_timeout_s (30 s served)
 
 
 def auth(name: str) -> dict[str, str]:
@@ -48,9 +53,17 @@ def orchard(models_dir, shared_ray, broken_dir):
         key_entry("solo", KEYS["solo"], models=["llama-10m"], max_concurrent=1),
         key_entry("frugal", KEYS["frugal"], models=["llama-10m", EMBEDDING], tpm=400),
         key_entry("team-c", KEYS["team-c"], models=["llama-big", "broken-llama"]),
+        key_entry("open", KEYS["open"], models=["llama-10m"]),
     ]
     policy = {"min_residency_s": 0, "residency_per_reload": 0, "instance_overhead_bytes": 32 * MIB, "contention": "fail"}
-    args = {"models_dir": str(models_dir), "models": models, "policy": policy, "api_keys": api_keys, "watch_period_s": 0.5}
+    args = {
+        "models_dir": str(models_dir),
+        "models": models,
+        "policy": policy,
+        "api_keys": api_keys,
+        "watch_period_s": 0.5,
+        "stream_write_timeout_s": WRITE_TIMEOUT_S,
+    }
     yield {"base": serve_orchard(args), "broken_dir": broken_dir}
     serve.shutdown()
 
@@ -119,6 +132,87 @@ def test_a_client_that_stops_reading_does_not_keep_its_lease(orchard):
                 break
             time.sleep(0.25)
         assert routing["request_leases"] == 0, routing
+    finally:
+        stalled.close()
+
+
+def _stalled_chat(host: str, port: str, key: str, body: dict) -> socket.socket:
+    """A streamed chat from a client with a 4 KB receive buffer (default MSS) that reads the
+    response's headers and then nothing; its socket."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {KEYS[key]}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window it offers
+    stalled.connect((host, int(port)))
+    stalled.sendall(head + data)
+    headers = b""
+    while b"\r\n\r\n" not in headers:  # byte by byte: nothing of the body is read
+        byte = stalled.recv(1)
+        assert byte, headers
+        headers += byte
+    assert headers.startswith(b"HTTP/1.1 200"), headers
+    return stalled
+
+
+def _instance(orchard, model: str) -> dict | None:
+    nodes = requests.get(orchard["base"] + "/v1/cluster", headers=auth("ops"), timeout=30).json()["nodes"]
+    return next((i for n in nodes for i in n["instances"] if i["model"] == model), None)
+
+
+def test_a_stream_nobody_reads_ends_its_lease_with_its_generation_and_is_reset_on_the_write_timeout(orchard):
+    """A user's report: a streamed chat on the ingress replica's own port, by a key without limits
+    (its requests share the replica's standing lease, counted in flight there), whose client set a
+    4 KB receive buffer and read the headers, then nothing, kept a lease on its instance long after
+    its generation's end, until the client closed its socket. Over loopback's default MSS the
+    server's kernel takes about 2.8 MB before a write blocks, so the stream (~1.6 KB a token) is
+    made to outgrow that. Now: once its generation ends, the instance's in-flight count drops and
+    the standing lease goes back while the connection is still open, so the model can be unloaded
+    under it; and the write the client never takes ends the response on the write timeout, its
+    connection reset (it was held open, with what the server had buffered, until the client closed)."""
+    ok = post(orchard, "/v1/completions", {"model": "llama-10m", "prompt": "x", "max_tokens": 2}, "open")
+    assert ok.status_code == 200, ok.text
+    host, port = direct_url(orchard).removeprefix("http://").split(":")
+    body = {
+        "model": "llama-10m",
+        "messages": [{"role": "user", "content": "Go on"}],
+        "max_tokens": 2200,  # ~3.5 MB of SSE
+        "logit_bias": NEVER_END,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "stream": True,
+    }
+    stalled = _stalled_chat(host, port, "open", body)
+    started = time.monotonic()
+
+    def reset() -> int:
+        return stalled.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)  # the pending error, without reading
+
+    try:
+        running = _instance(orchard, "llama-10m")
+        routing = requests.get(orchard["base"] + "/v1/cluster", headers=auth("ops"), timeout=30).json()["routing"]
+        assert running is not None and running["leases"] == 1 and running["in_flight"] >= 1, running
+        assert routing["standing_leases"] == 1 and routing["request_leases"] == 0, routing  # the standing-lease path
+        while True:  # the generation runs, then ends: its count and the standing lease go, the socket still open
+            time.sleep(0.25)
+            error = reset()
+            assert error == 0, f"the connection was reset ({errno.errorcode.get(error)}) before the instance's lease ended"
+            instance = _instance(orchard, "llama-10m")
+            assert instance is not None, "the instance went away under the stream"
+            if instance["leases"] == 0 and instance["in_flight"] == 0:
+                break
+            assert time.monotonic() - started < 90, f"the stream that is not read still holds its instance: {instance}"
+        freed_s = time.monotonic() - started
+        r = post(orchard, "/v1/models/llama-10m/unload", {}, "ops")  # nothing holds it: an eviction could take it now
+        assert r.status_code == 200 and r.json()["unloaded_from"] == ["head"], r.text
+        assert reset() == 0, "the unload waited for the stream's connection"
+        while (error := reset()) == 0:  # the write it never takes: the response ends and its connection is reset
+            time.sleep(0.25)
+            assert time.monotonic() - started < freed_s + WRITE_TIMEOUT_S + 20, "the response nobody reads was not ended"
+        assert error == errno.ECONNRESET, errno.errorcode.get(error)
+        assert time.monotonic() - started > WRITE_TIMEOUT_S  # by the write timeout, not before
     finally:
         stalled.close()
 

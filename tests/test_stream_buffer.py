@@ -1,14 +1,17 @@
 """A streaming client cannot hold a lease by not reading (issue 25 item 4), in pure asyncio: the SSE
 response's pump drains the generation whatever the client does (its end releases the lease), a
 client that falls too far behind has its generation cancelled, a write the client takes nothing of
-ends the response after the write timeout, and a reading client, however slow, gets every byte. The
-stream mux never waits for a request's consumer: one whose queue fills is cancelled alone."""
+ends the response after the write timeout (and its connection is reset: a real socket here), and a
+reading client, however slow, gets every byte. The stream mux never waits for a request's consumer:
+one whose queue fills is cancelled alone."""
 
 import asyncio
+import errno
+import socket
 
 import pytest
 
-from router.api import sse
+from router.api import connection, sse
 from router.api.keys import Principal
 from router.serving import stream_mux
 
@@ -226,3 +229,39 @@ def test_the_mux_cancels_a_request_whose_consumer_lets_its_queue_fill_and_never_
     reader, error = asyncio.run(run())
     assert reader.actor.cancelled == ["slow"] and "slow" not in reader.streams and "fine" in reader.streams
     assert error.code == "cancelled" and "n1" not in error.message
+
+
+def test_a_connection_given_up_on_is_reset():
+    """router/api/connection.py: an asyncio server holds megabytes for a client that reads nothing
+    (what uvicorn's close would wait to flush); the connection's socket, found by the scope's two
+    addresses, is reset: the server's transport closes at once and the client sees ECONNRESET."""
+
+    async def run() -> tuple[bool, bool, int]:
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future = loop.create_future()
+        server = await asyncio.start_server(lambda _r, w: accepted.set_result(w), "127.0.0.1", 0)
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.setblocking(False)
+        try:
+            await loop.sock_connect(client, server.sockets[0].getsockname())
+            writer = await accepted
+            writer.write(b"x" * 16 * 1024**2)  # more than the kernel takes: the rest waits in the transport
+            await asyncio.sleep(0.1)
+            assert writer.transport.get_write_buffer_size() > 0
+            stranger = connection.reset({"client": ("127.0.0.1", 1), "server": writer.get_extra_info("sockname")})
+            found = connection.reset({"client": writer.get_extra_info("peername"), "server": writer.get_extra_info("sockname")})
+            for _ in range(100):
+                error = client.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if error:
+                    break
+                await asyncio.sleep(0.02)
+            return stranger, found and writer.transport.is_closing(), error
+        finally:
+            client.close()
+            server.close()
+
+    stranger, found, error = asyncio.run(run())
+    assert not stranger  # no socket of this process has those addresses: nothing is touched
+    assert found and error == errno.ECONNRESET
+    assert not connection.reset({"type": "http"})  # no addresses (an ASGI server that gives none)

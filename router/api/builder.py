@@ -15,6 +15,7 @@ from deployments.engines.options import LLMEngineOptions
 from policy import PolicyConfig
 from router.api.app import IngressDeployment
 from router.api.guard import is_loopback
+from router.api.ingress import STREAM_WRITE_TIMEOUT_S
 from router.api.keys import KeyEntry, Principal, resolve
 from router.console.view import ConsoleSettings, facts_of
 from router.protocols.responses.store import StoreSettings
@@ -48,6 +49,9 @@ class AppArgs(BaseModel):
     # unless that copy has more than this many requests in flight beyond the least loaded copy's;
     # negative: always the least loaded (router/serving/affinity.py, docs/cluster.md).
     prefix_affinity_max_extra_in_flight: int = 4
+    # A streamed response whose client takes none of a write for this long ends (its generation
+    # cancelled if it still runs, its lease released) and its connection is reset (router/api/sse.py).
+    stream_write_timeout_s: float = Field(default=STREAM_WRITE_TIMEOUT_S, gt=0)
     # Scoped keys (router/api/keys.py): {key_env | key_sha256, role, name, models, rpm, tpm, max_concurrent}
     api_keys: list[KeyEntry] = Field(default_factory=list)
     watch_period_s: float = Field(default=1.0, gt=0)
@@ -187,6 +191,7 @@ def build_app(args: dict) -> serve.Application:
         allowed_hosts=tuple(a.allowed_hosts),
         route_linger_s=a.route_linger_s,
         prefix_affinity_max_extra_in_flight=a.prefix_affinity_max_extra_in_flight,
+        stream_write_timeout_s=a.stream_write_timeout_s,
         gil_switch_ms=a.ingress_gil_switch_ms,
         console_settings=console_settings(models, models_dir, a.policy, a.dashboard_url, a.llm_engine.model_dump()),
         responses_store=a.responses_store.model_dump(),

@@ -7,7 +7,9 @@ therefore ends the lease (DeltaStream's close releases it) whatever the client d
 - a client that falls more than `STREAM_BUFFER_BYTES` behind has its generation cancelled (the
   stream ends with an error event after what it was sent);
 - a write the client takes none of for `write_timeout_s` (the app's `Ingress.stream_write_timeout_s`)
-  ends the response, cancelling the generation if it still runs;
+  ends the response, cancelling the generation if it still runs, and resets its connection
+  (router/api/connection.py: the server would otherwise hold it, and what it buffered, until the
+  client closes it);
 - the response ending any other way (the client went away) cancels the generation too.
 Errors after the first delta end the stream with the protocol's error event, worded for the key
 that asked (router.api.errors.for_principal)."""
@@ -25,6 +27,7 @@ from deployments.model_server import unwrap
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import GenerationDelta
 from router import metrics
+from router.api import connection
 from router.api.errors import for_principal
 from router.api.keys import Principal
 from router.serving.generation import DeltaStream
@@ -121,8 +124,9 @@ async def pump(first: GenerationDelta, deltas: DeltaStream, renderer: Renderer, 
 
 class PumpedEventStream(ClosingStreamingResponse):
     """The SSE response of a generation: starts its pump at once (in the route's context), writes
-    what the pump buffers, each write bounded by `write_timeout_s`, and stops the pump (cancelling a
-    generation still running) when the response ends before it."""
+    what the pump buffers, each write bounded by `write_timeout_s` (a write that times out resets
+    the connection), and stops the pump (cancelling a generation still running) when the response
+    ends before it."""
 
     def __init__(
         self,
@@ -154,7 +158,13 @@ class PumpedEventStream(ClosingStreamingResponse):
         try:
             await super().__call__(scope, receive, timed_send)
         except* _ClientStalled:  # a task group (ASGI < 2.4) wraps it
-            log.info("a stream of %s: its client took nothing for %.0f s; the response ends", self.model, self.write_timeout_s)
+            reset = connection.reset(scope)
+            log.info(
+                "a stream of %s: its client took nothing for %.0f s; the response ends%s",
+                self.model,
+                self.write_timeout_s,
+                " and its connection is reset" if reset else "",
+            )
         finally:
             await self.stop()
 
