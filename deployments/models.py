@@ -52,22 +52,28 @@ def prepare(models_dir: Path, only: set[str] | None = None, log=print) -> Manife
     return manifest
 
 
-def engine_classes() -> dict[str, type[Engine]]:
-    """The engine class of each model kind (importing them is most of a model server's start: a
-    spare process does it ahead of demand, rule R1)."""
-    from deployments.engines.embedding import EmbeddingEngine
-    from deployments.engines.llm import LLMEngine
-    from deployments.engines.rerank import RerankEngine
-    from deployments.engines.stt import STTEngine
-    from deployments.engines.tts import TTSEngine
-    from deployments.engines.vlm import VLMEngine
+# Each kind's engine, imported only when a server of that kind opens one: the stacks differ (mlx-lm;
+# mlx-vlm; the audio and encoder stacks, which pull in transformers, and with it PyTorch where it
+# is installed), and importing them all made every model server's start seconds longer.
+ENGINES = {
+    "llm": ("deployments.engines.llm", "LLMEngine"),
+    "vlm": ("deployments.engines.vlm", "VLMEngine"),
+    "embedding": ("deployments.engines.embedding", "EmbeddingEngine"),
+    "rerank": ("deployments.engines.rerank", "RerankEngine"),
+    "stt": ("deployments.engines.stt", "STTEngine"),
+    "tts": ("deployments.engines.tts", "TTSEngine"),
+}
 
-    return {"llm": LLMEngine, "vlm": VLMEngine, "embedding": EmbeddingEngine, "rerank": RerankEngine, "stt": STTEngine, "tts": TTSEngine}
+
+def engine_class(kind: str) -> type[Engine]:
+    """The engine class of a model kind, its module imported now."""
+    module, name = ENGINES[kind]
+    return getattr(importlib.import_module(module), name)
 
 
 def open_engine(entry: ManifestEntry, models_dir: Path, **options) -> Engine:
     """An engine for a manifest entry (not yet loaded). On a Mac the same classes take hub folders."""
-    return engine_classes()[entry.kind](entry.name, model_location(entry, models_dir), **options)
+    return engine_class(entry.kind)(entry.name, model_location(entry, models_dir), **options)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,11 +43,12 @@ def keep_kernels() -> None:
 
 
 def warm_up() -> None:
-    """What a model server's start costs before any weights: the engines' imports (MLX, mlx-lm,
-    mlx-vlm, the audio stacks), and the device set up by a first evaluation."""
-    from deployments.models import engine_classes
+    """What a model server's start costs before any weights, for the kind most placements are: the
+    LLM engine's imports (MLX, mlx-lm) and the device set up by a first evaluation. Another kind
+    imports its own stack when the spare takes it (deployments.models.engine_class)."""
+    from deployments.models import engine_class
 
-    engine_classes()
+    engine_class("llm")
     import mlx.core as mx
 
     mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))

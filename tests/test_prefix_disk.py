@@ -135,3 +135,15 @@ def test_a_model_stopped_and_loaded_again_reads_its_prefix_back_with_the_same_gr
     finally:
         asyncio.run(again.stop())
         asyncio.run(plain.stop())
+
+
+def test_a_prefix_is_read_back_only_where_that_beats_prefilling_it(tmp_path):
+    first = PrefixCache(block_tokens=BLOCK, disk=DiskTier(tmp_path, "model-a", 2**30))
+    first.insert(TOKENS, kv(TOKENS))
+    written(first.disk)
+    again = PrefixCache(block_tokens=BLOCK, disk=DiskTier(tmp_path, "model-a", 2**30))
+    again.disk.per_token = first.disk.per_token  # as its first block would tell it
+    again.disk.prefill_rate = lambda: 1e15  # a prefill far faster than any disk (an H100 on a small model)
+    assert not again.disk.worth_reading() and again.restore(TOKENS) == 0 and again.disk.stats["disk_blocks_restored"] == 0
+    again.disk.prefill_rate = lambda: 10.0  # a Mac's prefill of a large model: 10 tokens a second
+    assert again.disk.worth_reading() and again.restore(TOKENS) == 5 * BLOCK

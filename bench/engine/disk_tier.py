@@ -116,6 +116,7 @@ def main() -> int:
     results: dict[str, Any] = {
         "model": args.model.name,
         "device": str(mx.default_device()),
+        "device_name": mx.device_info().get("device_name") if mx.default_device() != mx.cpu else None,  # the card, on a GPU
         "machine": platform.machine(),
         "args": vars(args) | {"model": str(args.model)},
     }
@@ -127,7 +128,7 @@ def main() -> int:
     same = all(results[w]["answers"] == results[ways[0]]["answers"] for w in ways)
     results["same_greedy_tokens"] = same
     print(
-        f"\n{args.model.name}, a {args.prompt_tokens}-token prefix, {args.turns} turns of +{args.turn_tokens} tokens, the model reloaded between turns"
+        f"\n{args.model.name} on {results['device_name'] or results['device']}, a {args.prompt_tokens}-token prefix, {args.turns} turns of +{args.turn_tokens} tokens, the model reloaded between turns"
     )
     print("| way | " + " | ".join(f"turn {t + 1} first token s (cached)" for t in range(args.turns)) + " |")
     print("|---|" + "---:|" * args.turns)

@@ -2,9 +2,12 @@
 for all of them, against vllm-mlx's multi-model registry on the same budget, in one run. Prints a
 table, writes JSON (bench/results/swap.json), and a Markdown page with --markdown.
 
-The models: the embedded llama-10m registered N times (m1..mN, `--models`), each declaring
-`--weight-gib` of weights, so that the servers' own arithmetic, not llama-10m's real 36 MiB,
-decides what fits: room for K (`--room`) at a time.
+The models: one prepared model (`--model`: the embedded llama-10m by default) registered N times
+(m1..mN, `--models`), each declaring `--weight-gib` of weights, so that the servers' own arithmetic
+decides what fits: room for K (`--room`) at a time. For llama-10m the declared size (1 GiB by
+default) stands in for a real model's, not its real 36 MiB; for any other model (`--model
+llama-1b-shape` on a GPU: Llama-3.2-1B's shape, random bf16 weights, built by deployments.models
+prepare) the default is its real safetensors size, so the room for K is real memory.
 
 - Orchard: a local Ray cluster started by this process (ray.cluster_utils, Ray's token auth, the
   product's Serve mode), ONE node (a single Mac) whose store is the prepared models/ folder and whose
@@ -15,7 +18,7 @@ decides what fits: room for K (`--room`) at a time.
   so a change of defaults shows here. Clients use the ingress replica's own URL (Serve's direct
   ingress, as README's URL is).
 - vllm-mlx 0.6.0 (its own site folder, mlx-lm 0.31.3, as bench.peers runs it): `serve
-  --models-config <yaml> --continuous-batching`, the same N names on models/llama-10m, each
+  --models-config <yaml> --continuous-batching`, the same N names on the model's folder, each
   `estimated_memory_gb` the same declared weights, `memory_budget_gb` K x that (it counts weights
   only: K fit), contention strategy `wait` with a generous timeout.
 
@@ -71,7 +74,8 @@ from router.api.builder import build_app  # noqa: E402
 from router.residency.registry import from_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = "llama-10m"
+MODEL = "llama-10m"  # the default --model
+DECLARED_GIB = 1.0  # what each name declares for llama-10m (--weight-gib's default for it)
 NODE = "mac-1"
 POLICY: dict[str, Any] = {
     "contention": "wait",
@@ -96,15 +100,20 @@ def names(n: int) -> list[str]:
     return [f"m{i}" for i in range(1, n + 1)]
 
 
-def registry(models: list[str], weight_gib: float) -> list[dict]:
-    return [{"name": m, "kind": "llm", "path": MODEL, "weight_bytes": int(weight_gib * GIB)} for m in models]
+def registry(models: list[str], weight_gib: float, model: str = MODEL) -> list[dict]:
+    return [{"name": m, "kind": "llm", "path": model, "weight_bytes": int(weight_gib * GIB)} for m in models]
 
 
-def sizes(models_dir: Path, models: list[str], weight_gib: float, room: int) -> dict[str, Any]:
+def weights_gib(folder: Path) -> float:
+    """The model's real weights: its safetensors files, in GiB."""
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) / GIB
+
+
+def sizes(models_dir: Path, models: list[str], weight_gib: float, room: int, model: str = MODEL) -> dict[str, Any]:
     """What one instance reserves, by the policy's arithmetic, and a node budget that holds exactly
     `room` of them (halfway between room and room + 1, so rounding cannot tip it); a ValueError
     unless the policy agrees."""
-    catalog, _ = from_config(registry(models, weight_gib), models_dir)
+    catalog, _ = from_config(registry(models, weight_gib, model), models_dir)
     config = PolicyConfig.model_validate(POLICY)
     spec = catalog[models[0]]
     need = required_bytes(spec, config)
@@ -161,7 +170,9 @@ def cold_request(base: str, model: str, prompt: str) -> tuple[Outcome, float]:
 
 
 # ---- Orchard ---------------------------------------------------------------------------------------------
-def start_orchard(models_dir: Path, models: list[str], weight_gib: float, budget_gib: float, policy: dict[str, Any]) -> tuple[Cluster, str, str]:
+def start_orchard(
+    models_dir: Path, models: list[str], weight_gib: float, budget_gib: float, policy: dict[str, Any], model: str = MODEL
+) -> tuple[Cluster, str, str]:
     """One node, `budget_gib`, its store the prepared models folder: (the cluster, the ingress
     replica's own URL, Ray's session folder)."""
     cluster = Cluster(
@@ -179,7 +190,7 @@ def start_orchard(models_dir: Path, models: list[str], weight_gib: float, budget
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app({"models_dir": str(models_dir), "models": registry(models, weight_gib), "policy": policy})
+        app = build_app({"models_dir": str(models_dir), "models": registry(models, weight_gib, model), "policy": policy})
         serve.run(app, name="orchard", route_prefix="/")
         base = direct_ingress(f"http://127.0.0.1:{port}")
         wait_ready(base)
@@ -226,7 +237,7 @@ def stop_orchard(cluster: Cluster) -> None:
 def run_orchard(models_dir: Path, trace: list[Request], a: argparse.Namespace, size: dict[str, Any], name: str = "orchard") -> dict[str, Any]:
     models = names(a.models)
     print(f"{name}: starting one node of {size['node_budget_gib']} GiB", flush=True)
-    cluster, base, session_dir = start_orchard(models_dir, models, a.weight_gib, size["node_budget_gib"], POLICY | ORCHARDS[name])
+    cluster, base, session_dir = start_orchard(models_dir, models, a.weight_gib, size["node_budget_gib"], POLICY | ORCHARDS[name], a.model)
     events: dict[int, dict] = {}
 
     async def read_events(session: aiohttp.ClientSession) -> None:
@@ -499,8 +510,7 @@ request and the servers' residency timelines in `bench/results/swap.json`. One r
 Orchard at {revision}.
 
 The job Orchard is for: more models than fit, with requests for all of them. {n} names (m1..m{n})
-for the embedded llama-10m, each declaring {weight:g} GiB of weights so that the servers' own
-accounting decides what fits; room for {room} at a time. Orchard: one node (a single Mac) whose
+for {what}; room for {room} at a time. Orchard: one node (a single Mac) whose
 budget holds exactly {room} instances as its policy counts them (weights + KV reservation +
 overhead), `contention: wait`, `wait_timeout_s: 60`, a 64 MiB safety margin, the rest at its
 defaults; the clients use the ingress replica's own URL. vllm-mlx 0.6.0: `serve --models-config
@@ -519,7 +529,16 @@ def machine() -> str:
     import mlx.core as mx
 
     device = "CPU MLX" if mx.default_device() == mx.cpu else "MLX on the GPU"
+    if mx.default_device() != mx.cpu and (card := mx.device_info().get("device_name")):
+        device += f" ({card})"
     return f"{os.cpu_count()}-core {platform.system()} {platform.machine()}, {device}"
+
+
+def declared(model: str, weight_gib: float) -> str:
+    """The page's words for what each name is."""
+    if model == MODEL:
+        return f"the embedded {MODEL}, each declaring {weight_gib:g} GiB of weights so that the servers' own\naccounting decides what fits"
+    return f"{model}, each declaring its real {weight_gib:.3g} GiB of weights (its safetensors), so that the\nroom the servers' accounting gives is real memory"
 
 
 def revision() -> str:
@@ -536,6 +555,16 @@ def revision() -> str:
     return f"commit {head.stdout.strip()}" + (" with uncommitted changes" if dirty else "")
 
 
+def kept(markdown: str | None) -> str:
+    """What a page keeps of itself when a run writes it again: its "## On the GPU" section and what
+    follows (runs made on another machine, written by hand)."""
+    if not markdown or not Path(markdown).is_file():
+        return ""
+    text = Path(markdown).read_text()
+    at = text.find("\n## On the GPU")
+    return "" if at < 0 else text[at:]
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a is not None and b else None
 
@@ -543,9 +572,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--servers", default="orchard,vllm-mlx", help=f"comma-separated, of {', '.join(ORCHARDS)} and vllm-mlx")
-    ap.add_argument("--models", type=int, default=4, help="N: how many names (m1..mN) for llama-10m")
+    ap.add_argument("--model", default=MODEL, help="the prepared model every name serves (llama-1b-shape on a GPU)")
+    ap.add_argument("--models", type=int, default=4, help="N: how many names (m1..mN) for the model")
     ap.add_argument("--room", type=int, default=2, help="K: how many fit at a time")
-    ap.add_argument("--weight-gib", type=float, default=1.0, help="the weights each name declares")
+    ap.add_argument(
+        "--weight-gib",
+        type=float,
+        default=None,
+        help=f"the weights each name declares (default: {DECLARED_GIB:g} for {MODEL}, the model's real safetensors size for any other)",
+    )
     ap.add_argument("--requests", type=int, default=60, help="Poisson arrivals over --seconds (the burst comes on top)")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--burst", type=int, default=12, help="requests for the least popular model, together at 40%% of the run")
@@ -565,13 +600,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need 1 <= --room < --models: more models than fit")
     models = names(a.models)
     models_dir = a.models_dir.resolve()
-    prepare(models_dir, {MODEL}, log=lambda *_: None)
+    prepare(models_dir, {a.model}, log=lambda *_: None)
+    path = (models_dir / a.model).resolve()
+    if a.weight_gib is None:
+        a.weight_gib = DECLARED_GIB if a.model == MODEL else round(weights_gib(path), 4)
     # Ray's files under a folder of this benchmark's, short enough for Ray's socket paths, kept after the run
     os.environ["RAY_TMPDIR"] = os.environ.get("ORCHARD_SWAP_TMPDIR", "/tmp/orchard-swap")
     Path(os.environ["RAY_TMPDIR"]).mkdir(mode=0o700, parents=True, exist_ok=True)
-    size = sizes(models_dir, models, a.weight_gib, a.room)
+    size = sizes(models_dir, models, a.weight_gib, a.room, a.model)
     print(
-        f"sizes: an Orchard instance reserves {size['instance_bytes'] / MIB:.0f} MiB ({size['weight_bytes'] / MIB:.0f} weights + "
+        f"sizes: {a.model}, {a.weight_gib:g} GiB declared a name; an Orchard instance reserves {size['instance_bytes'] / MIB:.0f} MiB ({size['weight_bytes'] / MIB:.0f} weights + "
         f"{size['kv_reserved_bytes'] / MIB:.0f} KV + {size['overhead_bytes'] / MIB:.0f} overhead); the {size['node_budget_gib']} GiB node "
         f"gives {size['node_room_bytes'] / MIB:.0f} MiB: {size['fits']} fit. vllm-mlx: budget {a.room * a.weight_gib:g} GB of weights, "
         f"{a.weight_gib:g} GB each: {a.room} fit",
@@ -581,7 +619,6 @@ def main(argv: list[str] | None = None) -> int:
     trace = build(models, a.requests, a.seconds, a.burst, BURST_AT, a.zipf, a.seed)
     per_model = {m: sum(r.model == m and not r.burst for r in trace) for m in models}
     print(f"trace: {len(trace)} requests, {per_model} + {a.burst} x {models[-1]} at {BURST_AT * a.seconds:.0f} s", flush=True)
-    path = (models_dir / MODEL).resolve()
     raw = in_process_cold(path, trace[0].prompt)
     print(f"in process: mlx_lm.load {raw['load_s']} s + one greedy token {raw['first_token_s']} s", flush=True)
     servers: dict[str, Any] = {}
@@ -593,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
         "revision": rev,
+        "model": a.model,
         "room": a.room,
         "weight_gib": a.weight_gib,
         "sizes": size,
@@ -626,13 +664,14 @@ def main(argv: list[str] | None = None) -> int:
         date=results["date"],
         revision=results["revision"],
         n=a.models,
+        what=declared(a.model, a.weight_gib),
         weight=a.weight_gib,
         room=a.room,
         budget=a.room * a.weight_gib,
         clients=a.clients,
         cores=os.cpu_count(),
     )
-    publish(results, text, a.json, a.markdown, page=(head, ""))
+    publish(results, text, a.json, a.markdown, page=(head, kept(a.markdown)))
     return 0
 
 

@@ -351,10 +351,18 @@ class LLMEngine(Engine):
             return None
         identity = prefix_disk.model_identity(self.path, self.kv_bits, self.kv_group_size, self.prefix_block_tokens, "")
         try:
-            return DiskTier(root, identity, self.prefix_disk_bytes)
+            tier = DiskTier(root, identity, self.prefix_disk_bytes)
         except OSError as e:  # an unwritable folder: the memory cache alone
             logger.warning("%s: no prefix disk tier at %s: %s", self.name, root, e)
             return None
+        tier.prefill_rate = self._prefill_rate
+        return tier
+
+    def _prefill_rate(self) -> float:
+        """Prompt tokens a second, as mlx-lm measured this engine's prefills (0 before any)."""
+        counted = self.counters()
+        tokens, seconds = counted.get("prompt_tokens", 0), counted.get("prompt_time", 0.0)
+        return tokens / seconds if tokens > 0 and seconds > 0 else 0.0
 
     @property
     def _prefill_chunk(self) -> int:
@@ -427,17 +435,12 @@ class LLMEngine(Engine):
         )
 
     def _prefill_seconds(self, kept_bytes: int) -> float:
-        """Seconds the kept prefixes would cost again: read back from the disk tier when there is one,
-        else their tokens prefilled at the rate mlx-lm measured here (its prompt_tokens / prompt_time;
-        0 before any prefill)."""
-        if self.disk is not None:
+        """Seconds the kept prefixes would cost again: read back from the disk tier where that beats a
+        prefill, else their tokens prefilled at the rate mlx-lm measured here (0 before any prefill)."""
+        if self.disk is not None and self.disk.worth_reading():
             return kept_bytes / self.disk.read_bytes_per_s()
-        per_token = getattr(self, "kv_bytes_per_token", 0)
-        counted = self.counters()
-        tokens, seconds = counted.get("prompt_tokens", 0), counted.get("prompt_time", 0.0)
-        if not kept_bytes or not per_token or tokens <= 0 or seconds <= 0:
-            return 0.0
-        return kept_bytes / per_token * seconds / tokens
+        per_token, rate = getattr(self, "kv_bytes_per_token", 0), self._prefill_rate()
+        return kept_bytes / per_token / rate if kept_bytes and per_token and rate else 0.0
 
     async def shrink_prefix_cache(self, target_bytes: int) -> int:
         """Evict kept prefixes, least recently used first, until the prefix cache holds at most

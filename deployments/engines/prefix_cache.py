@@ -182,7 +182,7 @@ class PrefixCache:
         memory, as far as the tier has them in a row (a block whose parent is not there cannot be
         reached); returns the tokens restored. Then `match` and `fetch` see them as any kept prefix.
         Nothing is read for a prompt whose blocks memory holds."""
-        if self.disk is None:
+        if self.disk is None or not self.disk.worth_reading():
             return 0
         node, at, size, restored = self._root, 0, self.block_tokens, 0
         now = next(self._clock)
