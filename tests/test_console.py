@@ -206,6 +206,19 @@ def test_an_instances_kept_prompt_prefixes_are_its_own_segment_not_other_process
     assert (big.bytes, big.kv_bytes, big.cache_bytes) == (664 * MIB, 100 * MIB, 50 * MIB)
 
 
+def test_a_spare_process_is_its_own_segment_and_the_node_says_the_next_load_runs_in_it():
+    """R1: a node's spare (GET /v1/cluster's `spare`, in ours_bytes) is a `spare` segment, not room
+    and not other processes; the bar still adds up to the usable memory."""
+    cluster, models = scene()
+    mac = cluster["nodes"][1]
+    mac["spare"] = {"actor": "orchard:@mac-1#1", "bytes": 180 * MIB}
+    mac["memory"]["ours_bytes"] += 180 * MIB
+    view = compose(cluster, models, ConsoleSettings(models=FACTS), now=100.0).nodes[1]
+    assert ("spare", 180 * MIB) in [(s.kind, s.bytes) for s in view.segments]
+    assert sum(s.bytes for s in view.segments) == view.usable_bytes
+    assert "a spare process (180 MiB: the next load here runs in it)" in view.words
+
+
 def test_an_overcommitted_node_shows_by_how_much():
     cluster, models = scene()
     cluster["nodes"][1]["memory"]["foreign_bytes"] = 450 * MIB

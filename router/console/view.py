@@ -254,8 +254,11 @@ def _node(
         room = max(0, free - margin)
         cached = sum(i.get("prefix_cache_bytes") or 0 for i in node["instances"])
         kept = f" ({size(cached)} of it kept prompt prefixes, given back before any eviction)" if cached else ""
+        spare = (node.get("spare") or {}).get("bytes") or 0
+        spared = f" and a spare process ({size(spare)}: the next load here runs in it)" if spare else ""
         words = (
-            f"{node['node_id']}: {size(mem['ours_bytes'])} held by {len(node['instances'])} instance(s){kept}, {size(mem['foreign_bytes'])} by other processes, "
+            f"{node['node_id']}: {size(mem['ours_bytes'])} held by {len(node['instances'])} instance(s){kept}{spared}, "
+            f"{size(mem['foreign_bytes'])} by other processes, "
             f"{size(room)} of room for another model (after the {size(margin)} margin) out of {size(mem['usable_bytes'])} usable"
         )
         if mem.get("headroom_bytes") is not None:
