@@ -12,9 +12,10 @@ warm cache would give.
 
 Files are written atomically (a temporary name, then a rename) and carry their own checksum (a
 CRC-32 of their arrays), their model's identity and their tokens: a torn, foreign or colliding file is never used (it is
-deleted). The tier has its own budget beside the model store (`budget_bytes`), enforced after every
-write and when it opens (a restart), across every model server of the node (one lock file):
-least recently used files go first. Only full blocks of plain KV caches live here (the memory cache
+deleted). The tier has its own budget beside the model store (`budget_bytes`), across every model
+server of the node: each write reserves its room in one total under a lock file, and the folder is
+listed and trimmed (least recently used first) when that total would pass the budget, every RESCAN
+writes, and when a tier opens (a restart). Only full blocks of plain KV caches live here (the memory cache
 holds nothing else), so a restored prefix is exactly what a prefill would have made.
 
 Conversions to and from NumPy run on the engine's MLX thread (`put`, `restore`); file writes on one
@@ -43,6 +44,7 @@ log = logging.getLogger("orchard.engine")
 DIR_NAME = ".prefixes"  # beside the model store's folders, not counted in its budget (cluster/store.py's PREFIXES)
 SUFFIX = ".safetensors"
 _SAMPLE = 1 << 20
+RESCAN = 256  # a writer lists the tier's folder at least every this many blocks it writes
 
 
 def default_dir() -> Path | None:
@@ -109,6 +111,7 @@ class DiskTier:
         self.stats = {"disk_blocks_written": 0, "disk_blocks_restored": 0, "disk_blocks_refused": 0, "disk_write_errors": 0}
         self._read: list[float] = [0, 0.0]  # bytes and seconds of the blocks read back
         self.per_token = 0.0  # bytes a token's KV takes in a block (seen at the first put or load)
+        self._writes = 0  # blocks this tier wrote (the folder is listed again every RESCAN of them)
         # the engine's measured prefill rate (tokens/s; 0 before any): a prefix is read back only
         # where that is faster than prefilling it (an H100 prefills a 1B model's 20k tokens in 1.2 s)
         self.prefill_rate: Callable[[], float] | None = None
@@ -167,7 +170,7 @@ class DiskTier:
         target = self._file(key)
         tmp = target.with_name(f".{key}.{os.getpid()}.tmp")
         meta = {"identity": self.identity, "tokens": json.dumps(list(tokens)), "dtypes": json.dumps(dtypes), "sha256": _digest(arrays)}
-        self.enforce(room_for=nbytes)
+        self._reserve(nbytes)
         save_file(arrays, str(tmp), metadata=meta)
         os.replace(tmp, target)
         self.stats["disk_blocks_written"] += 1
@@ -233,25 +236,49 @@ class DiskTier:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
+    def _reserve(self, nbytes: int) -> None:
+        """Room for a block about to be written. Every writer of the node counts what it adds in one
+        total (`.held`, under the lock), so the budget holds without listing the folder each write;
+        the folder is listed (and trimmed) only when the total would pass the budget, when there is
+        no total, or every RESCAN writes (a file deleted as refused, or by hand, leaves the total high)."""
+        with self._locked():
+            held = self._total()
+            self._writes += 1
+            if held is None or held + nbytes > self.budget_bytes or self._writes % RESCAN == 0:
+                held = self._trim(nbytes)
+            (self.root / ".held").write_text(str(held + nbytes))
+
+    def _total(self) -> int | None:
+        try:
+            return int((self.root / ".held").read_text())
+        except (OSError, ValueError):
+            return None
+
     def enforce(self, room_for: int = 0) -> int:
         """Remove the least recently used blocks of every model on the node until the tier holds at
         most budget_bytes - room_for; returns the bytes removed."""
-        removed = 0
         with self._locked():
-            files = []
-            for path in self.root.glob(f"*/*{SUFFIX}"):
-                with contextlib.suppress(FileNotFoundError):
-                    st = path.stat()
-                    files.append((st.st_mtime, st.st_size, path))
-            held = sum(size for _, size, _ in files)
-            for _, size, path in sorted(files, key=lambda f: f[0]):
-                if held + room_for <= self.budget_bytes:
-                    break
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                    held -= size
-                    removed += size
-        return removed
+            before = tier_bytes(self.root)
+            held = self._trim(room_for)
+            (self.root / ".held").write_text(str(held))
+        return before - held
+
+    def _trim(self, room_for: int) -> int:
+        """Under the lock: list every block of the node's tier and remove the least recently used
+        until they hold at most budget_bytes - room_for; what they hold then."""
+        files = []
+        for path in self.root.glob(f"*/*{SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):
+                st = path.stat()
+                files.append((st.st_mtime, st.st_size, path))
+        held = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files, key=lambda f: f[0]):
+            if held + room_for <= self.budget_bytes:
+                break
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                held -= size
+        return held
 
 
 def tier_bytes(root: Path | None) -> int:
