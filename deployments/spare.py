@@ -5,10 +5,9 @@ start does."""
 
 import os
 from pathlib import Path
-from typing import Any
 
 from deployments.manifest import ManifestEntry
-from deployments.wire.reports import MemoryReport
+from deployments.wire.reports import Health, MemoryReport
 
 # What a spare (rule R1) reads as its entry until `take` gives it one.
 SPARE_ENTRY = ManifestEntry(name="", kind="llm", path=".", weight_bytes=0, weights="real", architecture="none", source="spare")
@@ -17,9 +16,7 @@ SPARE_ENTRY = ManifestEntry(name="", kind="llm", path=".", weight_bytes=0, weigh
 class NoModel:
     """A spare's engine: no model yet, nothing running."""
 
-    def health(self) -> Any:
-        from deployments.wire.reports import Health
-
+    def health(self) -> Health:
         return Health(status="spare", kind="llm", model="", detail="a spare process: no model yet")
 
     def memory(self) -> MemoryReport:

@@ -873,7 +873,6 @@ class LLMEngine(Engine):
             pass
         elif isinstance(self.prompt_cache, PrefixCache):  # at least one token is left to prefill: it gives the first logits
             limit = len(tokens) - 1
-            self.prompt_cache.restore(tokens)  # nothing to read when its admission restored it already
             if align is not None and len(tokens) - align >= max(1, self.prompt_cache_min_tokens):
                 limit = len(tokens) - align
             cache, reused = self.prompt_cache.fetch(tokens, limit=limit, min_tokens=self.prompt_cache_min_tokens)

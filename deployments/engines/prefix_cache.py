@@ -144,7 +144,14 @@ class PrefixCache:
         self._bytes = 0
         self.disk = disk  # every full block is written there too, and read back by `restore` (prefix_disk.py)
         # what it did, for counters(): tokens given back, blocks made and evicted
-        self.stats = {"prefix_lookups": 0, "prefix_hits": 0, "prefix_hit_tokens": 0, "prefix_blocks_added": 0, "prefix_blocks_evicted": 0}
+        self.stats = {
+            "prefix_lookups": 0,
+            "prefix_hits": 0,
+            "prefix_hit_tokens": 0,
+            "prefix_blocks_added": 0,
+            "prefix_blocks_evicted": 0,
+            "prefix_restored_tokens": 0,  # read back from the disk tier (restore)
+        }
 
     @property
     def nbytes(self) -> int:
@@ -205,7 +212,7 @@ class PrefixCache:
         self._push(node)
         mx.eval(fresh)
         self.shrink(self.max_bytes)
-        self.stats["prefix_restored_tokens"] = self.stats.get("prefix_restored_tokens", 0) + restored
+        self.stats["prefix_restored_tokens"] += restored
         return restored
 
     def match(self, tokens: Sequence[int]) -> int:

@@ -124,8 +124,8 @@ class RayEffects:
             raise LoadError(reason, error.message) from e
         if order.root is not None and entry.folder is not None and (agent := get_agent(place.node_id)) is not None:
             agent.touch.remote(entry.folder)  # the disk budget's recency
-        # What a reload costs (E3): the whole start, the process's and the engine's set-up included,
-        # not only the weights' load the engine measured
+        # the whole start (the `loaded` event's seconds): the process's and engine's set-up too, not
+        # only the weights' load the engine measured
         return LoadResult(bytes=max(place.bytes, report.held_bytes), load_seconds=max(report.load_seconds, time.monotonic() - started))
 
     async def _spare(self, order: StartOrder) -> Any:
