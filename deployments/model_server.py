@@ -430,6 +430,7 @@ class ModelServer:
             sys.setswitchinterval(gil_switch_ms / 1000.0)
 
         self.spare = entry is None  # a process started ahead of demand (rule R1): `take` gives it its model
+        self._spare_started = self.spare  # stays true once it has taken one (its dashboard row is from creation)
         self.entry = SPARE_ENTRY if entry is None else entry if isinstance(entry, ManifestEntry) else ManifestEntry.model_validate(entry)
         self.models_dir = models_dir
         self.node_id = node_id
@@ -456,9 +457,11 @@ class ModelServer:
 
     def __repr__(self) -> str:
         """What the Ray dashboard shows for this actor. Ray reads it once, when the creation task
-        (this __init__) ends: loading in __init__ is what makes it tell the loaded state and size."""
-        if self.spare:
-            return f"ModelServer(spare@{self.node_id}, ready for a model)"
+        (this __init__) ends: loading in __init__ is what makes it tell the loaded state and size. A
+        spare's stays what it was at creation; the model it takes names its `take` task (the
+        dashboard's Tasks) and its log lines."""
+        if self._spare_started:
+            return f"ModelServer(@{self.node_id}, started as a spare: its `take` task names its model)"
         health = self.engine.health()
         where = f"{self.entry.name}@{self.node_id}"
         if health.status == "ready":
@@ -528,6 +531,9 @@ class ModelServer:
         self.models_dir = models_dir
         self.path = Path(model_location(self.entry, models_dir))
         self.engine = open_engine(self.entry, Path(models_dir), **(engine_options or {}))
+        # Ray's log monitor prefixes this actor's later log lines with the name after this token
+        for stream in (sys.stdout, sys.stderr):
+            print(f":actor_name:ModelServer({self.entry.name}@{self.node_id}, taken spare)", file=stream, flush=True)
         print(f"orchard: the spare on {self.node_id} takes {self.entry.name}", file=sys.stderr, flush=True)
         return await self.load()
 

@@ -23,7 +23,7 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from support.cluster import HEALTH, free_port, node_args, wait_for  # noqa: E402
 
-from cluster.model_servers import create_model_server, find_model_server, live_model_server_names  # noqa: E402
+from cluster.model_servers import create_model_server, find_model_server, live_model_server_names, parse_spare_name  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
 
 pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
@@ -441,11 +441,15 @@ def test_the_dashboard_shows_each_instances_state_size_and_why_it_ended(orchard)
     """Issue 10 item 10, through Ray's state API (what the dashboard's Actors view reads): a loaded
     instance's repr says ready and its size; an unloaded one ended by exit_actor, not ray.kill;
     one that failed to load says why."""
-    from ray.util.state import list_actors
+    from ray.util.state import list_actors, list_tasks
 
     live = _ready(orchard, "llama-10m")
-    requests.post(orchard["base"] + "/v1/models/doomed-llama/load", headers=AUTH, timeout=120)
+    # doomed-llama loads where a spare waits (rule R1), so its row is a spare's and its task names it
+    spared = wait_for(lambda: [n["node_id"] for n in get(orchard, "/v1/cluster")["nodes"] if n["spare"]], 60, "a spare")
+    r = requests.post(orchard["base"] + "/v1/models/doomed-llama/load", json={"node": spared[0]}, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
     gone = instances(orchard)["doomed-llama"]["actor"]
+    assert parse_spare_name(gone) == spared[0]
     requests.post(orchard["base"] + "/v1/models/doomed-llama/unload", headers=AUTH, timeout=60)
     wait_for(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == gone], 20, "the unloaded actor to end")
 
@@ -454,14 +458,20 @@ def test_the_dashboard_shows_each_instances_state_size_and_why_it_ended(orchard)
         return rows[-1] if rows else None
 
     row = wait_for(lambda: actor_row(live["actor"]), 20, "the live actor in the state API")
-    assert row["state"] == "ALIVE" and "ready" in row["repr_name"] and "MiB" in row["repr_name"], row["repr_name"]
+    assert row["state"] == "ALIVE", row
+    if parse_spare_name(live["actor"]) is None:  # started for its model: loaded in creation, so its row tells
+        assert "ready" in row["repr_name"] and "MiB" in row["repr_name"], row["repr_name"]
+    else:  # a spare took it (R1): as doomed-llama below
+        assert "started as a spare" in row["repr_name"], row["repr_name"]
     dead = wait_for(lambda: (r := actor_row(gone)) and r["state"] == "DEAD" and r, 20, "the unloaded actor DEAD")
     cause = json.dumps(dead.get("death_cause"))
     # Ray words an exit_actor() two ways: "exit_actor() is called." or, when the actor's other
     # running calls (a watch round's health probe) finish first, "INTENDED_USER_EXIT ... User
     # requested to exit the actor." (seen once in a full run); a ray.kill says "ray.kill".
     assert ("exit_actor" in cause or "INTENDED_USER_EXIT" in cause) and "ray.kill" not in cause, cause
-    assert "ready" in dead["repr_name"], dead["repr_name"]
+    assert "started as a spare" in dead["repr_name"], dead["repr_name"]
+    took = [("actor_id", "=", dead["actor_id"]), ("name", "=", "take doomed-llama")]
+    assert [t for t in list_tasks(filters=took, raise_on_missing_output=False) if t["state"] == "FINISHED"]
 
 
 def test_a_restarted_controller_adopts_the_running_servers_and_keeps_the_operators_state(orchard):

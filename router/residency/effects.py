@@ -100,7 +100,8 @@ class RayEffects:
         started = time.monotonic()
         handle = await self._spare(order) if order.spare else None
         if handle is not None:  # R1: the spare's process loads the weights; its log says which model
-            load = handle.take.remote(entry, models_dir, options.get("engine_options"))
+            # the task's name is what the dashboard shows of the model (the actor's row is the spare's)
+            load = handle.take.options(name=f"take {entry.name}").remote(entry, models_dir, options.get("engine_options"))
         else:  # a new process, named as the loop said (a spare that died meanwhile: under its name)
             named = parse_actor_name(order.actor)
             handle = create_model_server(
