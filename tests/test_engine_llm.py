@@ -242,13 +242,21 @@ def test_a_repeated_prompt_reuses_its_cached_prefix(engine):
     assert second.token_ids == first.token_ids
 
 
+def test_max_tokens_past_the_context_generates_up_to_it_and_stops_with_length(engine):
+    # docs/protocols.md: a max_tokens larger than the room the prompt leaves is clamped, not refused
+    prompt = [1 + i % 50 for i in range(engine.context_length - 6)]
+    no_eos = dict.fromkeys(engine.eos_ids, -100.0)
+    d = run(engine.complete(GenerationRequest(prompt_tokens=prompt, max_tokens=engine.context_length, temperature=0, logit_bias=no_eos)))
+    assert (d.finish_reason, d.usage.prompt_tokens, d.usage.completion_tokens) == ("length", engine.context_length - 6, 6)
+
+
 def test_bad_requests_fail_alone_and_the_engine_goes_on(engine):
     async def scenario():
         good = asyncio.create_task(engine.complete(greedy(PROMPTS[0], 30)))
         errors = []
         for bad in (
             GenerationRequest(prompt="", max_tokens=4),
-            GenerationRequest(prompt="hi", max_tokens=engine.context_length),
+            GenerationRequest(prompt_tokens=[1] * engine.context_length, max_tokens=1),
             GenerationRequest(prompt_tokens=[1, 2, 10**9], max_tokens=4),
             GenerationRequest(messages=[], max_tokens=4),
         ):

@@ -328,7 +328,7 @@ def test_failures_reach_the_caller_as_orchard_errors(llama, embedder):
     bad = _error(lambda: _stream(handle, {"prompt": "x", "max_tokens": 0}))
     # the status is the one table's (deployments/wire/failure.py)
     assert (bad.code, bad.param, STATUS[bad.code]) == ("invalid_request", "max_tokens", 400)
-    too_long = _error(lambda: _stream(handle, {"prompt": "hi", "max_tokens": 5000}))
+    too_long = _error(lambda: _stream(handle, {"prompt_tokens": [1] * 4096, "max_tokens": 1}))  # a larger max_tokens alone is clamped
     assert too_long.code == "context_length_exceeded"
     assert _error(lambda: _stream(handle, {"prompt_tokens": [10**6], "max_tokens": 2})).code == "invalid_request"
     assert _error(lambda: ray.get(embedder.embed.remote([]))).to_dict()["param"] == "input"

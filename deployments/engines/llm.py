@@ -838,10 +838,10 @@ class LLMEngine(Engine):
         tokens = self._tokenize(request)
         if not tokens:
             raise RequestError("invalid_request", "the prompt is empty")
-        if len(tokens) + request.max_tokens > self.context_length:
+        if len(tokens) >= self.context_length:  # a max_tokens past the room left is clamped (_admit): docs/protocols.md
             raise RequestError(
                 "context_length_exceeded",
-                f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) exceeds the context of {self.context_length} tokens",
+                f"the prompt ({len(tokens)} tokens) leaves no room to generate in the context of {self.context_length} tokens",
             )
         if any(not 0 <= t < self.vocab_size for t in tokens):  # a token-id prompt was checked by start()
             raise RequestError("invalid_request", f"prompt token ids must lie in [0, {self.vocab_size})", "prompt")
@@ -903,7 +903,7 @@ class LLMEngine(Engine):
         )
         (stream.uid,) = self.generator.insert(
             [rest],
-            max_tokens=[request.max_tokens],
+            max_tokens=[min(request.max_tokens, self.context_length - len(tokens))],  # up to the context, then "length"
             caches=[cache] if cache is not None else None,
             all_tokens=[tokens[:cached]],
             samplers=[self._sampler_of(sampling)],

@@ -472,11 +472,9 @@ class VLMEngine(Engine):
         inputs = self._processor(text=[prompt], images=arrival.images or None)
         input_ids = inputs["input_ids"]
         n_prompt = int(input_ids.shape[1])
-        if n_prompt + arrival.max_tokens > self._context:
+        if n_prompt >= self._context:  # a max_tokens past the room left is clamped below: docs/protocols.md
             raise RequestError(
-                "context_length_exceeded",
-                f"{n_prompt} prompt + {arrival.max_tokens} completion tokens exceed the {self._context}-token context",
-                "max_tokens",
+                "context_length_exceeded", f"the {n_prompt}-token prompt leaves no room to generate in the {self._context}-token context", "messages"
             )
         if arrival.images and self._image_token is not None and not bool((input_ids == self._image_token).any()):
             raise RequestError("invalid_request", "the chat template left out the images' places in the prompt", "messages")
@@ -485,7 +483,9 @@ class VLMEngine(Engine):
         embedded = self._model.get_input_embeddings(input_ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra)
         prompt_kwargs = {**extra, **{k: v for k, v in embedded.to_dict().items() if v is not None}}
         mx.eval(prompt_kwargs["inputs_embeds"])  # the image's cost is paid here, not inside a batch step
-        (uid,) = self._generator.insert([input_ids[0].tolist()], max_tokens=arrival.max_tokens, prompt_kwargs=[prompt_kwargs])
+        (uid,) = self._generator.insert(
+            [input_ids[0].tolist()], max_tokens=min(arrival.max_tokens, self._context - n_prompt), prompt_kwargs=[prompt_kwargs]
+        )
         self._sampler.add(uid, arrival.sampling)
         return uid, n_prompt
 
