@@ -17,7 +17,7 @@ noise from its own key).
     python -m bench.engine.samplers [--model models/llama-10m] [--streams 16 64] [--tokens 64] [--rounds 3]
 
 Prints a table and writes JSON (bench/results/samplers.json). Runs anywhere MLX runs: on the lent
-H200 it needs only mlx, mlx-lm, pydantic and llguidance (bench/serve/on_gpu.sh)."""
+H200 it needs only mlx, mlx-lm, pydantic and llguidance (bench/gpu/run.sh)."""
 
 import argparse
 import asyncio

@@ -9,7 +9,7 @@ lost here is the engine's, not the path's.
         [--temperature 1] [--seconds 8] [--rounds 2] [--py-spy py-spy --profile-dir DIR]
 
 Prints a table and writes JSON (bench/results/engine-share.json). Runs anywhere MLX runs: on the lent
-H200 it needs only mlx, mlx-lm, pydantic and llguidance (bench/serve/on_gpu.sh)."""
+H200 it needs only mlx, mlx-lm, pydantic and llguidance (bench/gpu/run.sh)."""
 
 import argparse
 import asyncio

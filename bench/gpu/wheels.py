@@ -3,10 +3,10 @@ the web stack, MLX with its CUDA 13 backend, mlx-lm, and what they pull in, for 
 manylinux x86_64, at the versions this venv runs (its `pip freeze` is the constraint), less what that
 machine's image already has (PyTorch's stack: numpy, transformers, tokenizers, ...; its grpcio,
 which grpcio-reflection must match). One tar, split into parts that fit a device call's 64 MiB
-beside the working tree: carry `.gpu/wpart.N` over back-to-back calls into one folder there, then
-`bench/serve/on_gpu.sh FOLDER COMMAND...` installs them (docs/serve-path.md, "Repeating the GPU run").
+beside the working tree: bench/gpu/run.sh carries `.gpu/wpart.N` over back-to-back calls into one
+folder there, installs them and runs a benchmark (its opening comment says how).
 
-    python -m bench.serve.gpu_wheels [--out .gpu] [--part-mib 58] [--engine-only]
+    python -m bench.gpu.wheels [--out .gpu] [--part-mib 58] [--engine-only]
 
 `--engine-only`: just what bench.engine.* needs (mlx, mlx-cuda-13, mlx-lm, pydantic, llguidance)."""
 
