@@ -444,7 +444,11 @@ def test_the_dashboard_shows_each_instances_state_size_and_why_it_ended(orchard)
     from ray.util.state import list_actors, list_tasks
 
     live = _ready(orchard, "llama-10m")
-    # doomed-llama loads where a spare waits (rule R1), so its row is a spare's and its task names it
+    # doomed-llama loads where a spare waits (rule R1), so its row is a spare's and its task names it;
+    # the earlier tests' models go first, so that a node has room for a spare
+    for model in instances(orchard):
+        if model != "llama-10m":
+            requests.post(orchard["base"] + f"/v1/models/{model}/unload", headers=AUTH, timeout=60)
     spared = wait_for(lambda: [n["node_id"] for n in get(orchard, "/v1/cluster")["nodes"] if n["spare"]], 60, "a spare")
     r = requests.post(orchard["base"] + "/v1/models/doomed-llama/load", json={"node": spared[0]}, headers=AUTH, timeout=120)
     assert r.status_code == 200, r.text
