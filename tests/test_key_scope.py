@@ -8,7 +8,7 @@ import re
 import pytest
 from support.builders import PLAIN, cluster, failed, inst, node, spec
 
-from deployments.model_server import unwrap
+from deployments.failures import unwrap
 from deployments.wire.failure import STATUS, OrchardError
 from policy import Reject, ensure
 from policy.failures import reject_marked

@@ -19,9 +19,10 @@ import ray
 
 from cluster.model_servers import actor_name, create_model_server, find_model_servers, kill_model_server
 from cluster.ray_api import NAMESPACE
+from deployments.channels import open_channel
 from deployments.engines.llm import LLMEngine
+from deployments.failures import unwrap
 from deployments.manifest import read_manifest
-from deployments.model_server import open_channel, unwrap
 from deployments.wire.failure import STATUS, OrchardError
 from deployments.wire.generation import GenerationRequest
 

@@ -21,7 +21,7 @@ import pytest
 from ray.core.generated.common_pb2 import ActorDiedErrorContext
 from ray.exceptions import ActorDiedError
 
-from deployments.model_server import _load_failure, crashed, death_cause, internal_error, unwrap, without_paths
+from deployments.failures import crashed, death_cause, internal_error, load_failure, unwrap, without_paths
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import GenerationRequest, WholeReply
 from router.serving import generation
@@ -147,9 +147,9 @@ def test_an_unexpected_failure_reaches_the_caller_as_an_incident(capfd):
 
 
 def test_a_load_failure_names_no_absolute_path():
-    missing = _load_failure(FileNotFoundError(2, "model folder of llama not found on node mac-1", "/Users/ops/orchard/store/llama"))
+    missing = load_failure(FileNotFoundError(2, "model folder of llama not found on node mac-1", "/Users/ops/orchard/store/llama"))
     assert missing.code == "not_found" and "/Users" not in missing.message and "llama" in missing.message
-    broken = _load_failure(OSError("Unable to open /Volumes/models/store/llama/model.safetensors: truncated"))
+    broken = load_failure(OSError("Unable to open /Volumes/models/store/llama/model.safetensors: truncated"))
     assert broken.code == "load_failed" and broken.message == "OSError: Unable to open model.safetensors: truncated"
     assert without_paths("see https://huggingface.co/a/b or ./a/b") == "see https://huggingface.co/a/b or ./a/b"
 

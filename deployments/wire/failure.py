@@ -4,7 +4,7 @@ statuses.
 The controller, the serving layer and the model servers raise `OrchardError` with a code (and the
 parameter at fault, and when a retry could help); none of them carries an HTTP status. A model
 server's failure reaches its caller as the same OrchardError (it pickles by its fields; Ray's
-wrappers are taken off by `deployments.model_server.unwrap`), and an engine's in-process
+wrappers are taken off by `deployments.failures.unwrap`), and an engine's in-process
 `RequestError` becomes one before it leaves the model server. The status
 is looked up here, by code, when router/api turns the error into the protocol's own body (one
 exception handler per protocol) and when a protocol encoder reports a failure mid-stream.
@@ -18,7 +18,7 @@ from typing import Any
 # code -> HTTP status. Codes not listed are client errors (400) when they name a parameter and
 # server errors (500) otherwise; see `status_of`.
 STATUS: dict[str, int] = {
-    # engines and model servers (deployments/engine.py RequestError codes, deployments/model_server.py's own)
+    # engines and model servers (deployments/engine.py RequestError codes, deployments/failures.py)
     "invalid_request": 400,
     "context_length_exceeded": 400,
     "unsupported": 400,

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from deployments.model_server import unwrap
+from deployments.failures import unwrap
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import GenerationDelta
 from router import metrics

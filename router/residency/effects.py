@@ -18,8 +18,8 @@ from cluster.node_agent import get_agent
 from cluster.node_report import FetchResult, StoreReport
 from cluster.ray_api import NAMESPACE, actor_id, actor_record
 from cluster.store import PREFIXES
+from deployments.failures import unwrap
 from deployments.manifest import ManifestEntry, model_location
-from deployments.model_server import unwrap
 from deployments.wire.failure import OrchardError
 from deployments.wire.reports import MemoryReport
 from policy import InstanceRef

@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from deployments.model_server import crashed, death_cause, unwrap
+from deployments.failures import crashed, death_cause, unwrap
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import GenerationDelta, GenerationRequest, VLMRequest, WholeReply, parse_request
 from router.protocols import openai as oai

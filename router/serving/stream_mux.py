@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from cluster.ray_api import actor_id
-from deployments.model_server import open_channel
+from deployments.channels import open_channel
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import ChannelItem, GenerationRequest, VLMRequest
 from router.serving.detached import send_detached
