@@ -689,7 +689,7 @@ Produced by `make bench-serve` (`python -m bench.serve --markdown docs/serve-ben
 `bench/results/serve.json`. One Ray node on this 2-core Linux VM (CPU MLX, OpenBLAS), the Serve app
 of ray-config.yaml's shape in Serve's throughput mode (cluster.local.SERVE_ENV), streaming chat
 requests (greedy, max_tokens 128 for the 10M llama and 48 for SmolLM2) from a light aiohttp client
-(`--client openai` uses the official SDK instead; see "The load generator" below).
+(`--client openai` uses the official SDK instead; docs/serve-path.md, "The load generator").
 
 - "engine in-process" is the same LLMEngine driven in the benchmark process with the same requests
   and settings (prefix reuse on, as served): the ceiling for the path.
@@ -703,12 +703,12 @@ requests (greedy, max_tokens 128 for the 10M llama and 48 for SmolLM2) from a li
   (one Ray item per flush); a stream's first delta goes out at once, then every 8 tokens or 50 ms,
   stretched to 100 ms at 16+ streams per instance. The engine hands each step's deltas straight to
   the channel; the model-server actor runs with a 0.1 ms GIL switch interval (`gil_switch_ms`).
-- The client, the Serve proxy, the ingress and the model actor all share the same 2 cores with the
-  engine, which on this machine computes on the CPU: every cycle the path spends is taken from the
+- The client, Ray's and Serve's processes, the ingress and the model actor all share the same 2 cores
+  with the engine, which on this machine computes on the CPU: every cycle the path spends is taken from the
   engine. On a Mac the engine computes on the GPU.
 
-Why the figures are what they are, the diagnostics behind each change and the same benchmark on an
-H200: [serve-path.md](serve-path.md).
+How the path is built and why, with the measurements behind it: [serve-path.md](serve-path.md); every
+current figure, the GPU's included, with its command: [performance.md](performance.md).
 
 """
 
