@@ -10,16 +10,13 @@ the loop's steps and reads and changes the loop's state."""
 import asyncio
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from deployments.wire.failure import OrchardError
 from policy import InstanceRef, Place, Reject, Use, Wait, ensure
 from policy.decisions import Decision
 from policy.failures import reject_marked
 from policy.on_node import place_on
-
-if TYPE_CHECKING:
-    from router.residency.controller import ResidencyController
+from router.residency.parts import Loop
 
 
 @dataclass(eq=False)
@@ -39,7 +36,7 @@ class Ask:
 
 
 class Asks:
-    def __init__(self, loop: "ResidencyController"):
+    def __init__(self, loop: Loop):
         self.loop = loop
         self.queues: dict[str, deque[Ask]] = {}
 

@@ -14,7 +14,7 @@ a node. Part of the residency loop: it runs in the loop's steps and reads the lo
 import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from cluster.node_report import FetchResult
 from deployments.wire.failure import OrchardError
@@ -34,9 +34,7 @@ from policy.transitions import apply_place, learn_bandwidth, mark_loaded, mark_s
 from router.residency.clock import Timer
 from router.residency.events import FetchDone, LoadDone, LoadError, LoadFailed, NodeLost, NodeUnreachable, StopDone
 from router.residency.interface import FetchOrder
-
-if TYPE_CHECKING:
-    from router.residency.controller import ResidencyController
+from router.residency.parts import Loop
 
 
 @dataclass(eq=False)
@@ -53,7 +51,7 @@ class _Pending:
 
 
 class Placements:
-    def __init__(self, loop: "ResidencyController"):
+    def __init__(self, loop: Loop):
         self.loop = loop
         self.prefetches: set[tuple[str, str]] = set()  # (model, node): weights fetched before an eviction
         self._copies: dict[tuple[str, str], asyncio.Task] = {}  # background copies and pulls under way

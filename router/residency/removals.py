@@ -3,17 +3,13 @@ the loop so no placement slips in on the files being removed, and folders gone f
 disk budget). Part of the residency loop: it runs in the loop's steps and reads and changes the
 loop's state."""
 
-from typing import TYPE_CHECKING
-
 from deployments.wire.failure import OrchardError
 from policy.transitions import mark_unstored
-
-if TYPE_CHECKING:
-    from router.residency.controller import ResidencyController
+from router.residency.parts import Loop
 
 
 class Removals:
-    def __init__(self, loop: "ResidencyController"):
+    def __init__(self, loop: Loop):
         self.loop = loop
         self.pending: set[tuple[str, str]] = set()  # (model, node) whose files an operator removes (X3)
 

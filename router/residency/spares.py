@@ -13,14 +13,11 @@ starting a second process beside it."""
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from policy import plan_spares
 from policy.spares import spare_short
 from policy.transitions import set_spare
-
-if TYPE_CHECKING:
-    from router.residency.controller import ResidencyController
+from router.residency.parts import Loop
 
 log = logging.getLogger("orchard.residency")
 
@@ -33,7 +30,7 @@ class Spare:
 
 
 class Spares:
-    def __init__(self, loop: "ResidencyController", retry_s: float = 30.0):
+    def __init__(self, loop: Loop, retry_s: float = 30.0):
         self.loop = loop
         self.ready: dict[str, Spare] = {}  # node -> its ready spare
         self._starting: dict[str, Spare] = {}  # node -> the spare starting there

@@ -4,24 +4,21 @@ then it is evicted for the model it drained for. Part of the residency loop: it 
 steps and reads and changes the loop's state."""
 
 from collections import Counter, deque
-from typing import TYPE_CHECKING
 
 from policy import InstanceRef
 from policy.swap import Drain, SwapAsk, pick_swap
 from policy.transitions import mark_draining
-
-if TYPE_CHECKING:
-    from router.residency.asks import Ask
-    from router.residency.controller import ResidencyController
+from router.residency.asks import Ask
+from router.residency.parts import Loop
 
 
 class Swaps:
-    def __init__(self, loop: "ResidencyController"):
+    def __init__(self, loop: Loop):
         self.loop = loop
         self.drains: dict[InstanceRef, str] = {}  # instance draining for a swap -> the model it makes room for
         self._started: deque[tuple[float, str]] = deque()  # when and where each swap of the last minute started (W2)
 
-    def maybe_swap(self, blocked: dict[str, list["Ask"]], now: float) -> None:
+    def maybe_swap(self, blocked: dict[str, list[Ask]], now: float) -> None:
         """Start the swap the blocked asks earn, if any (pick_swap decides)."""
         if not blocked:
             return
