@@ -167,7 +167,7 @@ MARKDOWN_TAIL = """
   models. Loads take 1 s + size / 2 GiB/s. Every Orchard row uses the shipped `PolicyConfig` defaults
   (512 MiB + 2% safety margin, 256 MiB per-instance overhead, a loaded instance protected for twice
   its reload time (E3), wait up to 60 s), except "fixed 10 s minimum residency": E3 as a fixed
-  10 s (ModelMesh's minChurnAge), how it was before.
+  10 s (ModelMesh's minChurnAge).
 - hit rate: requests served at once by a ready instance. reloads / GB reloaded / reload s: loads of a
   model that had been loaded before (first loads are the same for every strategy and not counted).
   utility reloads: those of embedders, rerankers, STT and TTS. waited: requests that had to wait for
@@ -176,7 +176,7 @@ MARKDOWN_TAIL = """
   (the OOM or swap the Lemonade discussion describes; Orchard must show 0). served overcommitted:
   requests that started on such a node: in the simulator they are fast hits, on a real Mac they swap
   or fail. p95 start delay: arrival to start of service, loads and waits included.
-- count-only LRU is today's anchor (policy/count_only.py): 2 slots per model kind per node, LRU per
+- count-only LRU is the anchor (policy/count_only.py): 2 slots per model kind per node, LRU per
   kind, memory-blind. offline Belady is a reference that knows every future arrival: Orchard's safety
   rules with victims ordered by true next use (reload seconds / time to next use, per byte under memory
   pressure). It is a strong heuristic, not a proven optimum for variable sizes.
@@ -192,7 +192,7 @@ MARKDOWN_TAIL = """
   used folders first, never one loaded there and never the cluster's last copy (the simulator has no
   hub to fetch it again; Orchard's own store keeps the same order, docs/cluster.md). There L1 halves
   the copies and the folders removed, and time to ready falls to 0.78x / 0.83x on the "home" cases
-  and 0.92x / 0.99x on "spread": the issue's goal of 0.7x is not met on any case by L1-L3 alone (L4, below, meets it on three).
+  and 0.92x / 0.99x on "spread": 0.7x is not reached on any case by L1-L3 alone (L4, below, meets it on three).
   Loads and waits for busy instances dominate it, and under pressure most placements evict, where a
   copy competes with the victims' expected reloads (L1). Tried and not kept: the copy time first among
   evicting nodes (no gain), and ready-soonest across fitting and evicting nodes alike (0.77-0.89x on
@@ -211,13 +211,12 @@ MARKDOWN_TAIL = """
   smallest first) that it could load and another node holds, one at a time at the peer bandwidth,
   only into half of a disk budget and never removing a folder for it; a copy a placement waits for
   takes the link first, and removes background copies not loaded since they arrived before any other
-  folder. Without a budget `catalog` comes near the floor: 0.55-0.60x on bursts (the goal's 0.7x
-  met), 0.83-0.85x on zipf (where the floor itself is 0.76-0.81x); `requested` copies a model only
+  folder. Without a budget `catalog` comes near the floor: 0.55-0.60x on bursts (below 0.7x), 0.83-0.85x on zipf (where the floor itself is 0.76-0.81x); `requested` copies a model only
   after its first requests, too late for bursts (0.86-0.98x). Under the budgets `catalog` reaches
   0.70-0.82x on three cases and 1.04x on the fourth, against L1-L3's 0.78-0.99x: background copies
   that fill a budget are removed by the next copy a request waits for and copied again, and the half
   of the budget they may use is what bounds that churn (all of it: 0.79-1.00x in one trial run; up to
-  three quarters of the budget and removal by demand were tried in session 10's trials and did not
+  three quarters of the budget and removal by demand were tried and did not
   do better). Off by default in Orchard: it spends links and disk no request asked for.
 """
 
