@@ -1,8 +1,11 @@
-"""What a model will hold, from its folder alone, before loading: for admission by policy/.
+"""What a model will hold, from its folder alone, before its first load: for admission by policy/
+(once loaded, the engine measures it: deployments/engines/measure.py).
 
 Weights in memory = the sum of the *.safetensors sizes (matched mx.get_active_memory() exactly
-here). KV per token = 2 (K and V) x layers x KV heads x head dim x bytes per element, from
-config.json (its text_config for a VLM); the element size follows the config's dtype. With a
+here). The cache by layer kind (deployments/cache_shape.py: full attention, sliding windows,
+fixed-size state, latent attention), from config.json (its text_config for a VLM) as mlx-lm builds
+it; `kv_bytes_per_token` is its full-attention layers' (2 x layers x KV heads x head dim x bytes per
+element for a dense model), the element size following the config's dtype. With a
 quantized cache (`kv_bits` b, `kv_group_size` g; deployments/engines/quantized_cache.py) an element
 takes b/8 bytes, and every g elements add a scale and a bias in that dtype: 8 bits, groups of 64,
 float16 hold 2 / (1 + 4/64) = 1.88x the tokens in the same bytes."""
@@ -11,6 +14,7 @@ import json
 import struct
 from pathlib import Path
 
+from deployments.cache_shape import CacheShape, cache_shape
 from deployments.engine import Frozen
 from deployments.manifest import safetensors_bytes
 
@@ -20,6 +24,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "F32": 4, "F16": 2, "B
 class FolderEstimate(Frozen):
     weight_bytes: int
     kv_bytes_per_token: int
+    cache: CacheShape = CacheShape()
 
 
 def weights_dtype(folder: Path) -> str | None:
@@ -45,17 +50,17 @@ def dtype_bytes(folder: str | Path) -> int:
     return DTYPE_BYTES.get(dtype, 2)
 
 
-def kv_bytes_per_token(config: dict, weights_dtype: str | None = None, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
-    """0 for models without a decoder KV cache (encoders, audio models without these keys)."""
+def config_cache(config: dict, weights_dtype: str | None = None, kv_bits: int | None = None, kv_group_size: int = 64) -> CacheShape:
+    """The cache of the model `config` describes, by layer kind; empty for models without a decoder
+    cache (encoders, audio models without these keys)."""
     text = config.get("text_config") or config
-    layers = text.get("num_hidden_layers")
-    heads = text.get("num_attention_heads")
-    if not layers or not heads:
-        return 0
-    head_dim = text.get("head_dim") or text["hidden_size"] // heads
-    kv_heads = text.get("num_key_value_heads") or heads
     dtype = config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or weights_dtype or "float16"
-    return quantized_kv_bytes(2 * layers * kv_heads * head_dim, DTYPE_BYTES.get(dtype, 2), kv_bits, kv_group_size)
+    return cache_shape(config, DTYPE_BYTES.get(dtype, 2), kv_bits, kv_group_size)
+
+
+def kv_bytes_per_token(config: dict, weights_dtype: str | None = None, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
+    """What the layers whose cache grows with the context hold per token (0 without a decoder cache)."""
+    return config_cache(config, weights_dtype, kv_bits, kv_group_size).full_bytes_per_token
 
 
 def quantized_kv_bytes(elements: int, dtype_bytes: int, kv_bits: int | None, kv_group_size: int = 64) -> int:
@@ -77,5 +82,5 @@ def estimate(folder: str | Path, kind: str = "llm", kv_bits: int | None = None, 
     `kv_bits`: an LLM engine's quantized cache (its llm_engine options)."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    kv = 0 if kind in ("embedding", "rerank") else kv_bytes_per_token(config, weights_dtype(folder), kv_bits, kv_group_size)
-    return FolderEstimate(weight_bytes=safetensors_bytes(folder), kv_bytes_per_token=kv)
+    cache = CacheShape() if kind in ("embedding", "rerank") else config_cache(config, weights_dtype(folder), kv_bits, kv_group_size)
+    return FolderEstimate(weight_bytes=safetensors_bytes(folder), kv_bytes_per_token=cache.full_bytes_per_token, cache=cache)
