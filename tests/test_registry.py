@@ -22,7 +22,7 @@ def test_sizes_come_from_the_folder_when_not_given(models_dir):
 
 def test_every_prepared_model_registers(models_dir):
     catalog, _ = from_config(from_manifest(models_dir, {"smollm2-135m-instruct": {"keep_warm": True}}), models_dir)
-    assert len(catalog) == 7 and catalog["smollm2-135m-instruct"].keep_warm
+    assert len(catalog) == 8 and catalog["smollm2-135m-instruct"].keep_warm
 
 
 def test_bad_entries_are_refused(models_dir, tmp_path):
