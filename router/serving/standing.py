@@ -25,15 +25,26 @@ import contextlib
 import contextvars
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from deployments.wire.leases import Grant, Refusal, RoutesView, UsageReport
 from router import metrics
-from router.serving.affinity import Instance, choose, outcome
+from router.serving.affinity import Instance, PrefixHistory, choose, outcome
 from router.serving.detached import send_detached
 
-if TYPE_CHECKING:
-    from router.serving.lease import Leases
+
+class LeaseSource(Protocol):
+    """What the standing leases use of their replica's leases (router/serving/lease.py's Leases,
+    which holds them): the residency service's handle, the prefix history every path notes, and
+    giving a lease back."""
+
+    @property
+    def residency(self) -> Any: ...
+
+    @property
+    def affinity(self) -> PrefixHistory: ...
+
+    def release(self, lease_id: str, used_tokens: int | None = None) -> None: ...
 
 
 @dataclass(eq=False)
@@ -81,7 +92,7 @@ def _background(coro: Any) -> asyncio.Task:
 class StandingLeases:
     def __init__(
         self,
-        leases: "Leases",
+        leases: LeaseSource,
         holder: str,
         linger_s: float,
         report_every_s: float = 0.25,
