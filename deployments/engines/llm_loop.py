@@ -1,0 +1,297 @@
+"""The LLM engine's MLX thread: one loop that owns mlx-lm's BatchGenerator.
+
+Each turn drains the command queue (add, cancel, shrink), lets in the group of held arrivals the
+scheduler chooses (llm_scheduler.py) with what the prefix cache gives back (llm_cache.py), runs one
+generator step for every running request, turns each row's token into its stream's delta
+(llm_output.py), and hands all deltas of the step to each event loop in one call. A broken step fails
+the requests of that batch with `error`, makes a new generator, and goes on.
+
+`MLXLoop` is a part of LLMEngine (llm.py), which holds the state these methods share."""
+
+import asyncio
+import gc
+import logging
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.sample_utils import make_logits_processors
+
+from deployments.engine import queued_adds
+from deployments.engines import buffer_cache
+from deployments.engines.constrained import GrammarProcessor
+from deployments.engines.llm_cache import KeptPrefixes
+from deployments.engines.llm_output import Delta, DeltaSink, Stream, Usage, failure, hand_off, new_stream, put
+from deployments.engines.llm_scheduler import Group, Scheduler
+from deployments.engines.sampling import BatchSampler, RowSampling
+from deployments.wire.generation import GenerationRequest
+
+logger = logging.getLogger("deployments.engines.llm")
+
+DISK_FLUSH_S = 5.0  # a stopping engine waits at most this long for its blocks to reach the disk tier
+
+
+@dataclass(eq=False)
+class Arrival:
+    """A request tokenized and checked on the preparation thread, waiting to join the batch."""
+
+    rid: int
+    request: GenerationRequest
+    tokens: list[int]
+    loop: asyncio.AbstractEventLoop
+    out: DeltaSink
+    grammar: GrammarProcessor | None
+    started: float = 0.0  # time.monotonic() at start()
+    prepared: float = 0.0  # ... when the preparation thread handed it to the MLX thread
+    step: int = 0  # the engine's step count when it reached the MLX thread
+
+
+class MLXLoop:
+    """The MLX thread's part of LLMEngine (see the module's docstring)."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    eos_ids: list[int]
+    vocab_size: int
+    context_length: int
+    max_batch: int
+    prefill_batch: int
+    generator: BatchGenerator
+    sampling: BatchSampler
+    scheduler: Scheduler[Arrival]
+    kept: KeptPrefixes
+    _status: Any
+    _detail: Any
+    _commands: queue.SimpleQueue
+    _stopping: threading.Event
+    _streams: dict[int, Stream]
+    _admitted: dict[str, float]
+    _retired_counters: dict[str, float]
+
+    if TYPE_CHECKING:  # LLMEngine's
+
+        def _arrived(self, n: int) -> None: ...
+        def counters(self) -> dict[str, float]: ...
+        @property
+        def prefill_chunk(self) -> int: ...
+
+    def _new_generator(self) -> BatchGenerator:
+        old = getattr(self, "generator", None)
+        if old is not None:
+            self._retired_counters = self.counters()
+        return BatchGenerator(
+            self.model,
+            stop_tokens=[[t] for t in self.eos_ids],
+            completion_batch_size=self.max_batch,
+            prefill_batch_size=self.prefill_batch,
+            prefill_step_size=self.prefill_chunk,
+            stream=mx.default_stream(mx.default_device()),
+        )
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _run_loop(self) -> None:
+        streams: dict[int, Stream] = {}  # by request id
+        try:
+            self._serve(streams)
+        except Exception as e:  # a bug here must surface in health, and no stream may hang
+            self._status, self._detail = "failed", f"engine loop crashed: {type(e).__name__}: {e}"
+            for stream in streams.values():
+                stream.finish("error", error=self._detail, code="internal")
+            hand_off(list(streams.values()))
+            self._answer_unadmitted()
+            raise
+        leftovers = list(streams.values())
+        for stream in leftovers:
+            stream.finish("cancelled", error="engine stopped", code="engine_stopped")
+        hand_off(leftovers)
+        self._answer_unadmitted()
+        self._streams = {}
+        self._release_on_worker()
+
+    def _answer_unadmitted(self) -> None:
+        """Arrivals that never joined the batch (held, or queued when the loop stopped) end too."""
+        stopped = Delta(finish_reason="cancelled", error="engine stopped", error_code="engine_stopped")
+        arrivals = [*self.scheduler.held, *queued_adds(self._commands)]
+        self.scheduler.held.clear()
+        for arrival in arrivals:
+            self._arrived(-1)
+            put(arrival.loop, [(arrival.out, stopped)])
+
+    def _release_on_worker(self) -> None:
+        """Drop the model, batch and caches on the thread whose stream made them (as mlx-lm's
+        server does): arrays still being computed there must not outlive it."""
+        mx.synchronize()
+        self._retired_counters = self.counters()
+        del self.generator
+        buffer_cache.release(self)
+        self.sampling.clear()
+        self.kept.close(DISK_FLUSH_S)  # the kept KV is freed here, on the thread that made it
+        self.model = None
+        gc.collect()
+        mx.clear_cache()
+
+    def _serve(self, streams: dict[int, Stream]) -> None:
+        by_uid: dict[int, int] = {}  # generator uid -> request id
+        scheduler = self.scheduler
+        while not self._stopping.is_set():
+            outbox: list[Stream] = []
+            try:
+                command = self._commands.get(block=not by_uid and not scheduler.held)
+                self._handle(command, streams, by_uid, outbox)
+                while True:
+                    self._handle(self._commands.get_nowait(), streams, by_uid, outbox)
+            except queue.Empty:
+                pass
+            if scheduler.admit_now(len(by_uid)):
+                self._admit_held(streams, by_uid)
+            self._streams = streams
+            if by_uid:
+                self._step(streams, by_uid, outbox)
+                scheduler.steps += 1
+            hand_off(outbox, self._admitted)
+
+    def _admit_held(self, streams: dict[int, Stream], by_uid: dict[int, int]) -> None:
+        """The group the scheduler lets in, each row with what the prefix cache gives it (aligned:
+        prefill_align)."""
+        now = time.monotonic()
+        kept = self.kept
+        match = kept.match if kept.blocks is not None else None
+        group = self.scheduler.choose(match, lambda rid: streams[rid].tokens if rid in streams else None)
+        for arrival in group.arrivals:
+            self._arrived(-1)
+            try:
+                stream = self._admit(arrival, group)
+            except Exception as e:
+                put(arrival.loop, [(arrival.out, failure(e))])
+                continue
+            stream.started, stream.joined_step = arrival.started, self.scheduler.steps
+            self._admitted["admit_wait_s"] += now - arrival.started
+            self._admitted["admit_prep_s"] += arrival.prepared - arrival.started
+            streams[arrival.rid] = stream
+            by_uid[stream.uid] = arrival.rid
+            self.scheduler.joined(group, arrival, stream.cached)
+
+    def _admit(self, arrival: Arrival, group: Group[Arrival]) -> Stream:
+        """The prompt cache's nearest prefix, and the request into the batch."""
+        request, tokens = arrival.request, arrival.tokens
+        cache, cached = self.kept.fetch(tokens, self.scheduler.prefix_limit(len(tokens), group.align))
+        sampling = RowSampling.of(request.temperature, request.top_p, request.min_p, request.top_k, request.seed, self.vocab_size)
+        stream = new_stream(request, tokens, arrival.loop, arrival.out, self.tokenizer, arrival.grammar)
+        stream.cached = cached
+        (stream.uid,) = self.generator.insert(
+            [tokens[cached:]],
+            max_tokens=[min(request.max_tokens, self.context_length - len(tokens))],  # up to the context, then "length"
+            caches=[cache] if cache is not None else None,
+            all_tokens=[tokens[:cached]],
+            samplers=[self._sampler_of(sampling)],
+            logits_processors=[_processors(request) + ([arrival.grammar] if arrival.grammar is not None else [])],  # the mask last
+            stop_sequences=[StopSequences([[t] for t in self.eos_ids])],
+        )
+        self.sampling.add(stream.uid, sampling)
+        return stream
+
+    def _sampler_of(self, sampling: RowSampling) -> Any:
+        """The sampler object a row holds: the engine's one BatchSampler for every row, whatever its
+        settings (kept in it by uid), so mlx-lm samples each step's batch in one call
+        (deployments/engines/sampling.py; bench.engine.samplers measures it against per-row ones)."""
+        return self.sampling
+
+    def _step(self, streams: dict[int, Stream], by_uid: dict[int, int], outbox: list[Stream]) -> None:
+        """One BatchGenerator step for every running request."""
+        chunk = self.generator.prefill_step_size
+        if not self.scheduler.prefill_now(len(by_uid)):
+            self.generator.prefill_step_size = 0  # mlx-lm slices no prompt tokens: this step only decodes
+        try:
+            _, responses = self.generator.next()
+            self.generator.prefill_step_size = chunk
+        except Exception as e:  # a broken step must not kill the engine: fail this batch, go on
+            logger.error("a batch step failed; its %d requests end with an error", len(streams), exc_info=e)
+            for running in list(streams):
+                stream = streams.pop(running)
+                stream.finish("error", error=f"{type(e).__name__}: {e}", code="internal")
+                outbox.append(stream)
+            by_uid.clear()
+            self.scheduler.prefilling.clear()
+            self.generator = self._new_generator()
+            self.sampling.clear()
+            _reseed_rng()  # a compiled function that raised in its trace left a tracer in mx.random.state
+            return
+        now = time.monotonic()
+        prefilled: list[int] = []  # rows whose prompts are worth keeping now
+        for r in responses:
+            rid = by_uid.get(r.uid)
+            if rid is None:
+                continue
+            self.scheduler.answered(rid)  # its first token: its prefill is done
+            stream = streams[rid]
+            if not stream.answered:
+                if self.scheduler.settings.share_prefill and r.finish_reason is None and self.kept.worth_keeping(len(stream.tokens), stream.cached):
+                    prefilled.append(r.uid)
+                stream.answered = True
+                self._admitted["first_token_s"] += now - stream.started
+                self._admitted["first_tokens"] += 1
+                self._admitted["join_steps"] += self.scheduler.steps - stream.joined_step
+            outbox.append(stream)
+            if not stream.advance(r, self.tokenizer):
+                continue
+            by_uid.pop(r.uid)
+            streams.pop(rid)
+            self.sampling.discard(r.uid)
+            self._admitted["finished_s"] += now - stream.started
+            self._admitted["finished_requests"] += 1
+            if r.finish_reason is None:  # cut by a stop string: still in the batch
+                self.generator.remove([r.uid])
+            else:
+                self.kept.keep_finished(r.all_tokens, r.prompt_cache)
+        self.kept.keep_prompts(self.generator, prefilled)
+
+    def _handle(self, command: tuple[str, Any], streams: dict[int, Stream], by_uid: dict[int, int], outbox: list[Stream]) -> None:
+        kind, payload = command
+        if kind == "add":
+            self.scheduler.arrive(payload)
+        elif kind == "shrink":
+            target, done = payload
+            try:
+                done.set_result(self.kept.shrink(target))
+            except Exception as e:  # the caller gets it; the loop goes on
+                done.set_exception(e)
+        elif kind == "cancel":
+            held = self.scheduler.withdraw(payload)
+            if held is not None:  # not in the batch yet: nothing to free
+                self._arrived(-1)
+                put(held.loop, [(held.out, Delta(finish_reason="cancelled", usage=Usage(prompt_tokens=len(held.tokens), completion_tokens=0)))])
+                return
+            cancelled = streams.pop(payload, None)
+            self.scheduler.answered(payload)
+            if cancelled is not None:
+                by_uid.pop(cancelled.uid, None)
+                self.generator.remove([cancelled.uid])  # drops its KV cache now
+                self.sampling.discard(cancelled.uid)
+                mx.synchronize()
+                cancelled.finish("cancelled")
+                outbox.append(cancelled)
+
+
+def _reseed_rng() -> None:
+    """Give this thread's MLX RNG a fresh key. A function compiled with `inputs=mx.random.state,
+    outputs=mx.random.state` (as mlx-lm's samplers are) that raises while it is being traced leaves
+    the compile tracer (an array without a primitive) in mx.random.state (the MLX thread's own), and
+    every later unseeded sampling step fails with "[eval] Attempting to eval an array without a
+    primitive". After a broken step the state may be such a tracer: a new key repairs it (unseeded
+    sampling promises no sequence, so nothing is lost)."""
+    mx.random.seed(secrets.randbits(64))
+
+
+def _processors(request: GenerationRequest) -> list[Any]:
+    return make_logits_processors(
+        logit_bias=request.logit_bias,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty or None,
+        frequency_penalty=request.frequency_penalty or None,
+    )
