@@ -25,12 +25,9 @@ listens on Serve's HTTP port (a second proxy would share it silently).
 """
 
 import argparse
-import hashlib
 import json
 import os
-import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,39 +37,26 @@ from typing import Any
 from pydantic import Field
 
 from cluster import prometheus
+from cluster.environment import (
+    DEFAULT_DIR,
+    INGRESS_PORT,
+    ROOT,
+    TOKEN_FILE,
+    absolute_root,
+    check_temp_root,
+    driver_env,
+    ensure_token,
+    ingress_ports,
+    ray_env,
+)
+from cluster.ports import check_http_port, check_ingress_port, free_port, port_open, serve_http_address
 from cluster.store import ENV_STORE
 from policy._frozen import Frozen
 from policy.specs import DEVICE_KINDS
 
-ROOT = Path(__file__).resolve().parent.parent
-RAY_CONFIG = ROOT / "ray-config.yaml"
 STATE_FILE = "orchard-local.json"
-TOKEN_FILE = "auth_token"  # Ray's auth token for this cluster, in its temp dir
 LOOPBACK = "127.0.0.1"
 MIB = 1 << 20
-# The longest socket path Ray puts under its temp dir (the dashboard's TaskEventsHead module, a 7-digit pid)
-# and the AF_UNIX limit Ray checks it against (validate_socket_filepath).
-_SOCKET_TAIL = "/ray/session_2000-01-01_00-00-00_000000_1234567/sockets/dash_TaskEventsHead"
-_SOCKET_MAX = 103 if sys.platform == "darwin" else 107
-
-
-def default_temp_root(checkout: Path = ROOT) -> Path:
-    """This checkout's RAY_TMPDIR: /tmp/orchard-<first 8 hex of the sha256 of its resolved path>, one per
-    checkout and 21 characters whatever the checkout's path. Ray puts AF_UNIX sockets under
-    <temp dir>/ray/session_<date>_<pid>/sockets/, and those may not pass 107 bytes (103 on macOS): a temp dir
-    inside a checkout deeper than ~30 characters killed the head's dashboard at start. /tmp on macOS too, not
-    $TMPDIR (/var/folders/..., ~50 characters there)."""
-    digest = hashlib.sha256(str(Path(checkout).resolve()).encode()).hexdigest()[:8]
-    return Path("/tmp") / f"orchard-{digest}"
-
-
-DEFAULT_DIR = default_temp_root()
-
-
-def _absolute(temp_root: Path) -> Path:
-    """temp_root made absolute without resolving symlinks (macOS's /tmp would become /private/tmp, 8 bytes
-    of the socket-path budget), the one spelling used for RAY_TMPDIR, the state file and `stop`'s marker."""
-    return Path(os.path.abspath(temp_root))
 
 
 class LocalNode(Frozen):
@@ -121,99 +105,6 @@ def default_ip() -> str:
     return LOOPBACK
 
 
-def token_path(temp_root: Path = DEFAULT_DIR) -> Path:
-    return _absolute(temp_root) / TOKEN_FILE
-
-
-def ensure_token(temp_root: Path) -> Path:
-    """This cluster's Ray auth token file, made once (64 hex digits from `secrets`, mode 0600) and reused by
-    every later start from the same temp dir, so drivers and the dashboard keep working across restarts.
-    A file that is not a plain file of this user's with mode 0600 is replaced, and a temp dir that another
-    user owns is refused (/tmp/orchard-<hash> is a predictable name)."""
-    temp_root = _absolute(temp_root)
-    temp_root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if temp_root.stat().st_uid != os.getuid():
-        raise RuntimeError(f"{temp_root} belongs to another user: pass a --dir of your own")
-    path = temp_root / TOKEN_FILE
-    try:
-        st = os.lstat(path)
-        if (st.st_mode & 0o170777) == 0o100600 and st.st_uid == os.getuid() and st.st_size > 0:
-            return path
-    except FileNotFoundError:
-        pass
-    tmp = temp_root / f".{TOKEN_FILE}.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    tmp.replace(path)
-    return path
-
-
-# Where each node's ingress replica serves the API itself (Serve's direct ingress): the first port of
-# Ray's direct-ingress range, so the URL a user is given, http://<a Mac>:8000/v1, is the path without
-# the proxy's hop. Serve's proxy, which direct ingress keeps on the head, listens on ray-config.yaml's
-# http_options port (8100).
-INGRESS_PORT = 8000
-
-
-def ingress_ports(first: int) -> dict[str, str]:
-    """Serve's direct-ingress range from `first`, as wide as Ray's default (1,000 ports)."""
-    return {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 1000)}
-
-
-# Ray Serve's throughput mode: user code on the replica's own event loop (no thread hop per call)
-# and gRPC between Serve actors. Measured through the full path: llama-10m at 16 streams 0.79x ->
-# 0.86x of the in-process engine (docs/serve-benchmark.md). Direct ingress: each ingress replica
-# also serves HTTP itself, on the first free port from INGRESS_PORT (one per replica on a host), so
-# a client there skips the proxy's hop (docs/cluster.md, docs/serve-path.md); in this mode Serve
-# runs one proxy, on the head, on http_options' port. A replica that stops keeps serving for 2 s
-# (Serve's default, 30 s, is for load balancers that deregister targets; raise it behind one). Read
-# by every Serve process at import, so it must be in the environment of every node (Macs: export
-# them all before `ray start`).
-SERVE_ENV = {
-    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-    **ingress_ports(INGRESS_PORT),
-    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
-}
-
-
-def driver_env(temp_root: Path) -> dict[str, str]:
-    """What a driver of this cluster (`serve run`, a script) must have set, besides RAY_ADDRESS: printed by
-    `python -m cluster.local env`. The token is named by its file, never given."""
-    temp_root = _absolute(temp_root)
-    return {
-        "RAY_TMPDIR": str(temp_root),
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": str(temp_root / TOKEN_FILE),
-        # Ray rewrites a loopback address (a node's, the GCS's in RAY_ADDRESS) to the machine's LAN address
-        # unless this is 0, and its servers then listen on all interfaces (ray._private.services
-        # .resolve_ip_for_localhost); "0" is Ray's own default on macOS.
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    }
-
-
-def session_token_env() -> dict[str, str]:
-    """Ray's token auth for a cluster that lives as long as this process and its children (tests and
-    benchmarks: ray.cluster_utils or a local ray.init), for os.environ before Ray is imported:
-    RAY_AUTH_MODE=token and a fresh token in RAY_AUTH_TOKEN (which Ray prefers to any token file), inherited
-    by every node and worker; never written to a file."""
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-
-
-def ray_env(temp_root: Path) -> dict[str, str]:
-    """The environment every node and every driver of this cluster must share."""
-    env = dict(os.environ)
-    env.pop("RAY_AUTH_TOKEN", None)  # Ray prefers it to RAY_AUTH_TOKEN_PATH: an inherited one would win
-    env.update(driver_env(temp_root))
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
-    # `ray start --block` drains a node for up to 30 s on SIGTERM (for Serve on Kubernetes); a local demo
-    # has nothing to migrate, so stop at once.
-    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
-    env.update(SERVE_ENV)
-    return env
-
-
 # `ray start`, run as `python -c _NODE_MAIN start ...`, with two of Ray's settings changed in that process
 # only. With RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (which keeps 127.0.0.1 as given everywhere else) Ray
 # refuses to start a worker node ("Multi-node Ray clusters are not supported on Windows and OSX"), and with
@@ -231,80 +122,6 @@ _NODE_MAIN = (
     "sys.argv[0] = 'ray'\n"
     "sys.exit(main())\n"
 )
-
-
-def free_port(ip: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on at `ip` now (the OS's choice)."""
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
-
-
-def _port_open(ip: str, port: int) -> bool:
-    try:
-        with socket.create_connection((ip, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-def serve_http_address(config: Path = RAY_CONFIG) -> tuple[str, int]:
-    """(host, port) of the Serve proxy as the config's http_options give them; Serve's defaults
-    (127.0.0.1, 8000) for what it leaves out or when there is no such file."""
-    import yaml
-
-    options = ((yaml.safe_load(config.read_text()) or {}).get("http_options") or {}) if config.exists() else {}
-    return str(options.get("host", "127.0.0.1")), int(options.get("port", 8000))
-
-
-def port_holder(host: str, port: int) -> str | None:
-    """None if nothing accepts connections on host:port; else who listens there, as far as psutil can tell:
-    "pid 123 (python3: python3 -m http.server)" for each listener, or just "another process" when it cannot
-    see (psutil.net_connections needs root on macOS; other users' pids are hidden on Linux)."""
-    import psutil
-
-    probe = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
-    if not _port_open(probe, port):
-        return None
-    try:
-        conns = psutil.net_connections(kind="tcp")
-    except (psutil.AccessDenied, OSError):
-        conns = []
-    pids = sorted({c.pid for c in conns if c.pid and c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port})
-    holders = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            name = p.name()
-            try:
-                cmd = " ".join(" ".join(p.cmdline()).split())  # process titles (Ray's) pad with spaces
-            except (psutil.AccessDenied, psutil.ZombieProcess):
-                cmd = ""
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            holders.append(f"pid {pid}")
-            continue
-        holders.append(f"pid {pid} ({name}: {cmd[:200]})" if cmd else f"pid {pid} ({name})")
-    return ", ".join(holders) or "another process"
-
-
-def _refuse_taken(host: str, port: int, what: str, why: str) -> None:
-    holder = port_holder(host, port)
-    if holder is not None:
-        raise RuntimeError(f"{what} {host}:{port} is taken by {holder}: {why}")
-
-
-def check_http_port(host: str, port: int) -> None:
-    """Refuse (RuntimeError) when something already listens on Serve's HTTP port: a second Serve proxy binds
-    it too (with port reuse), and the two unrelated clusters then share its connections silently."""
-    why = "a second Serve proxy would share it silently; stop that process, or serve on another port and pass it as --http-port"
-    _refuse_taken(host, port, "Serve's HTTP port", why)
-
-
-def check_ingress_port(host: str, port: int) -> None:
-    """Refuse (RuntimeError) when something already listens on the head's ingress port: its replica would
-    take the next free one, and the URL users are given would reach that other process."""
-    why = "the head's ingress replica would serve on another port and its URL would reach that process; stop it, or pass another --ingress-port"
-    _refuse_taken(host, port, "the ingress port", why)
 
 
 def _ray_cli(temp_root: Path) -> list[str]:
@@ -346,7 +163,7 @@ def _is_node_process(pid: int) -> bool:
 
 
 def read_state(temp_root: Path = DEFAULT_DIR) -> dict | None:
-    path = _absolute(temp_root) / STATE_FILE
+    path = absolute_root(temp_root) / STATE_FILE
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -397,19 +214,15 @@ def start(
     long for Ray's socket paths. `stores`: each node's model store is <stores>/<name> (its
     ORCHARD_STORE), the head's `head_store` if given (the demo: the prepared models folder, so only
     the head holds the set and the others copy what is placed on them)."""
-    temp_root = _absolute(temp_root)
-    if len(str(temp_root).encode()) + len(_SOCKET_TAIL) > _SOCKET_MAX:
-        raise RuntimeError(
-            f"temp dir {temp_root} is too long: Ray's socket paths under it would pass the AF_UNIX limit of "
-            f"{_SOCKET_MAX} bytes; pass a --dir of at most {_SOCKET_MAX - len(_SOCKET_TAIL)} characters (default: {DEFAULT_DIR})"
-        )
+    temp_root = absolute_root(temp_root)
+    check_temp_root(temp_root)
     old = read_state(temp_root)
     if old and any(_is_node_process(n["pid"]) for n in old["nodes"]):
         raise RuntimeError(f"a local cluster from {temp_root} is running ({old['address']}); stop it first")
     ip = default_ip()
-    if _port_open(ip, port):
+    if port_open(ip, port):
         raise RuntimeError(f"port {ip}:{port} is taken (another Ray?); pass --port")
-    if dashboard and _port_open("127.0.0.1", dashboard_port):
+    if dashboard and port_open("127.0.0.1", dashboard_port):
         raise RuntimeError(f"dashboard port 127.0.0.1:{dashboard_port} is taken; pass --dashboard-port or --no-dashboard")
     http_host, config_port = serve_http_address()
     http_port = config_port if http_port is None else http_port
@@ -580,7 +393,7 @@ def stop(temp_root: Path = DEFAULT_DIR, *, grace_s: float = 10.0, log=print) -> 
     processes (listed before signalling) is left. Returns how many processes there were."""
     import psutil
 
-    temp_root = _absolute(temp_root)
+    temp_root = absolute_root(temp_root)
     if prometheus.stop(temp_root / "prometheus"):
         log("stopped prometheus")
     state = read_state(temp_root)
@@ -729,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "stop":
         stop(a.dir)
     elif a.cmd == "tmpdir":
-        print(_absolute(a.dir))
+        print(absolute_root(a.dir))
     elif a.cmd == "address":
         running = read_state(a.dir)
         if running is None:

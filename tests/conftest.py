@@ -11,13 +11,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from cluster.local import SERVE_ENV, session_token_env  # importing it does not import Ray
+from cluster.environment import SERVE_ENV, session_token_env  # importing it does not import Ray
 
 # Before any test module imports Ray (shared/ray/README.md pitfalls 1 and 2): test clusters run with
 # Ray's token auth, as every Orchard cluster does, on a token made for this session (in the environment
 # only, which every node and worker inherits: never written to a file), cluster_utils nodes on 127.0.0.1
 # (Ray's servers then listen on loopback only), and Serve in Orchard's own mode. cluster.local's clusters
-# get a token of their own (cluster/local.py ray_env).
+# get a token of their own (cluster/environment.py ray_env).
 os.environ.update(session_token_env())
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 for _key, _value in SERVE_ENV.items():

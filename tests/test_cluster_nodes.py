@@ -22,7 +22,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster import local
+from cluster import environment, local, ports
 from cluster.node_agent import (
     NAMESPACE,
     NodeAgent,
@@ -192,19 +192,19 @@ def test_local_launcher_start_status_stop_from_a_long_path(tmp_path):
     assert len(str(checkout)) >= 120 and " " in str(checkout)
     python = str(_venv_at(tmp_path / "My Projects" / "a venv") / "bin" / "python")
     ip = local.default_ip()
-    port, dashboard_port, http_port = local.free_port(ip), local.free_port("127.0.0.1"), local.free_port("127.0.0.1")
-    ingress = local.free_port("127.0.0.1")
-    ports = ["--port", str(port), "--dashboard-port", str(dashboard_port), "--http-port", str(http_port), "--ingress-port", str(ingress)]
+    port, dashboard_port, http_port = ports.free_port(ip), ports.free_port("127.0.0.1"), ports.free_port("127.0.0.1")
+    ingress = ports.free_port("127.0.0.1")
+    port_args = ["--port", str(port), "--dashboard-port", str(dashboard_port), "--http-port", str(http_port), "--ingress-port", str(ingress)]
     temp_root: Path | None = None
     pids: list[int] = []
     t0 = time.monotonic()
     try:
-        up = _run_local(checkout, "start", "--nodes", "head:2,mac-1:1", *ports, "--head-cpus", "1", python=python)
+        up = _run_local(checkout, "start", "--nodes", "head:2,mac-1:1", *port_args, "--head-cpus", "1", python=python)
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"{ip}:{port}" in up.stdout
         t_up = time.monotonic() - t0
         # The clone's own code ran, with a temp dir of its own, short, and outside the checkout.
-        temp_root = local.default_temp_root(checkout)
+        temp_root = environment.default_temp_root(checkout)
         assert _run_local(checkout, "tmpdir").stdout.strip() == str(temp_root) and len(str(temp_root)) <= 24
         assert not (checkout / ".ray").exists()
         state = local.read_state(temp_root)
@@ -214,7 +214,7 @@ def test_local_launcher_start_status_stop_from_a_long_path(tmp_path):
         driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env={**os.environ, "RAY_TMPDIR": str(temp_root)})
         sockets = temp_root / "ray" / "session_latest" / "sockets"
         assert (sockets / "dash_MetricsHead").exists(), sorted(p.name for p in sockets.iterdir())
-        token = local.token_path(temp_root).read_text()  # the dashboard wants Ray's token too
+        token = environment.token_path(temp_root).read_text()  # the dashboard wants Ray's token too
         nodes_api = urllib.request.Request(f"http://127.0.0.1:{dashboard_port}/api/v0/nodes", headers={"Authorization": f"Bearer {token}"})
         with urllib.request.urlopen(nodes_api, timeout=30) as r:
             assert json.load(r)["result"], "the dashboard's state API answers"
@@ -224,7 +224,7 @@ def test_local_launcher_start_status_stop_from_a_long_path(tmp_path):
         lines = {line.split()[0]: line for line in st.stdout.splitlines() if line.strip()}
         assert "alive" in lines["head"] and "orchard.budget_gib=2" in lines["head"]
         assert "alive" in lines["mac-1"] and "orchard.budget_gib=1" in lines["mac-1"]
-        again = _run_local(checkout, "start", "--nodes", "head:2", *ports)
+        again = _run_local(checkout, "start", "--nodes", "head:2", *port_args)
         assert again.returncode != 0 and "running" in again.stderr
     finally:
         down = _run_local(checkout, "stop")
@@ -250,8 +250,8 @@ def test_start_refuses_a_taken_http_port(tmp_path, monkeypatch):
             listener.bind(("127.0.0.1", 0))
             listener.listen()
             http_port = listener.getsockname()[1]
-            free = local.free_port("127.0.0.1")
-            kwargs = {"port": local.free_port(local.default_ip()), "dashboard": False, "http_port": http_port, "ingress_port": free, "timeout_s": 5}
+            free = ports.free_port("127.0.0.1")
+            kwargs = {"port": ports.free_port(local.default_ip()), "dashboard": False, "http_port": http_port, "ingress_port": free, "timeout_s": 5}
             with pytest.raises(RuntimeError, match=rf"HTTP port 127\.0\.0\.1:{http_port} is taken by pid {os.getpid()} \("):
                 local.start(local.parse_nodes("head:1"), temp_root=short / "t", **kwargs)
             assert not (short / "t").exists(), "nothing was started or written"
@@ -268,7 +268,7 @@ def test_start_refuses_a_taken_http_port(tmp_path, monkeypatch):
             monkeypatch.setattr(psutil, "net_connections", denied)
             with pytest.raises(RuntimeError, match=rf"HTTP port 127\.0\.0\.1:{http_port} is taken by another process"):
                 local.start(local.parse_nodes("head:1"), temp_root=short / "t", **kwargs)
-        assert local.port_holder("127.0.0.1", http_port) is None
+        assert ports.port_holder("127.0.0.1", http_port) is None
         with pytest.raises(RuntimeError, match="is too long"):
             local.start(local.parse_nodes("head:1"), temp_root=tmp_path / ("x" * 40), **kwargs)
         assert not (short / "t").exists() and not (tmp_path / ("x" * 40)).exists()
@@ -276,8 +276,8 @@ def test_start_refuses_a_taken_http_port(tmp_path, monkeypatch):
         shutil.rmtree(short, ignore_errors=True)
     # The port checked by default: the Serve config's http_options, Serve's defaults for what it leaves out.
     (tmp_path / "config.yaml").write_text("http_options: {host: 0.0.0.0, port: 9123}\n")
-    assert local.serve_http_address(tmp_path / "config.yaml") == ("0.0.0.0", 9123)
-    assert local.serve_http_address(tmp_path / "missing.yaml") == ("127.0.0.1", 8000)
+    assert ports.serve_http_address(tmp_path / "config.yaml") == ("0.0.0.0", 9123)
+    assert ports.serve_http_address(tmp_path / "missing.yaml") == ("127.0.0.1", 8000)
 
 
 # ---- agents on a real 3-node cluster ---------------------------------------------------------------------

@@ -26,7 +26,7 @@ import grpc
 import psutil
 import pytest
 
-from cluster import local
+from cluster import environment, local, ports
 
 pytestmark = pytest.mark.cluster  # starts or uses a Ray cluster: one worker runs these in turn (conftest.py)
 
@@ -62,7 +62,7 @@ class _CreatesFile:
 @pytest.fixture(scope="module")
 def demo():
     temp_root = Path(tempfile.mkdtemp(prefix="orch-sec-", dir="/tmp"))
-    port, dashboard_port, http_port, ingress = (local.free_port() for _ in range(4))
+    port, dashboard_port, http_port, ingress = (ports.free_port() for _ in range(4))
     args = [
         "--port",
         str(port),
@@ -97,7 +97,7 @@ def demo():
             "temp_root": temp_root,
             "address": f"127.0.0.1:{port}",
             "dashboard": f"http://127.0.0.1:{dashboard_port}",
-            "token": local.token_path(temp_root).read_text(),
+            "token": environment.token_path(temp_root).read_text(),
             "outputs": [up.stdout, up.stderr, driver.stdout, driver.stderr, " ".join(words)],
         }
     finally:
@@ -190,7 +190,7 @@ def test_everything_listens_on_loopback_but_replica_grpc_which_needs_the_token(d
 def test_the_token_is_in_no_log_output_command_line_or_environment(demo):
     token = demo["token"]
     temp_root = demo["temp_root"]
-    token_file = local.token_path(temp_root)
+    token_file = environment.token_path(temp_root)
     assert len(token) == 64 and token_file.stat().st_mode & 0o777 == 0o600
     assert "RAY_AUTH_TOKEN_PATH=" + str(token_file) in demo["outputs"][0]  # `connect with:` names the file
     assert not any(token in text for text in demo["outputs"])

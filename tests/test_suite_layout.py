@@ -9,7 +9,7 @@ from pathlib import Path
 TESTS = Path(__file__).parent
 # What starts a cluster or reaches one: Ray's own starters, Orchard's launcher, the shared cluster's fixture,
 # the Serve app's builder in tests/support/cluster.py.
-STARTS_RAY = re.compile(r"\bray\.init\(|cluster_utils|\bcluster\.local\b|from cluster import local|\bshared_ray\b|\bserve_orchard\(")
+STARTS_RAY = re.compile(r"\bray\.init\(|cluster_utils|\bcluster\.local\b|from cluster import [^\n]*\blocal\b|\bshared_ray\b|\bserve_orchard\(")
 
 
 def marked(text: str) -> bool:

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from cluster.local import session_token_env  # does not import Ray
+from cluster.environment import session_token_env  # does not import Ray
 
 os.environ.update(session_token_env())  # Ray's token auth, as every Orchard cluster runs
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -53,7 +53,7 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from bench.report import publish
-from cluster.local import SERVE_ENV
+from cluster.environment import SERVE_ENV
 from cluster.node_agent import ensure_agents
 from cluster.store import ENV_STORE, MANIFEST, PARTIAL, RECEIVE_BYTES, RECEIVE_DEPTH, Store
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import bench.serve.__main__ as serve_bench
 from bench.engine.share import Bare
-from cluster.local import free_port
+from cluster.ports import free_port
 from deployments.models import prepare
 
 ROOT = Path(__file__).resolve().parents[2]

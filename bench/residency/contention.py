@@ -37,7 +37,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.local import SERVE_ENV, free_port, session_token_env  # does not import Ray
+from cluster.environment import SERVE_ENV, session_token_env
+from cluster.ports import free_port  # does not import Ray
 
 os.environ.update(session_token_env())  # Ray's token auth, as every Orchard cluster runs
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-from cluster.local import SERVE_ENV, free_port, session_token_env  # does not import Ray
+from cluster.environment import SERVE_ENV, session_token_env
+from cluster.ports import free_port  # does not import Ray
 
 os.environ.update(session_token_env())  # Ray's token auth, as every Orchard cluster runs
 
@@ -687,7 +688,7 @@ HEAD = """# Serving path benchmark
 
 Produced by `make bench-serve` (`python -m bench.serve --markdown docs/serve-benchmark.md`); JSON in
 `bench/results/serve.json`. One Ray node on this 2-core Linux VM (CPU MLX, OpenBLAS), the Serve app
-of ray-config.yaml's shape in Serve's throughput mode (cluster.local.SERVE_ENV), streaming chat
+of ray-config.yaml's shape in Serve's throughput mode (cluster.environment.SERVE_ENV), streaming chat
 requests (greedy, max_tokens 128 for the 10M llama and 48 for SmolLM2) from a light aiohttp client
 (`--client openai` uses the official SDK instead; docs/serve-path.md, "The load generator").
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.local import session_token_env  # does not import Ray
+from cluster.environment import session_token_env  # does not import Ray
 
 os.environ.update(session_token_env())  # Ray's token auth, as every Orchard cluster runs
 import ray

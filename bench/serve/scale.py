@@ -20,7 +20,7 @@ from typing import Any
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 from bench.report import write_json
-from cluster.local import SERVE_ENV, session_token_env  # does not import Ray
+from cluster.environment import SERVE_ENV, session_token_env  # does not import Ray
 
 os.environ.update(session_token_env())  # Ray's token auth, as every Orchard cluster runs
 
@@ -87,7 +87,7 @@ def run_size(n: int, models_dir: Path, model: str, kind: str, clients: int, seco
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from cluster.local import free_port
+    from cluster.ports import free_port
     from router.api.builder import build_app
     from router.residency.registry import from_manifest
 

@@ -18,7 +18,7 @@ from typing import Any
 import requests
 import yaml
 
-from cluster import local
+from cluster import environment, local, ports
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CHROMIUM = "/usr/bin/chromium"
@@ -43,7 +43,7 @@ class Demo:
 
     def ray_token(self) -> str:
         """Ray's token for this cluster (the dashboard asks for it); read from its 0600 file, never printed."""
-        return Path(local.ray_env(self.temp_root)["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+        return Path(environment.ray_env(self.temp_root)["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
 
     def post(self, path: str, body: dict | None = None) -> dict[str, Any]:
         r = requests.post(self.base + path, json=body or {}, timeout=300)
@@ -78,19 +78,19 @@ def chromium() -> str:
 def demo(models_dir: Path, nodes: str = MAKE_RUN_NODES) -> Iterator[Demo]:
     """`make run`'s cluster and app on free ports (Ray's token auth on, as there), stopped at the end."""
     temp_root = Path(tempfile.mkdtemp(prefix="orch-shot-", dir="/tmp"))
-    dashboard_port, http_port = local.free_port(), local.free_port()
+    dashboard_port, http_port = ports.free_port(), ports.free_port()
     state = local.start(
         local.parse_nodes(nodes),
         temp_root=temp_root,
-        port=local.free_port(),
+        port=ports.free_port(),
         dashboard_port=dashboard_port,
         http_port=http_port,
-        ingress_port=local.free_port(),
+        ingress_port=ports.free_port(),
         stores=temp_root / "stores",
         head_store=models_dir,
     )
     try:
-        os.environ.update(local.ray_env(temp_root))
+        os.environ.update(environment.ray_env(temp_root))
         import ray
         from ray import serve
 

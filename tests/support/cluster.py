@@ -5,7 +5,7 @@ import time
 
 import requests
 
-from cluster.local import free_port
+from cluster.ports import free_port
 
 MIB = 1024**2
 # Ray notices a dead node in ~1.5 s instead of ~14 s (shared/ray/README.md)
