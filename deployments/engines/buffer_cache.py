@@ -4,7 +4,7 @@ mlx-lm's BatchGenerator calls `mx.clear_cache()` after every prefill chunk (and 
 steps), handing every cached buffer back to the device; the steps that follow allocate them again.
 On an H200 that cost the engine in process at 64 streams 2 ms a step and 29% of the time to a first
 token (TTFT p50 260.7 -> 186.3 ms with the calls skipped, bare's 123.8; docs/serve-path.md,
-session 14). Here `mlx_lm.generate` sees an `mlx.core` whose `clear_cache` clears only once the
+"Memory and caches"). Here `mlx_lm.generate` sees an `mlx.core` whose `clear_cache` clears only once the
 cache holds more than the engines of this process keep (each its `prefill_cache_keep_mib`, by
 default its KV reservation, which the residency policy already counts): short prompts' buffers stay
 cached, a long prompt's large ones still go back. Nothing else in the process changes: the module

@@ -25,7 +25,7 @@ class LLMEngineOptions(BaseModel):
     admit_quiet_steps: int = Field(default=1, ge=0, le=64)
     # ... and only while at least this many rows decode (0: whenever the batch is busy); a smaller
     # batch's arrivals join at the next step. H200, 1B shape: 16 or 32 here lost throughput and
-    # doubled TTFT p50 at 64 streams (285 -> 535-557 ms; docs/serve-path.md, session 11).
+    # doubled TTFT p50 at 64 streams (285 -> 535-557 ms; docs/serve-path.md, "Admission").
     admit_hold_min_rows: int = Field(default=0, ge=0, le=1024)
     # Prompt tokens of each prefilling row run in one engine step, between two decode steps (mlx-lm's
     # prefill_step_size, which its BatchGenerator already interleaves with decoding): a 3,000-token

@@ -12,7 +12,7 @@ does not exist, so model names do not leak (`Ingress.hold` and the model list ch
 
 The dependencies are `async def` although they never await: FastAPI runs a plain `def` dependency
 in its thread pool, a hop to a worker thread and back for every request, which under load waited
-for the GIL behind the event loop (docs/serve-path.md, session 11)."""
+for the GIL behind the event loop (docs/serve-path.md, "Transport")."""
 
 from fastapi import Depends, Request
 
