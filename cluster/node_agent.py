@@ -24,7 +24,8 @@ from pydantic import Field
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.node_report import NodeReport, StoreReport, gib_to_bytes, read_report
-from cluster.store import CHUNK_BYTES as CHUNK, ENV_STORE, Store, StoreError, StoreManifest, default_root
+from cluster.store import ENV_STORE, Store, default_root
+from cluster.stored import CHUNK_BYTES as CHUNK, StoreError, StoreManifest
 from cluster.stream import StreamBroken, StreamOffer, StreamServer, copy_folder
 from policy._frozen import Frozen
 from policy.specs import DEVICE_KINDS, DeviceKind

@@ -14,7 +14,7 @@ the first request said, each showing the ticket, and closes; it closes too STREA
 opened without them, and a transfer that makes no progress for that long ends. A connection without
 the ticket gets a refusal and nothing else.
 
-Why lanes: the target hashes every byte as it arrives (cluster/store.py IncomingFile), on one hash
+Why lanes: the target hashes every byte as it arrives (cluster/receiving.py IncomingFile), on one hash
 thread per lane, and one core hashes sha256 at 1.5-2 GB/s, less than a fast link or a loopback moves.
 Lanes side by side use the cores a node has; a node with few cores gets one lane (copy_lanes).
 
@@ -36,7 +36,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from cluster.store import IncomingFile, Store, StoredFile, StoreError, StoreManifest, checked_file
+from cluster.receiving import IncomingFile
+from cluster.store import Store
+from cluster.stored import StoredFile, StoreError, StoreManifest, checked_file
 from policy._frozen import Frozen
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,8 @@ from support.hub_server import SHA, Hub  # noqa: E402
 
 from cluster.model_servers import live_model_server_names  # noqa: E402
 from cluster.node_agent import get_agent  # noqa: E402
-from cluster.store import ENV_STORE, MANIFEST, PARTIAL, Store  # noqa: E402
+from cluster.store import ENV_STORE, PARTIAL, Store  # noqa: E402
+from cluster.stored import MANIFEST  # noqa: E402
 from cluster.stream import FileRange, StreamReply, StreamRequest, recv_message, send_message  # noqa: E402
 from router.api.builder import build_app  # noqa: E402
 from router.residency.registry import from_manifest  # noqa: E402

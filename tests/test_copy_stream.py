@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 from support.stores import no_ray, same, source_store
 
-import cluster.store
-from cluster.store import PARTIAL, Store, StoreError
+import cluster.receiving
+from cluster.store import PARTIAL, Store
+from cluster.stored import StoreError
 from cluster.stream import (
     MAX_LANES,
     StreamBroken,
@@ -37,7 +38,7 @@ SIZES = (300_000, 260_000, 200_000, 131_072, 70_000, 0)
 @pytest.fixture(autouse=True)
 def small_buffers(monkeypatch):
     """64 KiB receive buffers: files of a few hundred KB take several, as a model's take many."""
-    monkeypatch.setattr(cluster.store, "RECEIVE_BYTES", 64 * 1024)
+    monkeypatch.setattr(cluster.receiving, "RECEIVE_BYTES", 64 * 1024)
 
 
 class _Sized:

@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from cluster.store import MANIFEST, PARTIAL, Store, StoreError
+from cluster.store import PARTIAL, Store
+from cluster.stored import MANIFEST, StoreError
 
 
 def _folder(root, name="m", sizes=(5000, 123, 0)):

@@ -10,8 +10,9 @@ import socket
 import pytest
 from support.stores import no_ray, same, source_store
 
-import cluster.store
-from cluster.store import MANIFEST, PARTIAL, Store, StoreError
+import cluster.receiving
+from cluster.store import PARTIAL, Store
+from cluster.stored import MANIFEST, StoreError
 from cluster.stream import (
     FileRange,
     StreamOffer,
@@ -29,7 +30,7 @@ SIZES = (300_000, 70_000, 0, 131_072)
 @pytest.fixture(autouse=True)
 def small_buffers(monkeypatch):
     """64 KiB receive buffers: files of a few hundred KB take several, as a model's take many."""
-    monkeypatch.setattr(cluster.store, "RECEIVE_BYTES", 64 * 1024)
+    monkeypatch.setattr(cluster.receiving, "RECEIVE_BYTES", 64 * 1024)
 
 
 def _ask(offer: StreamOffer, request: StreamRequest) -> tuple[StreamReply, bytes]:

@@ -55,7 +55,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from bench.report import publish
 from cluster.environment import SERVE_ENV
 from cluster.node_agent import ensure_agents
-from cluster.store import ENV_STORE, MANIFEST, PARTIAL, RECEIVE_BYTES, RECEIVE_DEPTH, Store
+from cluster.receiving import RECEIVE_BYTES, RECEIVE_DEPTH
+from cluster.store import ENV_STORE, PARTIAL, Store
+from cluster.stored import MANIFEST
 
 MIB = 1024**2
 SHARD_MIB = 64
