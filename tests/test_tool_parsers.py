@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from router.protocols.events import TextDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
-from router.serving.output.tool_parsers import PARSERS, SYNTAX, UnknownToolParser, get_parser, new_call_id, render_call, render_calls
+from router.serving.output.tool_parser_base import new_call_id
+from router.serving.output.tool_parsers import PARSERS, SYNTAX, UnknownToolParser, get_parser, render_call, render_calls
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

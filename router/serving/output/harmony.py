@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 
 from router.protocols.events import ReasoningDelta, TextDelta
-from router.serving.output.tool_parsers import IdFactory, ToolParser, _held, _load
+from router.serving.output.tool_parser_base import IdFactory, ToolParser, held, load_json
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 TO = " to="  # a header may open with the recipient, right after the prompt's `<|start|>assistant`
@@ -84,7 +84,7 @@ class HarmonyParser(ToolParser):
             ends = [j for j in (self._buf.find(m) for m in ENDS) if j >= 0]
             j = min(ends) if ends else -1
             if j < 0:
-                keep = 0 if final else max(_held(self._buf, m) for m in ENDS)
+                keep = 0 if final else max(held(self._buf, m) for m in ENDS)
                 self._part(self._buf[: len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep :]
                 return
@@ -127,7 +127,7 @@ class HarmonyParser(ToolParser):
         if not self._is_call():
             return
         name = (self._recipient or "").removeprefix(FUNCTIONS)
-        args = _load(self._body) if self._body.strip() else {}
+        args = load_json(self._body) if self._body.strip() else {}
         if self._calls_on and self._recipient and self._recipient.startswith(FUNCTIONS) and name and isinstance(args, dict):
             self._call(name, args)
         else:  # not a function call Orchard can answer (a built-in tool, bad JSON, tools off): its text

@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from router.protocols.events import Finish, FinishReason, OutputEvent, ReasoningDelta, TextDelta
 from router.serving.output.harmony import HarmonyParser
 from router.serving.output.reasoning import ReasoningConfig, ReasoningSplitter
-from router.serving.output.tool_parsers import ALIASES, FAMILIES, IdFactory, ToolParser, UnknownToolParser, get_parser
+from router.serving.output.tool_parser_base import IdFactory, ToolParser
+from router.serving.output.tool_parsers import ALIASES, FAMILIES, UnknownToolParser, get_parser
 
 
 class OutputConfig(BaseModel):
