@@ -133,10 +133,13 @@ class ModelServer:
         (this __init__) ends: loading in __init__ is what makes it tell the loaded state and size. A
         spare's stays what it was at creation; the model it takes names its `take` task (the
         dashboard's Tasks) and its log lines."""
-        if self._spare_started:
+        made = self.__dict__  # what __init__ set: Ray asks this too when __init__ raised (and reports why)
+        if made.get("_spare_started"):
             return f"ModelServer(@{self.node_id}, started as a spare: its `take` task names its model)"
+        where = f"{getattr(made.get('entry'), 'name', 'a model')}@{made.get('node_id', '?')}"
+        if "engine" not in made:
+            return f"ModelServer({where}, failed to start)"
         health = self.engine.health()
-        where = f"{self.entry.name}@{self.node_id}"
         if health.status == "ready":
             report = self.engine.memory()
             held = report.held_bytes / 2**20

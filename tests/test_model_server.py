@@ -378,6 +378,17 @@ def test_a_missing_model_folder_is_not_found(ray_node):
     assert actor_name("ghost", NODE) not in dict(find_model_servers())
 
 
+def test_a_server_whose_engine_cannot_be_made_fails_with_the_engines_reason(ray_node, manifest, models_dir):
+    """An engine option the engine refuses fails the actor's creation with that reason (the actor's
+    repr, which Ray asks for when __init__ raises, does not hide it)."""
+    bad = create_model_server(
+        manifest.entry("llama-10m"), NODE, ray_node_id=ray_node, models_dir=models_dir, options={"engine_options": {"kv_bits": 5}}, incarnation="bad"
+    )
+    with pytest.raises(Exception) as info:
+        ray.get(bad.health.remote(), timeout=60)
+    assert "kv_bits" in str(info.value) and "AttributeError" not in str(info.value), str(info.value)[-2000:]
+
+
 def test_found_again_then_drained_and_killed(llama):
     names = dict(find_model_servers())
     assert LLAMA in names and actor_name("all-minilm-l6-v2", NODE) in names
