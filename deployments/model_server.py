@@ -135,7 +135,7 @@ class ModelServer:
         dashboard's Tasks) and its log lines."""
         made = self.__dict__  # what __init__ set: Ray asks this too when __init__ raised (and reports why)
         if made.get("_spare_started"):
-            return f"ModelServer(@{self.node_id}, started as a spare: its `take` task names its model)"
+            return f"ModelServer(@{made.get('node_id', '?')}, started as a spare: its `take` task names its model)"
         where = f"{getattr(made.get('entry'), 'name', 'a model')}@{made.get('node_id', '?')}"
         if "engine" not in made:
             return f"ModelServer({where}, failed to start)"

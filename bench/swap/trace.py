@@ -121,7 +121,7 @@ async def one(session: aiohttp.ClientSession, url: str, r: Request, max_tokens: 
 
 
 async def replay(
-    base: str,
+    base: str | list[str],
     trace: list[Request],
     clients: int,
     max_tokens: int,
@@ -131,6 +131,7 @@ async def replay(
 ) -> tuple[list[Outcome], float, float]:
     """The trace against `base`, at most `clients` requests in flight; `poll(session)` is called
     every `poll_every_s` while it runs and once after (the server's own record: events, status).
+    Several bases (a cluster's nodes' own URLs): request i goes to base i mod their count.
     Returns (outcomes in trace order, t0 on time.monotonic's clock, wall seconds to the last end)."""
     slots = asyncio.Semaphore(clients)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -148,7 +149,9 @@ async def replay(
 
         t0 = time.monotonic() + 0.5  # the tasks are made before the first arrival
         task = asyncio.create_task(poller()) if poll is not None else None
-        outcomes = await asyncio.gather(*(one(session, f"{base}/v1/chat/completions", r, max_tokens, t0, slots) for r in trace))
+        bases = [base] if isinstance(base, str) else base
+        urls = [f"{b}/v1/chat/completions" for b in bases]
+        outcomes = await asyncio.gather(*(one(session, urls[r.index % len(urls)], r, max_tokens, t0, slots) for r in trace))
         wall = time.monotonic() - t0
         if task is not None:
             task.cancel()
