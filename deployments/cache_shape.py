@@ -13,7 +13,7 @@ Four kinds of layer, as mlx-lm caches them:
 - latent attention: DeepSeek V3 / Kimi K2 (mlx-lm's deepseek_v3 family) cache one compressed latent
   (kv_lora_rank) and one rotary key (qk_rope_head_dim) per token per layer; mlx-lm's deepseek_v2
   (DeepSeek-V2 and V2-Lite) caches the decompressed keys and values of every head instead.
-A quantized cache (`kv_bits`) shrinks the attention kinds (deployments/estimate.quantized_kv_bytes)."""
+A quantized cache (`kv_bits`) shrinks the attention kinds (`quantized_kv_bytes`)."""
 
 from pydantic import Field
 
@@ -119,11 +119,17 @@ def _state_elements(text: dict) -> tuple[int, int]:
     return 0, 0
 
 
+def quantized_kv_bytes(elements: int, dtype_bytes: int, kv_bits: int | None, kv_group_size: int = 64) -> int:
+    """Bytes of `elements` cached values: dtype_bytes each unquantized; quantized, kv_bits / 8 each
+    and a scale and a bias of dtype_bytes for each kv_group_size of them (mx.quantize's layout)."""
+    if kv_bits is None:
+        return elements * dtype_bytes
+    return -(-elements * kv_bits // 8) + 2 * dtype_bytes * -(-elements // kv_group_size)
+
+
 def cache_shape(config: dict, dtype_bytes: int, kv_bits: int | None = None, kv_group_size: int = 64) -> CacheShape:
     """The cache of the model `config` describes, its elements `dtype_bytes` each (the activations'
     dtype); `kv_bits`: a quantized cache of the attention layers."""
-    from deployments.estimate import quantized_kv_bytes  # estimate builds on this module
-
     text = _text(config)
     if not text.get("num_hidden_layers") or not text.get("num_attention_heads"):
         return CacheShape()

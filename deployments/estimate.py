@@ -14,7 +14,7 @@ import json
 import struct
 from pathlib import Path
 
-from deployments.cache_shape import CacheShape, cache_shape
+from deployments.cache_shape import CacheShape, cache_shape, quantized_kv_bytes
 from deployments.engine import Frozen
 from deployments.manifest import safetensors_bytes
 
@@ -61,14 +61,6 @@ def config_cache(config: dict, weights_dtype: str | None = None, kv_bits: int | 
 def kv_bytes_per_token(config: dict, weights_dtype: str | None = None, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
     """What the layers whose cache grows with the context hold per token (0 without a decoder cache)."""
     return config_cache(config, weights_dtype, kv_bits, kv_group_size).full_bytes_per_token
-
-
-def quantized_kv_bytes(elements: int, dtype_bytes: int, kv_bits: int | None, kv_group_size: int = 64) -> int:
-    """Bytes of `elements` cached values: dtype_bytes each unquantized; quantized, kv_bits / 8 each
-    and a scale and a bias of dtype_bytes for each kv_group_size of them (mx.quantize's layout)."""
-    if kv_bits is None:
-        return elements * dtype_bytes
-    return -(-elements * kv_bits // 8) + 2 * dtype_bytes * -(-elements // kv_group_size)
 
 
 def kv_bytes_quantized(kv_bytes: int, dtype_bytes: int, kv_bits: int | None, kv_group_size: int = 64) -> int:

@@ -13,11 +13,12 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache as SingleQuantizedKVCa
 from pydantic import ValidationError
 from support.engine_runs import greedy, join_and_leave
 
+from deployments.cache_shape import quantized_kv_bytes
 from deployments.engines.llm import LLMEngine
 from deployments.engines.options import LLMEngineOptions
 from deployments.engines.prefix_cache import PrefixCache
 from deployments.engines.quantized_cache import BatchQuantizedKVCache, QuantizedKVCache, quantizable
-from deployments.estimate import kv_bytes_per_token, quantized_kv_bytes
+from deployments.estimate import kv_bytes_per_token
 from deployments.models import open_engine
 from policy import PolicyConfig
 from policy.memory import required_bytes
