@@ -1,7 +1,7 @@
 """Where a client reaches the API: the address Serve's HTTP servers bind (http_options.host: the
 proxy's and, under Serve's direct ingress, each ingress replica's own port alike), the nodes' host
 names a client may use, and the HTTP address each ingress replica serves itself under direct ingress
-(RAY_SERVE_ENABLE_DIRECT_INGRESS, cluster/local.py's SERVE_ENV), without the proxy's hop. Read from
+(RAY_SERVE_ENABLE_DIRECT_INGRESS, cluster/environment.py's SERVE_ENV), without the proxy's hop. Read from
 the Serve controller (its HTTP options; its instance details, the same record the dashboard's
 `GET /api/serve/applications/` shows: target groups, and the replicas' nodes) and Ray's node table."""
 

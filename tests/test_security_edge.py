@@ -43,7 +43,7 @@ def orchard(models_dir, shared_ray):
         if ingress or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert ingress, "no direct-ingress address: the shared cluster runs with cluster/local.py's SERVE_ENV"
+    assert ingress, "no direct-ingress address: the shared cluster runs with cluster/environment.py's SERVE_ENV"
     yield {"proxy": proxy, "direct": ingress[0]["url"]}
     serve.shutdown()
 
