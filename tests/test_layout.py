@@ -129,7 +129,7 @@ def test_the_reader_sees_the_imports_it_is_about():
     # inside a function (model_server_options imports Ray's scheduling strategy there; Orchard's own: this one)
     assert "deployments.models" in edges["deployments.model_server"]
     # `from package import module`
-    assert "cluster.local" in edges["router.console.demo_cluster"]
+    assert "cluster.ports" in edges["router.console.demo_cluster"]
     # what the residency parts use of the loop is a protocol, not the controller
     assert "router.residency.parts" in edges["router.residency.placements"]
     assert "router.residency.controller" not in edges["router.residency.placements"]
