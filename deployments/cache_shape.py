@@ -131,9 +131,9 @@ def cache_shape(config: dict, dtype_bytes: int, kv_bits: int | None = None, kv_g
     """The cache of the model `config` describes, its elements `dtype_bytes` each (the activations'
     dtype); `kv_bits`: a quantized cache of the attention layers."""
     text = _text(config)
-    if not text.get("num_hidden_layers") or not text.get("num_attention_heads"):
+    kinds = layer_kinds(config) if text.get("num_attention_heads") else []
+    if not kinds:
         return CacheShape()
-    kinds = layer_kinds(config)
     counts = {k: kinds.count(k) for k in sorted(set(kinds))}
     model_type = text.get("model_type") or config.get("model_type") or ""
     if model_type == "deepseek_v2":

@@ -35,7 +35,7 @@ import mlx_lm
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from deployments.engine import Engine, MemoryReport, RequestError, RequestErrorCode
-from deployments.engines import buffer_cache
+from deployments.engines import buffer_cache, measure
 from deployments.engines.chat_format import chat_inputs, template_kwargs_error, template_supports_tools
 from deployments.engines.constrained import GrammarCompiler, GrammarProcessor
 from deployments.engines.llm_cache import KeptPrefixes
@@ -191,6 +191,7 @@ class LLMEngine(MLXLoop, Engine):
         self._loop_done = self._worker.submit(self._run_loop)
 
     def _load_on_worker(self) -> None:
+        active = mx.get_active_memory()  # what the weights add to it is theirs (measure.loaded)
         self.model, self.tokenizer, config = mlx_lm.load(self.path, return_config=True)  # type: ignore[misc]  # a 3-tuple with return_config
         self.weight_bytes = safetensors_bytes(self.path)
         self.context_length = self._context_length or int(config.get("max_position_embeddings") or 4096)
@@ -207,6 +208,7 @@ class LLMEngine(MLXLoop, Engine):
         self.template_knows_tools = getattr(self.tokenizer, "_chat_template", None) is not None or template_supports_tools(
             getattr(hf_tokenizer, "chat_template", None)
         )
+        self.measured = measure.loaded(self, config, active)  # what it holds; the process's MLX limit
         self.generator = self._new_generator()
 
     def _check_quantizable(self, config: dict) -> None:
@@ -272,6 +274,7 @@ class LLMEngine(MLXLoop, Engine):
             prefix_cache_bytes=kept,
             prefix_prefill_s=self._prefill_seconds(kept),
             kv_bytes_reserved=getattr(self, "kv_bytes_per_token", 0) * self.reserve_context_tokens * self.reserve_concurrency,
+            measured=getattr(self, "measured", None),
             active_bytes=mx.get_active_memory(),
             peak_bytes=mx.get_peak_memory(),
             load_seconds=self._load_seconds,
@@ -413,6 +416,8 @@ class LLMEngine(MLXLoop, Engine):
         tokens = self._tokenize(request)
         if not tokens:
             raise RequestError("invalid_request", "the prompt is empty")
+        if (why := measure.refusal(getattr(self, "measured", None), len(tokens))) is not None:
+            raise RequestError("context_length_exceeded", why)
         if len(tokens) >= self.context_length:  # a max_tokens past the room left is clamped (_admit): docs/protocols.md
             raise RequestError(
                 "context_length_exceeded",

@@ -6,67 +6,41 @@ it has loaded (the folder's estimate, deployments/estimate.py, is only for befor
   engine's quantized caches) with one token run through it; a layer with keys holds its buffers'
   bytes over their token slots per token (up to its max_size for a RotatingKVCache), any other
   layer (an ArraysCache: a convolution tail and a recurrent state) the same bytes at any context;
-- a prefill step's activation peak: MLX's peak over a step of `rows` x `chunk` prompt tokens, less
-  what was active before it and what the cache grew by, at two context offsets (0 and one chunk);
-  attention's scratch grows linearly with the context a chunk attends to, so the reserved context's
-  figure is the line through those two (a chunk at the reserved context itself would cost a whole
-  prefill at load).
+- a step's activation peak: MLX's peak over a step less what is active after it. A prompt longer
+  than the engine's max_prefill_tokens prefills alone, one chunk a step: one row's steps at context
+  offsets 0 and one chunk give a line that bounds its steps at the reserved context from above
+  (attention's scratch and the cache's copy into a larger buffer grow with the context; a chunk at
+  the reserved context itself would cost a whole prefill at load). A group of shorter prompts
+  prefills `rows` rows at once, and a decode step of `reserve_concurrency` rows computes the logits:
+  the most of the three is the figure.
 
 `limit_bytes` is what the process may hold: weights, the KV of `reserve_concurrency` sequences of
 `reserve_context_tokens`, one prefill step's activations at that context, and the prefix cache's
 budget. The engine sets MLX's memory limit (and on Metal its wired limit) to it, and refuses a
-request whose own cache could never fit the reservation (`fits`)."""
+request whose own cache could never fit the reservation (`refusal`)."""
 
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from pathlib import Path
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from pydantic import Field
+from mlx_lm.models.cache import make_prompt_cache
 
 from deployments.cache_shape import CacheShape
-from policy._frozen import Frozen
+from deployments.engines.prefix_disk import model_identity
+from deployments.engines.quantized_cache import fresh_caches
+from deployments.estimate import config_cache, weights_dtype
+from deployments.manifest import safetensors_bytes
+from deployments.wire.measured import MeasuredMemory
+
+MIB = 2**20
 
 logger = logging.getLogger(__name__)
-
-
-class MeasuredMemory(Frozen):
-    """What a loaded model holds, measured (module docstring); `estimated_*`: the folder's figures
-    for the same, side by side."""
-
-    weights_hash: str = ""
-    weight_bytes: int = Field(ge=0)
-    cache: CacheShape
-    activation_bytes: int = Field(ge=0)  # one prefill step at the reserved context
-    activation_base_bytes: int = Field(default=0, ge=0)  # ... at context 0
-    activation_bytes_per_token: float = Field(default=0.0, ge=0)  # ... its growth per token of context
-    prefill_rows: int = Field(default=1, ge=1)
-    prefill_chunk: int = Field(default=1, ge=1)
-    reserve_context_tokens: int = Field(ge=0)
-    reserve_concurrency: int = Field(ge=1)
-    prefix_cache_bytes: int = Field(default=0, ge=0)  # the kept prefixes' budget (X4 counts them apart)
-    seconds: float = Field(default=0.0, ge=0)
-    estimated_weight_bytes: int = Field(default=0, ge=0)
-    estimated_cache: CacheShape | None = None
-
-    @property
-    def kv_reserved_bytes(self) -> int:
-        return self.reserve_concurrency * self.cache.sequence_bytes(self.reserve_context_tokens, self.prefill_chunk)
-
-    @property
-    def reserved_bytes(self) -> int:
-        """Weights, the KV reservation and one prefill step: what the model may hold beside its kept prefixes."""
-        return self.weight_bytes + self.kv_reserved_bytes + self.activation_bytes
-
-    @property
-    def limit_bytes(self) -> int:
-        return self.reserved_bytes + self.prefix_cache_bytes
-
-    def fits(self, tokens: int) -> bool:
-        """Whether one sequence of `tokens` fits the KV reservation (with nothing else running)."""
-        return self.cache.sequence_bytes(tokens, self.prefill_chunk) <= self.kv_reserved_bytes
 
 
 def _arrays(x: Any) -> list[mx.array]:
@@ -110,29 +84,40 @@ def cache_shape(model: Any, caches: Callable[[], list[Any]]) -> CacheShape:
     return CacheShape(full_bytes_per_token=full, window_bytes_per_token=window, window_tokens=window_tokens, state_bytes=state, layers=counts)
 
 
-def _step_activation(model: Any, layers: list[Any], rows: int, chunk: int, vocab: int) -> int:
-    """MLX's peak over one prefill step of `rows` x `chunk` tokens (as mlx-lm's prefill runs it: the
-    caches evaluated, the logits not), less what was active before and what the caches grew by."""
-    tokens = mx.random.randint(0, vocab, (rows, chunk))
-    mx.eval(tokens)
+def _step_activation(model: Any, layers: list[Any], rows: int, tokens: int, vocab: int, logits: bool = False) -> int:
+    """MLX's peak over one step of `rows` x `tokens` (a prefill step as mlx-lm runs it: the caches
+    evaluated, the logits not; a decode step: the logits too, in float32 as the samplers take them),
+    less what is active after it (the caches grown by the step included)."""
+    inputs = mx.random.randint(0, vocab, (rows, tokens))
+    mx.eval(inputs)
     mx.synchronize()
     mx.reset_peak_memory()
-    model(tokens, cache=layers)
-    mx.eval([c.state for c in layers])
+    out = model(inputs, cache=layers)
+    if logits:
+        out = mx.softmax(out[:, -1, :].astype(mx.float32), axis=-1)
+        mx.eval(out, [c.state for c in layers])
+    else:
+        mx.eval([c.state for c in layers])
     mx.synchronize()
-    peak, after = mx.get_peak_memory(), mx.get_active_memory()
-    return max(0, peak - after)
+    peak = mx.get_peak_memory()
+    del out
+    return max(0, peak - mx.get_active_memory())
 
 
-def activation(model: Any, caches: Callable[[], list[Any]], rows: int, chunk: int, vocab: int) -> tuple[int, float]:
-    """(a prefill step's activations at context 0, their growth per token of context), from steps at
-    offsets 0 and `chunk` of one batch of `rows` fresh caches."""
-    layers = caches()  # one cache per layer holds the whole batch (B = rows)
-    first = _step_activation(model, layers, rows, chunk, vocab)
-    second = _step_activation(model, layers, rows, chunk, vocab)
+def activation(model: Any, caches: Callable[[], list[Any]], rows: int, chunk: int, vocab: int, decode_rows: int) -> tuple[int, float, int]:
+    """(one row's prefill step at context 0, its growth per token of context, the most of a step of
+    `rows` rows at context 0 and a decode step of `decode_rows`). The growth is the line from offset
+    0 to one chunk, whose second step also copies the cache into a larger buffer: attention's scratch
+    and that copy both grow with the context, so the line bounds them from above at longer contexts
+    (bench/memory_matrix.py measures how far)."""
+    layers = caches()
+    first = _step_activation(model, layers, 1, chunk, vocab)
+    second = _step_activation(model, layers, 1, chunk, vocab)
+    group = _step_activation(model, caches(), rows, chunk, vocab) if rows > 1 else first  # one cache per layer holds the batch
+    decode = _step_activation(model, caches(), decode_rows, 1, vocab, logits=True)
     del layers
     mx.clear_cache()
-    return first, max(0.0, (second - first) / chunk)
+    return first, max(0.0, (second - first) / chunk), max(group, decode)
 
 
 def measure(
@@ -156,8 +141,9 @@ def measure(
     shape = cache_shape(model, caches)
     rows = max(1, min(prefill_rows, reserve_concurrency))
     chunk = max(1, min(prefill_chunk, reserve_context_tokens or 1))
-    base, per_token = activation(model, caches, rows, chunk, vocab)
-    at_context = base + int(per_token * max(0, reserve_context_tokens - chunk) + 0.5)
+    base, per_token, batched = activation(model, caches, rows, chunk, vocab, reserve_concurrency)
+    # a prompt longer than the engine's max_prefill_tokens prefills alone; a group's rows are shorter
+    at_context = max(batched, base + int(per_token * max(0, reserve_context_tokens - chunk) + 0.5))
     return MeasuredMemory(
         weights_hash=weights_hash,
         weight_bytes=weight_bytes,
@@ -176,17 +162,6 @@ def measure(
     )
 
 
-def set_limits(limit_bytes: int) -> None:
-    """MLX's memory limit for this process (on Metal, also the wired limit: what it may keep
-    resident); a process serves one model, so the model's limit is the process's."""
-    mx.set_memory_limit(int(limit_bytes))
-    if mx.metal.is_available():
-        try:
-            mx.set_wired_limit(int(limit_bytes))
-        except ValueError as e:  # past the device's ceiling: the node's iogpu.wired_limit_mb
-            logger.warning("wired limit of %d bytes refused: %s", limit_bytes, e)
-
-
 def caches_of(model: Any, make: Callable[[Any], list[Any]], quantized: Callable[[int], list[Any]] | None) -> Callable[[], list[Any]]:
     """Fresh caches as the engine makes them: the engine's quantized ones where it quantizes (given
     the layer count), else the model's own make_prompt_cache."""
@@ -194,3 +169,94 @@ def caches_of(model: Any, make: Callable[[Any], list[Any]], quantized: Callable[
         layers = len(make(model))
         return lambda: quantized(layers)
     return lambda: make(model)
+
+
+_limits: dict[int, int] = {}  # id(engine) -> its limit_bytes, while the engine lives
+_limits_lock = threading.Lock()
+
+
+def set_limit(owner: int, limit_bytes: int | None) -> int:
+    """MLX's memory limit for this process, and on Metal its wired limit (what it may keep resident):
+    the sum of its live engines' limits (a model server runs one; a test may run several), each
+    engine by its id(); `None`: that engine is gone. Returns the process's limit."""
+    with _limits_lock:
+        if limit_bytes is None:
+            _limits.pop(owner, None)
+        else:
+            _limits[owner] = int(limit_bytes)
+        total = sum(_limits.values())
+    if not total:
+        return 0
+    mx.set_memory_limit(total)
+    if mx.metal.is_available():
+        try:
+            mx.set_wired_limit(total)
+        except ValueError as e:  # past the device's ceiling: the node's iogpu.wired_limit_mb
+            logger.warning("wired limit of %d bytes refused: %s", total, e)
+    return total
+
+
+class LoadedEngine(Protocol):
+    """What `loaded` reads of an LLM engine that has just loaded its model."""
+
+    name: str
+    path: str
+    model: Any
+    vocab_size: int
+    context_length: int
+    kv_bits: int | None
+    kv_group_size: int
+    reserve_context_tokens: int
+    reserve_concurrency: int
+    prefill_batch: int
+    max_prefill_tokens: int
+    prompt_cache_bytes: int
+
+    @property
+    def prefill_chunk(self) -> int: ...
+
+
+def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMemory:
+    """Measure `engine`'s model just loaded (MLX's active memory was `active_before` when its load
+    began), set the process's limits from it, and keep the engine's context within its KV
+    reservation: a longer prompt is refused (`refusal`), a longer generation stops at it."""
+    mx.synchronize()
+    weights = max(0, mx.get_active_memory() - active_before)
+    bits, group = engine.kv_bits, engine.kv_group_size
+    quantized = (lambda layers: list(fresh_caches(layers, bits, group))) if bits is not None else None
+    chunk = engine.prefill_chunk
+    measured = measure(
+        engine.model,
+        caches_of(engine.model, make_prompt_cache, quantized),
+        weight_bytes=weights,
+        vocab=engine.vocab_size,
+        reserve_context_tokens=engine.reserve_context_tokens,
+        reserve_concurrency=engine.reserve_concurrency,
+        prefill_chunk=chunk,
+        prefill_rows=max(1, engine.max_prefill_tokens // chunk),
+        prefix_cache_bytes=engine.prompt_cache_bytes,
+        weights_hash=model_identity(engine.path, bits, group, 0, "") if Path(engine.path).is_dir() else "",
+        estimated_weight_bytes=safetensors_bytes(engine.path) if Path(engine.path).is_dir() else 0,
+        estimated_cache=config_cache(config, weights_dtype(Path(engine.path)) if Path(engine.path).is_dir() else None, bits, group),
+    )
+    engine.context_length = min(engine.context_length, measured.longest_sequence())
+    limit = set_limit(id(engine), measured.limit_bytes)
+    weakref.finalize(engine, set_limit, id(engine), None)
+    logger.info(
+        "%s: weights %.1f MiB, KV %.1f MiB for %d x %d tokens, prefill step %.1f MiB (measured in %.2f s); MLX limit %.1f MiB",
+        engine.name, weights / MIB, measured.kv_reserved_bytes / MIB, engine.reserve_concurrency, engine.reserve_context_tokens,
+        measured.activation_bytes / MIB, measured.seconds, limit / MIB,
+    )  # fmt: skip
+    return measured
+
+
+def refusal(measured: MeasuredMemory | None, prompt_tokens: int) -> str | None:
+    """Why a prompt of `prompt_tokens` cannot run on this instance (None: it can): its own cache
+    would pass the KV this instance reserves, so its prefill would take the process past its limit."""
+    if measured is None or measured.sequence_bytes(prompt_tokens + 1) <= measured.kv_reserved_bytes:
+        return None
+    return (
+        f"the prompt ({prompt_tokens} tokens) needs {measured.sequence_bytes(prompt_tokens + 1) / MIB:.1f} MiB of KV cache; this instance "
+        f"reserves {measured.kv_reserved_bytes / MIB:.1f} MiB ({measured.reserve_concurrency} x {measured.reserve_context_tokens} tokens, "
+        f"at most {measured.longest_sequence() - 1} prompt tokens) within its memory limit of {measured.limit_bytes / MIB:.1f} MiB"
+    )

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from deployments.wire.measured import MeasuredMemory
 from policy._frozen import Frozen
 from policy.specs import ModelKind
 
@@ -28,10 +29,16 @@ class MemoryReport(Frozen):
     active_bytes: int = Field(default=0, ge=0)  # mx.get_active_memory() of this process
     peak_bytes: int = Field(default=0, ge=0)
     load_seconds: float = Field(default=0.0, ge=0)
+    # What the engine measured after its load (an LLM's; deployments/engines/measure.py), beside the
+    # folder's estimate of the same: the residency service reserves by it from then on.
+    measured: MeasuredMemory | None = None
 
     @property
     def held_bytes(self) -> int:
-        """What the instance holds for placement's accounting: its weights and its KV reservation."""
+        """What the instance holds for placement's accounting: its weights and its KV reservation
+        (measured: and a prefill step's activations)."""
+        if self.measured is not None:
+            return self.measured.reserved_bytes
         return self.weight_bytes + self.kv_bytes_reserved
 
 

@@ -1,0 +1,144 @@
+"""What a model reserves against what it holds, on today's architectures
+(deployments/model_prep/architectures.py): for each, the LLM engine loads a random-weight folder of
+the family's shape, prefills `concurrency` prompts that fill the reserved context together, decodes
+them to the end of it, and MLX's peak over all of that (the weights included) is compared with the
+engine's reservation (measured after its load: weights, KV for the reserved context and
+concurrency, one prefill step) and with the folder's estimate.
+
+    python -m bench.memory_matrix                      # tiny shapes, this machine (seconds each)
+    python -m bench.memory_matrix --scale full --context 8192 --concurrency 4   # a GPU
+
+Prints a table and writes bench/results/memory-matrix-<scale>.json. `reserved / peak` is the issue's
+goal: at least 1 (the reservation holds) and at most 1.15 (it wastes little)."""
+
+import argparse
+import asyncio
+import json
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import deployments  # noqa: F401  (OpenBLAS before MLX)
+
+# isort: split
+import mlx.core as mx
+
+from deployments.engines.llm import LLMEngine
+from deployments.estimate import estimate
+from deployments.model_prep import architectures
+from deployments.wire.generation import GenerationRequest
+
+RESULTS = Path(__file__).parent / "results"
+MIB = 2**20
+
+
+async def run_one(folder: Path, context: int, concurrency: int, generate: int = 8, chunk: int = 128) -> dict[str, Any]:
+    """Load `folder` in an LLM engine reserving `context` x `concurrency`, run `concurrency`
+    requests whose prompts and generations fill the reserved context, and return the figures."""
+    engine = LLMEngine(
+        folder.name,
+        str(folder),
+        max_batch=concurrency,
+        prefill_chunk_tokens=chunk,
+        max_prefill_tokens=chunk * concurrency,
+        reserve_context_tokens=context,
+        reserve_concurrency=concurrency,
+        prompt_cache_entries=0,
+        prompt_cache_bytes=0,  # no kept prefixes: the peak is the model's own
+        prefix_disk_bytes=0,
+        prefix_cache="lru",
+    )
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    started = time.perf_counter()
+    await engine.load()
+    load_s = time.perf_counter() - started
+    measured = engine.measured
+    assert measured is not None
+    mx.reset_peak_memory()  # the probe at load is not serving; the weights stay active, so in the peak
+    prompt = context - generate
+    vocab = engine.vocab_size
+    requests = [
+        GenerationRequest(prompt_tokens=[(7 + 13 * i + 31 * j) % (vocab - 16) + 8 for j in range(prompt)], max_tokens=generate, temperature=0.0)
+        for i in range(concurrency)
+    ]
+    started = time.perf_counter()
+    done = await asyncio.gather(*(engine.complete(r) for r in requests))
+    run_s = time.perf_counter() - started
+    mx.synchronize()
+    peak = mx.get_peak_memory() - before
+    await engine.stop()
+    folder_estimate = estimate(folder, "llm")
+    est_kv = concurrency * folder_estimate.cache.sequence_bytes(context, chunk)
+    return {
+        "model": folder.name,
+        "layers": measured.cache.layers,
+        "context": context,
+        "concurrency": concurrency,
+        "completion_tokens": [d.usage.completion_tokens if d.usage else 0 for d in done],
+        "errors": [d.error for d in done if d.error],
+        "weights_file_bytes": folder_estimate.weight_bytes,
+        "estimated_kv_bytes": est_kv,
+        "measured_weight_bytes": measured.weight_bytes,
+        "measured_kv_bytes": measured.kv_reserved_bytes,
+        "measured_activation_bytes": measured.activation_bytes,
+        "reserved_bytes": measured.reserved_bytes,
+        "peak_bytes": peak,
+        "reserved_over_peak": measured.reserved_bytes / peak if peak else None,
+        "estimate_matches_cache": folder_estimate.cache.model_dump(exclude={"layers"}) == measured.cache.model_dump(exclude={"layers"}),
+        "load_s": load_s,
+        "measure_s": measured.seconds,
+        "run_s": run_s,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'architecture':18} {'layers':26} {'weights':>9} {'KV est':>9} {'KV meas':>9} {'prefill':>9} {'reserved':>9} {'peak':>9} {'res/peak':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        layers = " ".join(f"{k}:{v}" for k, v in sorted(r["layers"].items()))
+        lines.append(
+            f"{r['model']:18} {layers:26} {r['measured_weight_bytes'] / MIB:9.2f} {r['estimated_kv_bytes'] / MIB:9.2f} "
+            f"{r['measured_kv_bytes'] / MIB:9.2f} {r['measured_activation_bytes'] / MIB:9.2f} {r['reserved_bytes'] / MIB:9.2f} "
+            f"{r['peak_bytes'] / MIB:9.2f} {r['reserved_over_peak']:8.3f}"
+        )
+    return "\n".join(lines) + "\n(MiB; prefill: one prefill step's activations at the reserved context, as measured at load)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.memory_matrix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale", choices=("tiny", "full"), default="tiny")
+    parser.add_argument("--dtype", default=None, help="float32 (tiny's default: BLAS on a CPU) or bfloat16 (full's)")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=128, help="the engine's prefill_chunk_tokens")
+    parser.add_argument("--only", default="", help="comma-separated families")
+    parser.add_argument("--dir", type=Path, default=None, help="where the folders are built (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    dtype = args.dtype or ("float32" if args.scale == "tiny" else "bfloat16")
+    families = [f for f in architectures.FAMILIES if not args.only or f in args.only.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.dir or Path(tmp)
+        rows = []
+        for family in families:
+            folder = root / f"{family}-{args.scale}"
+            architectures.build(folder, family, args.scale, dtype)
+            rows.append(asyncio.run(run_one(folder, args.context, args.concurrency, chunk=args.chunk)))
+            print(f"{family}: reserved / peak {rows[-1]['reserved_over_peak']:.3f}", flush=True)
+    print(table(rows))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"memory-matrix-{args.scale}.json"
+    meta = {"commit": commit, "device": str(mx.default_device()), "machine": platform.machine(), "args": {k: str(v) for k, v in vars(args).items()}}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""What a loaded model holds, as its own process measured it (deployments/engines/measure.py): the
+figures its reservation comes from once it has loaded, beside the folder's estimate of the same."""
+
+from pydantic import Field
+
+from deployments.cache_shape import CacheShape
+from policy._frozen import Frozen
+
+
+class MeasuredMemory(Frozen):
+    """What a loaded model holds, measured (module docstring); `estimated_*`: the folder's figures
+    for the same, side by side."""
+
+    weights_hash: str = ""
+    weight_bytes: int = Field(ge=0)
+    cache: CacheShape
+    activation_bytes: int = Field(ge=0)  # one prefill step at the reserved context
+    activation_base_bytes: int = Field(default=0, ge=0)  # ... at context 0
+    activation_bytes_per_token: float = Field(default=0.0, ge=0)  # ... its growth per token of context
+    prefill_rows: int = Field(default=1, ge=1)
+    prefill_chunk: int = Field(default=1, ge=1)
+    reserve_context_tokens: int = Field(ge=0)
+    reserve_concurrency: int = Field(ge=1)
+    prefix_cache_bytes: int = Field(default=0, ge=0)  # the kept prefixes' budget (X4 counts them apart)
+    seconds: float = Field(default=0.0, ge=0)
+    estimated_weight_bytes: int = Field(default=0, ge=0)
+    estimated_cache: CacheShape | None = None
+
+    @property
+    def kv_reserved_bytes(self) -> int:
+        return self.reserve_concurrency * self.cache.sequence_bytes(self.reserve_context_tokens, self.prefill_chunk)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Weights, the KV reservation and one prefill step: what the model may hold beside its kept prefixes."""
+        return self.weight_bytes + self.kv_reserved_bytes + self.activation_bytes
+
+    @property
+    def limit_bytes(self) -> int:
+        return self.reserved_bytes + self.prefix_cache_bytes
+
+    @property
+    def estimated_kv_reserved_bytes(self) -> int:
+        """The folder estimate's KV reservation at the same context and concurrency (0 without one)."""
+        shape = self.estimated_cache
+        return self.reserve_concurrency * shape.sequence_bytes(self.reserve_context_tokens, self.prefill_chunk) if shape else 0
+
+    def sequence_bytes(self, tokens: int) -> int:
+        return self.cache.sequence_bytes(tokens, self.prefill_chunk)
+
+    def longest_sequence(self) -> int:
+        """The most tokens one sequence may hold within the KV reservation (with nothing else running):
+        windows and fixed state let it pass reserve_context_tokens x reserve_concurrency."""
+        low, high = 0, max(1, self.reserve_context_tokens * self.reserve_concurrency)
+        while self.sequence_bytes(high) <= self.kv_reserved_bytes and high < 2**31:
+            low, high = high, high * 2
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if self.sequence_bytes(mid) <= self.kv_reserved_bytes else (low, mid)
+        return low

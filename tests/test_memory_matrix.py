@@ -1,0 +1,123 @@
+"""What a model reserves is what it holds, on today's architectures: random-weight folders of each
+family's shape (deployments/model_prep/architectures.py, tiny), loaded by the LLM engine, prefilled
+to the reserved context and decoded at the reserved concurrency (bench/memory_matrix.py runs the
+same, and the full shapes on a GPU). The folder estimate's cache by layer kind is checked against
+the real cache objects, also for the hybrid families the matrix does not load."""
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import deployments  # noqa: F401  (OpenBLAS before MLX)
+
+# isort: split
+import mlx.core as mx
+from mlx.utils import tree_map
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import _get_classes
+
+from bench.memory_matrix import run_one
+from deployments.cache_shape import layer_kinds
+from deployments.engine import RequestError
+from deployments.engines import measure
+from deployments.engines.llm import LLMEngine
+from deployments.estimate import config_cache
+from deployments.model_prep import architectures
+from deployments.wire.generation import GenerationRequest
+
+CONTEXT, CONCURRENCY = 1024, 2
+# Reserved / MLX's peak, at most. The issue's goal is 1.15; at these shapes a prefill step's
+# activations are a fifth to two fifths of everything the model holds (weights of 13-20 MiB), so
+# the bound on them (measure.activation: a line through two steps, exact at the context it was
+# measured at) weighs far more than at real sizes. Measured here: 1.05-1.12, Gemma 3's 1.19 (its
+# line is drawn while every layer's span still grows; past the window only the global layer's does).
+TIGHTNESS = 1.25
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("architectures")
+
+
+@pytest.mark.parametrize("family", list(architectures.FAMILIES))
+def test_the_reservation_holds_what_the_model_uses_at_the_reserved_context_and_concurrency(folders, family):
+    folder = folders / family
+    architectures.build(folder, family)
+    row = asyncio.run(run_one(folder, CONTEXT, CONCURRENCY))
+    assert row["errors"] == [] and row["completion_tokens"] == [8] * CONCURRENCY  # prompts filled the reserved context
+    assert row["estimate_matches_cache"], "the folder estimate's cache differs from the one mlx-lm built"
+    assert abs(row["measured_weight_bytes"] - row["weights_file_bytes"]) < 0.01 * row["weights_file_bytes"]
+    assert row["peak_bytes"] <= row["reserved_bytes"], f"MLX's peak passed the reservation: {row}"
+    assert row["reserved_bytes"] <= TIGHTNESS * row["peak_bytes"], f"the reservation wastes memory: {row}"
+
+
+def test_a_prompt_past_the_reservation_is_refused_naming_its_size_and_the_limit_and_the_process_is_limited(folders):
+    folder = folders / "gemma3-refusal"
+    architectures.build(folder, "gemma3")
+
+    async def scenario() -> tuple[Any, Any, RequestError, int, int]:
+        engine = LLMEngine(folder.name, str(folder), reserve_context_tokens=1024, prefill_chunk_tokens=128, prefix_disk_bytes=0)
+        await engine.load()
+        measured = engine.measured
+        assert measured is not None
+        longest = measured.longest_sequence()
+        fits = await engine.complete(GenerationRequest(prompt_tokens=[9] * (longest - 2), max_tokens=64, temperature=0.0))
+        mx.synchronize()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        with pytest.raises(RequestError) as refused:
+            await engine.complete(GenerationRequest(prompt_tokens=[9] * longest, max_tokens=4))
+        grown = mx.get_peak_memory() - before
+        limit = mx.get_memory_limit()
+        await engine.stop()
+        return measured, fits, refused.value, limit, grown
+
+    measured, fits, refused, limit, grown = asyncio.run(scenario())
+    # the sliding layers stop at their window, but the global layer's next 256-token buffer step would pass it
+    assert measured.longest_sequence() == 1024
+    assert fits.usage.completion_tokens == 2  # the generation stops at the reservation, not at max_tokens
+    assert refused.code == "context_length_exceeded"
+    assert f"at most {measured.longest_sequence() - 1} prompt tokens" in refused.message
+    assert f"memory limit of {measured.limit_bytes / 2**20:.1f} MiB" in refused.message
+    assert limit >= measured.limit_bytes  # the process's MLX limit (the sum of its live engines')
+    assert grown < measured.cache.sequence_bytes(128)  # refused before its prefill allocated anything
+
+
+HYBRIDS: dict[str, dict[str, Any]] = {
+    "nemotron-h": {
+        "model_type": "nemotron_h", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "max_position_embeddings": 4096,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "attention_bias": False, "mamba_num_heads": 8,
+        "mamba_head_dim": 16, "mamba_proj_bias": False, "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 2, "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True, "hybrid_override_pattern": "M-M*-M-",
+    },
+    "granite-4": {
+        "model_type": "granitemoehybrid", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+        "max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": False,
+        "embedding_multiplier": 1.0, "attention_multiplier": 1.0, "logits_scaling": 1.0, "residual_multiplier": 1.0,
+        "layer_types": ["mamba", "mamba", "attention", "mamba"], "rms_norm_eps": 1e-5, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "shared_intermediate_size": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_proj_bias": False, "mamba_d_state": 16,
+        "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_conv_bias": True,
+    },
+    "lfm2": {
+        "model_type": "lfm2", "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 4096, "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3,
+        "block_dim": 128, "block_multiple_of": 32, "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False,
+        "block_ff_dim": 256, "layer_types": ["conv", "conv", "full_attention", "conv"],
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS) + list(architectures.FAMILIES))
+def test_the_folder_estimate_reads_each_layers_kind_and_size_as_mlx_lm_builds_its_cache(family):
+    cfg = HYBRIDS[family] | {"torch_dtype": "float32"} if family in HYBRIDS else architectures.config(family)
+    model_class, args_class = _get_classes(cfg)
+    model = model_class(args_class.from_dict(cfg))
+    model.update(tree_map(lambda p: p * 0.02 if p.ndim >= 2 else p, model.parameters()))
+    real = measure.cache_shape(model, lambda: make_prompt_cache(model))
+    estimated = config_cache(cfg)
+    assert estimated.model_dump(exclude={"layers"}) == real.model_dump(exclude={"layers"})
+    kinds = ["full" if k == "latent" else k for k in layer_kinds(cfg)]
+    assert {k: kinds.count(k) for k in set(kinds)} == real.layers
+    assert any(k != "full" for k in kinds) or family in ("llama3", "qwen3", "qwen3-moe", "deepseek-v2-lite", "deepseek-v3")
