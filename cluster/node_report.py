@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 from pydantic import Field
 
+from cluster.wired import wired_limit_bytes
 from policy._frozen import Frozen
 from policy.cluster_state import InstanceState, NodeState
 from policy.specs import DEVICE_KINDS, DeviceKind
@@ -34,6 +35,7 @@ class Readings(Frozen):
     ram_available: int = Field(ge=0)  # psutil.virtual_memory().available
     mlx_memory_limit: int = Field(default=0, ge=0)  # mx.get_memory_limit(); 0 if unknown
     cpu_model: str = ""
+    wired_limit: int | None = Field(default=None, gt=0)  # a Mac's iogpu.wired_limit_mb in bytes, when set (cluster/wired.py)
 
 
 class Measurement(Frozen):
@@ -144,8 +146,9 @@ def measure(
 ) -> Measurement:
     """Pure arithmetic from readings to devices, total, usable and free bytes.
 
-    - Apple Silicon (device_info has memory_size): total = memory_size, usable = the recommended working set
-      (what Metal may keep resident without paging), free = psutil available (unified memory: one pool).
+    - Apple Silicon (device_info has memory_size): total = memory_size, usable = the GPU's wired limit
+      (`iogpu.wired_limit_mb` where set, else the recommended working set: what Metal may keep resident
+      without paging), free = psutil available (unified memory: one pool).
     - CUDA (device_info has total_memory): the accelerator's memory is the pool: total = usable =
       total_memory, free = free_memory.
     - Linux CPU (no memory keys): total = RAM, usable = MLX's memory limit (0.8 x RAM by default), free =
@@ -161,7 +164,8 @@ def measure(
     if "memory_size" in info:
         detected: DeviceKind = "metal"
         total = int(info["memory_size"])
-        usable = int(info.get("max_recommended_working_set_size") or total)
+        # the GPU's wired ceiling: the one set with iogpu.wired_limit_mb, else the recommended working set
+        usable = readings.wired_limit or int(info.get("max_recommended_working_set_size") or total)
         free = readings.ram_available
     elif "total_memory" in info:
         detected = "cuda"
@@ -232,6 +236,7 @@ def probe() -> Readings:
         ram_available=vm.available,
         mlx_memory_limit=limit,
         cpu_model=_cpu_model(),
+        wired_limit=wired_limit_bytes(),
     )
 
 

@@ -10,8 +10,9 @@ def overhead_bytes(spec: ModelSpec, config: PolicyConfig) -> int:
 
 
 def required_bytes(spec: ModelSpec, config: PolicyConfig) -> int:
-    """Weights + KV reservation + per-instance overhead: what a new instance will hold."""
-    return spec.weight_bytes + spec.kv_reserved_bytes + overhead_bytes(spec, config)
+    """Weights + KV reservation + a step's activations + per-instance overhead: what a new
+    instance will hold (M1)."""
+    return spec.weight_bytes + spec.kv_reserved_bytes + spec.activation_bytes + overhead_bytes(spec, config)
 
 
 def margin_bytes(node: NodeState, config: PolicyConfig) -> int:

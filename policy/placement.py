@@ -370,7 +370,9 @@ def _evicting_rank(cost: tuple, fetch_s: float, idle_floor_s: float | None) -> t
 def _need_text(spec: ModelSpec, config: PolicyConfig) -> str:
     return (
         f"model {spec.name} needs {gib(required_bytes(spec, config))} "
-        f"(weights {gib(spec.weight_bytes)} + KV {gib(spec.kv_reserved_bytes)} + overhead {gib(overhead_bytes(spec, config))})"
+        f"(weights {gib(spec.weight_bytes)} + KV {gib(spec.kv_reserved_bytes)}"
+        + (f" + activations {gib(spec.activation_bytes)}" if spec.activation_bytes else "")
+        + f" + overhead {gib(overhead_bytes(spec, config))})"
     )
 
 

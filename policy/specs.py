@@ -26,6 +26,15 @@ class ModelSpec(Frozen):
     # registry gives the quantized size (deployments/estimate.py), so the reservation below shrinks
     # with it and a node holds more instances.
     kv_bytes_per_token: ByteSize = ByteSize(0)
+    # Layers that hold less than the context (docs/residency.md, M1): sliding windows hold at most
+    # `kv_window_tokens` tokens of `kv_window_bytes_per_token`; fixed-size state (linear attention,
+    # SSMs) holds `kv_state_bytes` per sequence whatever its length.
+    kv_window_bytes_per_token: ByteSize = ByteSize(0)
+    kv_window_tokens: int = Field(default=0, ge=0)
+    kv_state_bytes: ByteSize = ByteSize(0)
+    # One prefill or decode step's activations at the reserved context, as the engine measured them
+    # (0 before a load: the overhead covers them).
+    activation_bytes: ByteSize = ByteSize(0)
     reserve_context_tokens: int = Field(default=4096, ge=0)
     reserve_concurrency: int = Field(default=1, ge=1)
     # None: use PolicyConfig.instance_overhead_bytes (process, imports, activations).
@@ -55,4 +64,6 @@ class ModelSpec(Frozen):
 
     @property
     def kv_reserved_bytes(self) -> int:
-        return self.kv_bytes_per_token * self.reserve_context_tokens * self.reserve_concurrency
+        """The cache of `reserve_concurrency` sequences of `reserve_context_tokens` (M1)."""
+        window = self.kv_window_bytes_per_token * min(self.reserve_context_tokens, self.kv_window_tokens)
+        return (self.kv_bytes_per_token * self.reserve_context_tokens + window + self.kv_state_bytes) * self.reserve_concurrency

@@ -127,7 +127,8 @@ class RayEffects:
             agent.touch.remote(entry.folder)  # the disk budget's recency
         # the whole start (the `loaded` event's seconds): the process's and engine's set-up too, not
         # only the weights' load the engine measured
-        return LoadResult(bytes=max(place.bytes, report.held_bytes), load_seconds=max(report.load_seconds, time.monotonic() - started))
+        seconds = max(report.load_seconds, time.monotonic() - started)
+        return LoadResult(bytes=max(place.bytes, report.held_bytes), load_seconds=seconds, measured=report.measured)
 
     async def _spare(self, order: StartOrder) -> Any:
         """The spare the order names, if its actor still answers (else None: a new process starts)."""

@@ -11,6 +11,7 @@ from pydantic import Field
 
 from cluster.node_report import StoreReport
 from deployments.wire.events import ClusterEvent, EventKind
+from deployments.wire.measured import MeasuredMemory
 from policy import InstanceRef, Place
 from policy._frozen import Frozen
 from policy.cluster_state import LoadFailureReason
@@ -98,6 +99,7 @@ class FetchDone(Frozen):
 class LoadResult(Frozen):
     bytes: int = Field(ge=0)  # measured: weights + KV reservation + overhead
     load_seconds: float = Field(ge=0)
+    measured: MeasuredMemory | None = None  # what the engine measured after its load (M1)
 
 
 class LoadError(Exception):

@@ -34,6 +34,7 @@ from policy.transitions import apply_place, learn_bandwidth, mark_loaded, mark_s
 from router.residency.clock import Timer
 from router.residency.events import FetchDone, LoadDone, LoadError, LoadFailed, NodeLost, NodeUnreachable, StopDone
 from router.residency.interface import FetchOrder
+from router.residency.measured import Measurements
 from router.residency.parts import Loop
 
 
@@ -53,6 +54,7 @@ class _Pending:
 class Placements:
     def __init__(self, loop: Loop):
         self.loop = loop
+        self.measurements = Measurements()  # M1: what each model's engine measured after its load
         self.prefetches: set[tuple[str, str]] = set()  # (model, node): weights fetched before an eviction
         self._copies: dict[tuple[str, str], asyncio.Task] = {}  # background copies and pulls under way
         self._rooms: dict[str, StoreRoom] = {}  # node -> its store's disk, as last reported
@@ -438,6 +440,9 @@ class Placements:
             return
         finally:
             self.for_requests.pop((place.model, place.node_id), None)
+        if result.measured is not None:  # M1: from now on the model reserves what it was measured to hold
+            catalog = self.measurements.record(self.loop.state.catalog, place.model, result.measured)
+            self.loop.state = self.loop.state.model_copy(update={"catalog": catalog})
         self.loop.apply(LoadDone(place=place, bytes=result.bytes, load_seconds=result.load_seconds))
 
     def load_done(self, done: LoadDone) -> None:

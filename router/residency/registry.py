@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import ByteSize, Field, ValidationError, ValidationInfo, field_validator
 
+from deployments.cache_shape import CacheShape
 from deployments.engines.options import LLMEngineOptions
 from deployments.estimate import dtype_bytes, estimate, kv_bytes_quantized
 from deployments.manifest import ManifestEntry, read_manifest
@@ -107,15 +108,17 @@ def from_config(models: list[dict], models_dir: str | Path, llm_engine: dict | N
         bits, group = engine.kv_bits, engine.kv_group_size
         if kv is not None and bits is not None:  # a given figure is the unquantized cache's (as a manifest's)
             kv = kv_bytes_quantized(kv, dtype_bytes(folder) if not model.hub_id and folder.is_dir() else 2, bits, group)
+        layers: dict[str, int] = {}  # M1: sliding windows and fixed-size state, from the folder when its KV is not given
         if (weight is None or kv is None) and not model.hub_id and folder.is_dir():
             size = estimate(folder, model.kind, bits, group)
             weight = size.weight_bytes if weight is None else weight
-            kv = size.kv_bytes_per_token if kv is None else kv
+            if kv is None:
+                kv, layers = size.kv_bytes_per_token, cache_fields(size.cache, engine.prefill_chunk_tokens)
         if weight is None:
             where = f"hub model {model.hub_id}" if model.hub_id else f"no folder at {folder} to measure"
             raise ValueError(f"model {model.name}: no weight_bytes given ({where})")
         catalog[model.name] = ModelSpec(
-            name=model.name, kind=model.kind, weight_bytes=weight, kv_bytes_per_token=kv or 0, hub=model.hub_id is not None, **model.policy
+            name=model.name, kind=model.kind, weight_bytes=weight, kv_bytes_per_token=kv or 0, hub=model.hub_id is not None, **(layers | model.policy)
         )
         entries[model.name] = ManifestEntry(
             name=model.name,
@@ -133,6 +136,15 @@ def from_config(models: list[dict], models_dir: str | Path, llm_engine: dict | N
             llm_engine=model.llm_engine,
         )
     return catalog, entries
+
+
+def cache_fields(cache: CacheShape, prefill_chunk: int) -> dict[str, int]:
+    """The ModelSpec fields of a cache's sliding windows and fixed-size state (M1): a window holds
+    up to W - 1 + a prefill chunk while it prefills."""
+    fields = {"kv_state_bytes": cache.state_bytes} if cache.state_bytes else {}
+    if cache.window_tokens:
+        fields |= {"kv_window_bytes_per_token": cache.window_bytes_per_token, "kv_window_tokens": cache.window_tokens + prefill_chunk - 1}
+    return fields
 
 
 def tool_family(model: RegistryModel, folder: Path) -> str | None:

@@ -6,6 +6,7 @@ import asyncio
 
 from cluster.node_report import CopyProgress, FetchResult, StoreReport
 from deployments.manifest import ManifestEntry
+from deployments.wire.measured import MeasuredMemory
 from policy import InstanceRef, Place, PolicyConfig
 from policy.config import GIB
 from router.residency.clock import ManualClock, MonotonicClock
@@ -47,6 +48,7 @@ class FakeEffects:
         self.stopped: list[tuple[InstanceRef, str]] = []
         self.published = []
         self.fail: dict[str, list[str]] = {}  # model -> reasons for its next loads
+        self.measured: dict[str, MeasuredMemory] = {}  # model -> what its engine measures after a load (M1)
         self.gate: asyncio.Event | None = None
         self.versions: dict[str, str] = {}  # model -> its files' version (files_version)
         self.fetched: list[tuple[str, str, int]] = []
@@ -124,7 +126,7 @@ class FakeEffects:
         reasons = self.fail.get(place.model)
         if reasons:
             raise LoadError(reasons.pop(0), "simulated")
-        return LoadResult(bytes=place.bytes, load_seconds=0.5)
+        return LoadResult(bytes=place.bytes, load_seconds=0.5, measured=self.measured.get(place.model))
 
     async def stop_instance(self, instance, actor, reason):
         self.stopped.append((instance, reason))

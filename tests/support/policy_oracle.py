@@ -8,7 +8,12 @@ LASTING = {"pinned", "min_copies"}
 
 def need_bytes(spec: ModelSpec, config: PolicyConfig) -> int:
     overhead = config.instance_overhead_bytes if spec.overhead_bytes is None else spec.overhead_bytes
-    return spec.weight_bytes + spec.kv_bytes_per_token * spec.reserve_context_tokens * spec.reserve_concurrency + overhead
+    per_sequence = (
+        spec.kv_bytes_per_token * spec.reserve_context_tokens
+        + spec.kv_window_bytes_per_token * min(spec.reserve_context_tokens, spec.kv_window_tokens)
+        + spec.kv_state_bytes
+    )  # M1: windows hold at most their tokens, fixed-size state the same at any length
+    return spec.weight_bytes + per_sequence * spec.reserve_concurrency + spec.activation_bytes + overhead
 
 
 def device_on(spec: ModelSpec, node: NodeState):

@@ -1,0 +1,59 @@
+"""M1: a model reserves what its folder says before its first load, and what its engine measured
+once it has loaded, a reload included (the residency loop driven by tests/support/loop.py's
+in-memory effects; the engine's own measurement: tests/test_memory_matrix.py)."""
+
+from support.builders import spec
+from support.loop import PLAIN, make, run
+
+from deployments.cache_shape import CacheShape
+from deployments.wire.measured import MeasuredMemory
+from policy.config import GIB
+from policy.memory import required_bytes
+from router.residency.measured import measured_spec
+
+MIB = 2**20
+
+
+def gemma_like() -> MeasuredMemory:
+    """One global layer of 1 KiB a token, five sliding layers (window 1024) of 5 KiB, some state."""
+    cache = CacheShape(
+        full_bytes_per_token=1024, window_bytes_per_token=5120, window_tokens=1024, state_bytes=3 * MIB, layers={"full": 1, "window": 5}
+    )
+    return MeasuredMemory(
+        weight_bytes=2 * GIB, cache=cache, activation_bytes=300 * MIB, prefill_chunk=512, reserve_context_tokens=8192, reserve_concurrency=2
+    )
+
+
+def test_m1_a_loaded_model_reserves_what_its_engine_measured_from_then_on_a_reload_included():
+    estimated = spec("a", gb=3, kv_bytes_per_token=6 * 1024, reserve_context_tokens=8192, reserve_concurrency=2)
+    measured = gemma_like()
+
+    async def scenario():
+        c, fx = make([estimated], nodes=(("n1", 16),))
+        fx.measured["a"] = measured
+        lease = await c.acquire("a")
+        first = fx.started[-1].bytes
+        c.release(lease.lease_id)
+        after_load = c.state.catalog["a"]
+        c.unload("a")
+        lease = await c.acquire("a")
+        c.release(lease.lease_id)
+        return first, after_load, fx.started[-1].bytes
+
+    first, after_load, second = run(scenario())
+    assert first == required_bytes(estimated, PLAIN)  # before any load: the folder's figures
+    assert after_load == measured_spec(estimated, measured)
+    # the window holds 1024 + 511 tokens while prefilling, not 8192; the state once per sequence
+    kv = 2 * (1024 * 8192 + 5120 * (1024 + 511) + 3 * MIB)
+    assert after_load.kv_reserved_bytes == kv == measured.kv_reserved_bytes
+    assert second == 2 * GIB + kv + 300 * MIB < first  # the reload reserves what was measured, not the estimate
+
+
+def test_m1_the_same_measurement_again_leaves_the_catalog_as_it_was():
+    from router.residency.measured import Measurements
+
+    catalog = {"a": spec("a", gb=3)}
+    m = Measurements()
+    once = m.record(catalog, "a", gemma_like())
+    assert once["a"].weight_bytes == 2 * GIB and m.record(once, "a", gemma_like()) is once
+    assert m.record(once, "unknown", gemma_like()) is once  # a model the registry no longer lists
