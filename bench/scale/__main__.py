@@ -151,8 +151,8 @@ def wait_agent_copies(base: str, n: int, timeout_s: float = 300.0) -> None:
 
 class Sampler:
     """/v1/cluster once a second: per node, samples in which it had a request in flight (a lease),
-    and samples in which it had none while a request waited for a model (a `waiting` event not yet
-    followed by that model's `loaded`)."""
+    and samples in which it had none, nor a load or drain under way, while a request waited for a
+    model (a `waiting` event not yet followed by that model's `loaded`)."""
 
     def __init__(self, base: str, models: set[str]):
         self.base, self.models = base, models
@@ -175,8 +175,9 @@ class Sampler:
         self.samples += 1
         for x in nodes:
             leases = sum(i["leases"] for i in x["instances"] if i["model"] in self.models)
+            swapping = any(i["status"] != "ready" for i in x["instances"])  # a load or a drain under way: not idle
             self.busy[x["node_id"]] = self.busy.get(x["node_id"], 0) + (leases > 0)
-            if leases == 0 and self.waiting:
+            if leases == 0 and not swapping and self.waiting:
                 self.idle_while_waiting[x["node_id"]] = self.idle_while_waiting.get(x["node_id"], 0) + 1
 
     def shares(self) -> dict[str, dict[str, Any]]:
