@@ -6,7 +6,7 @@ engine's reservation (measured after its load: weights, KV for the reserved cont
 concurrency, one prefill step) and with the folder's estimate.
 
     python -m bench.memory_matrix                      # tiny shapes, this machine (seconds each)
-    python -m bench.memory_matrix --scale full --context 8192 --concurrency 4   # a GPU
+    python -m bench.memory_matrix --scale card --context 8192 --concurrency 4   # a GPU (real widths, layers cut)
 
 Prints a table and writes bench/results/memory-matrix-<scale>.json. `reserved / peak` is the issue's
 goal: at least 1 (the reservation holds) and at most 1.15 (it wastes little)."""
@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import platform
+import shutil
 import subprocess
 import tempfile
 import time
@@ -112,7 +113,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.memory_matrix", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", choices=("tiny", "full"), default="tiny")
+    parser.add_argument("--scale", choices=("tiny", "card", "full"), default="tiny")
     parser.add_argument("--dtype", default=None, help="float32 (tiny's default: BLAS on a CPU) or bfloat16 (full's)")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--concurrency", type=int, default=2)
@@ -127,9 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for family in families:
             folder = root / f"{family}-{args.scale}"
+            started = time.perf_counter()
             architectures.build(folder, family, args.scale, dtype)
-            rows.append(asyncio.run(run_one(folder, args.context, args.concurrency, chunk=args.chunk)))
-            print(f"{family}: reserved / peak {rows[-1]['reserved_over_peak']:.3f}", flush=True)
+            built = time.perf_counter() - started
+            rows.append(asyncio.run(run_one(folder, args.context, args.concurrency, chunk=args.chunk)) | {"build_s": built})
+            print(f"{family}: reserved / peak {rows[-1]['reserved_over_peak']:.3f} (built in {built:.0f} s)", flush=True)
+            if args.dir is None:  # full-size folders one at a time: a card's disk holds one or two
+                shutil.rmtree(folder)
     print(table(rows))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     RESULTS.mkdir(exist_ok=True)

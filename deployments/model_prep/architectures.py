@@ -275,10 +275,25 @@ FAMILIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
+# One card's cut of the real shapes ("card"): the real widths, heads, windows and latent ranks, the
+# layers cut (keeping the mix: whole Gemma 3 and Qwen3-Next patterns, gpt-oss pairs) and, for
+# DeepSeek V3, its experts too, so each folder is 5-15 GB in bfloat16.
+CARD: dict[str, dict[str, Any]] = {
+    "gemma3": {"num_hidden_layers": 24},
+    "gpt-oss": {"num_hidden_layers": 8, "layer_types": ["sliding_attention", "full_attention"] * 4},
+    "qwen3-moe": {"num_hidden_layers": 12},
+    "qwen3-next": {"num_hidden_layers": 4},
+    "deepseek-v2-lite": {"num_hidden_layers": 12},
+    "deepseek-v3": {"num_hidden_layers": 4, "n_routed_experts": 32},
+}
+
+
 def config(family: str, scale: str = "tiny", dtype: str = "float32") -> dict[str, Any]:
-    """`family`'s config.json: the real shape, or (tiny) the same layer mix scaled down."""
+    """`family`'s config.json: the real shape ("full"), one card's cut of it ("card"), or (tiny) the
+    same layer mix scaled down."""
     real, tiny = FAMILIES[family]
-    return _COMMON | real | (tiny if scale == "tiny" else {}) | {"torch_dtype": dtype}
+    cut = {"tiny": tiny, "card": CARD.get(family, {})}.get(scale, {})
+    return _COMMON | real | cut | {"torch_dtype": dtype}
 
 
 def build(dest: Path, family: str, scale: str = "tiny", dtype: str = "float32", seed: int = 0) -> ManifestEntry:
