@@ -47,6 +47,7 @@ from deployments.engines.prefix_cache import PrefixCache
 from deployments.engines.prefix_disk import DiskTier
 from deployments.engines.quantized_cache import KV_BITS, KV_GROUP_SIZES, quantizable
 from deployments.engines.sampling import BatchSampler
+from deployments.engines.speculation import Speculator
 from deployments.estimate import kv_bytes_per_token
 from deployments.manifest import safetensors_bytes
 from deployments.wire.generation import GenerationRequest
@@ -90,6 +91,9 @@ class LLMEngine(MLXLoop, Engine):
         prefill_cache_keep_mib: int | None = None,
         kv_bits: int | None = None,  # a quantized KV cache (quantized_cache.py): 8 or 4 bits, None: the model's dtype
         kv_group_size: int = 64,
+        speculation: str = "prompt_lookup",  # or "off" (speculation.py)
+        spec_max_drafts: int = 8,
+        spec_fixed_depth: int | None = None,  # verify this many drafts whenever a row has them, whatever it costs (comparisons, tests)
     ):
         """The scheduling and cache settings are options.py's fields of the same names (what each
         does and why its default: there, and in llm_scheduler.py / llm_cache.py)."""
@@ -150,6 +154,11 @@ class LLMEngine(MLXLoop, Engine):
         self._retired_counters: dict[str, float] = {}  # of generators replaced after a broken step
         # Every row's one sampler: the batch is sampled in one call whatever its rows' settings (MLX thread)
         self.sampling = BatchSampler()
+        if speculation not in ("off", "prompt_lookup"):
+            raise ValueError(f"speculation must be 'off' or 'prompt_lookup', not {speculation!r}")
+        self.speculation, self.spec_max_drafts = speculation, spec_max_drafts
+        # draft tokens verified in the batch (MLX thread)
+        self.speculator = Speculator(self.sampling, max_drafts=spec_max_drafts, fixed_depth=spec_fixed_depth) if speculation != "off" else None
         self._arriving = 0  # started, not yet in the batch (being prepared or held); under _arriving_lock
         self._arriving_lock = threading.Lock()  # three threads change it: the caller's, preparation, MLX
 
@@ -263,7 +272,8 @@ class LLMEngine(MLXLoop, Engine):
         mlx_lm_counters = {k: self._retired_counters.get(k, 0) + v for k, v in now.items()} or dict(self._retired_counters)
         sampling = {"sampling_calls": self.sampling.calls, "sampled_rows": self.sampling.rows_sampled}  # one call per batch stepped
         # and the engine's own: where first tokens wait, groups admitted into the batch, the prefix cache's
-        return mlx_lm_counters | self._admitted | self.scheduler.stats | sampling | self.kept.stats()
+        speculated = self.speculator.stats if self.speculator is not None else {}
+        return mlx_lm_counters | self._admitted | self.scheduler.stats | sampling | self.kept.stats() | speculated
 
     def memory(self) -> MemoryReport:
         generator = getattr(self, "generator", None)

@@ -29,6 +29,7 @@ from deployments.engines.llm_cache import KeptPrefixes
 from deployments.engines.llm_output import Delta, DeltaSink, Stream, Usage, failure, hand_off, new_stream, put
 from deployments.engines.llm_scheduler import Group, Scheduler
 from deployments.engines.sampling import BatchSampler, RowSampling
+from deployments.engines.speculation import Speculator
 from deployments.wire.generation import GenerationRequest
 
 logger = logging.getLogger("deployments.engines.llm")
@@ -64,6 +65,7 @@ class MLXLoop:
     prefill_batch: int
     generator: BatchGenerator
     sampling: BatchSampler
+    speculator: Speculator | None
     scheduler: Scheduler[Arrival]
     kept: KeptPrefixes
     _status: Any
@@ -203,13 +205,24 @@ class MLXLoop:
         return self.sampling
 
     def _step(self, streams: dict[int, Stream], by_uid: dict[int, int], outbox: list[Stream]) -> None:
-        """One BatchGenerator step for every running request."""
-        chunk = self.generator.prefill_step_size
-        if not self.scheduler.prefill_now(len(by_uid)):
-            self.generator.prefill_step_size = 0  # mlx-lm slices no prompt tokens: this step only decodes
+        """One BatchGenerator step for every running request: a verify step of draft tokens where the
+        speculator finds one worth it (speculation.py), else mlx-lm's own."""
+        generator, speculator = self.generator, self.speculator
+        chunk = generator.prefill_step_size
         try:
-            _, responses = self.generator.next()
-            self.generator.prefill_step_size = chunk
+            responses = speculator.step(generator) if speculator is not None else None
+            if responses is None:
+                if not self.scheduler.prefill_now(len(by_uid)):
+                    generator.prefill_step_size = 0  # mlx-lm slices no prompt tokens: this step only decodes
+                decoding = not (len(generator._prompt_batch) or generator._unprocessed_sequences)
+                started = time.perf_counter()
+                _, responses = generator.next()
+                generator.prefill_step_size = chunk
+                if speculator is not None:
+                    if decoding:
+                        speculator.timed_plain_step(len(generator._generation_batch), time.perf_counter() - started)
+                    else:
+                        speculator.not_plain()
         except Exception as e:  # a broken step must not kill the engine: fail this batch, go on
             logger.error("a batch step failed; its %d requests end with an error", len(streams), exc_info=e)
             for running in list(streams):
@@ -218,8 +231,11 @@ class MLXLoop:
                 outbox.append(stream)
             by_uid.clear()
             self.scheduler.prefilling.clear()
+            generator.prefill_step_size = chunk
             self.generator = self._new_generator()
             self.sampling.clear()
+            if speculator is not None:
+                speculator.clear()
             _reseed_rng()  # a compiled function that raised in its trace left a tracer in mx.random.state
             return
         now = time.monotonic()
@@ -242,7 +258,7 @@ class MLXLoop:
                 continue
             by_uid.pop(r.uid)
             streams.pop(rid)
-            self.sampling.discard(r.uid)
+            self._left(r.uid)
             self._admitted["finished_s"] += now - stream.started
             self._admitted["finished_requests"] += 1
             if r.finish_reason is None:  # cut by a stop string: still in the batch
@@ -250,6 +266,12 @@ class MLXLoop:
             else:
                 self.kept.keep_finished(r.all_tokens, r.prompt_cache)
         self.kept.keep_prompts(self.generator, prefilled)
+
+    def _left(self, uid: int) -> None:
+        """A row left the batch: its sampling settings and proposer go."""
+        self.sampling.discard(uid)
+        if self.speculator is not None:
+            self.speculator.forget(uid)
 
     def _handle(self, command: tuple[str, Any], streams: dict[int, Stream], by_uid: dict[int, int], outbox: list[Stream]) -> None:
         kind, payload = command
@@ -272,7 +294,7 @@ class MLXLoop:
             if cancelled is not None:
                 by_uid.pop(cancelled.uid, None)
                 self.generator.remove([cancelled.uid])  # drops its KV cache now
-                self.sampling.discard(cancelled.uid)
+                self._left(cancelled.uid)
                 mx.synchronize()
                 cancelled.finish("cancelled")
                 outbox.append(cancelled)

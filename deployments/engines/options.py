@@ -91,3 +91,10 @@ class LLMEngineOptions(BaseModel):
     # SmolLM2-135M, greedy: bench/results/engine-kv-quant.json, docs/engines.md.
     kv_bits: Literal[4, 8] | None = None
     kv_group_size: Literal[32, 64, 128] = 64
+    # Speculative decoding in the batch (deployments/engines/speculation.py): "prompt_lookup" drafts
+    # up to `spec_max_drafts` tokens a row from its own prompt and output (n-gram matches, no draft
+    # model), and one forward verifies every row's drafts; the depth follows each row's acceptance
+    # and the step's measured cost, down to plain steps where it would not pay. "off": one token a
+    # row per step. docs/engines.md says when it pays.
+    speculation: Literal["off", "prompt_lookup"] = "prompt_lookup"
+    spec_max_drafts: int = Field(default=8, ge=1, le=32)

@@ -74,6 +74,9 @@ class BatchSampler:
     def add(self, uid: int, settings: RowSampling) -> None:
         self._rows[uid] = _Row(settings)
 
+    def settings(self, uid: int) -> RowSampling:
+        return self._rows[uid].settings
+
     def discard(self, uid: int) -> None:
         self._rows.pop(uid, None)
 

@@ -1,0 +1,131 @@
+"""How many draft tokens each row verifies in a step: from its recent acceptance and what a wider
+forward costs at this batch size, down to 0 when speculation would cost more than it saves.
+Pure decisions on plain numbers (no MLX, no clock: the engine passes the seconds it measured).
+
+A verify step runs every row of the batch with its last token and K draft tokens (rows with fewer
+drafts are padded to K; what is padded is rejected): B x (K + 1) tokens in one forward where a plain
+step runs B. A row whose drafts are accepted at rate a (each draft independently, the usual model)
+makes 1 + a + a^2 + ... + a^k tokens per step with k drafts instead of 1. The step's time is
+modelled as `fixed + per_token x tokens in the forward`, fitted to the steps the engine measured
+(plain and verify, exponentially forgetting), starting from `prior_token_cost` (per_token / fixed).
+The depth K is the one whose expected tokens per second is highest, if it beats a plain step by
+`min_gain`; else 0."""
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Choice:
+    """The depth chosen for a step: K (0: a plain step), each row's drafts (at most K), and why."""
+
+    depth: int
+    drafts: list[int]
+    why: str  # "speculate", "no_drafts", "cost"
+    gain: float = 1.0  # the expected tokens/s ratio against a plain step
+
+
+@dataclass
+class _Fit:
+    """Decayed least squares of seconds against forward tokens."""
+
+    decay: float
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, x, y, xx, xy
+
+    def add(self, x: float, y: float) -> None:
+        w, sx, sy, sxx, sxy = (s * self.decay for s in self.sums)
+        self.sums = [w + 1, sx + x, sy + y, sxx + x * x, sxy + x * y]
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed, per_token) seconds, or None until the points spread enough to fit."""
+        w, sx, sy, sxx, sxy = self.sums
+        if w < 4:
+            return None
+        var = sxx / w - (sx / w) ** 2
+        if var <= (0.1 * sx / w) ** 2:  # the x's barely differ: a slope would be noise
+            return None
+        slope = (sxy / w - sx * sy / w / w) / var
+        fixed = sy / w - slope * sx / w
+        if slope < 0 or fixed <= 0:
+            return None
+        return fixed, slope
+
+
+class Depth:
+    """Per-row acceptance and the batch's step cost, and the choice of depth from them."""
+
+    def __init__(
+        self,
+        max_drafts: int = 8,
+        prior_acceptance: float = 0.5,
+        prior_token_cost: float = 0.02,
+        min_gain: float = 1.05,
+        memory: float = 0.7,
+        recovery: float = 0.02,
+        fixed: int | None = None,
+    ):
+        self.max_drafts = max_drafts
+        self.prior_acceptance = prior_acceptance
+        self.prior_token_cost = prior_token_cost  # a token's share of a one-token forward's fixed cost, until measured
+        self.min_gain = min_gain
+        self.memory = memory  # a row's acceptance: this much of the old estimate kept at each step
+        self.recovery = recovery  # ... and this much of its distance to the prior regained at each step it does not speculate
+        self.fixed = fixed  # a depth to use whenever a row has drafts, whatever it costs (comparisons, tests)
+        self.acceptance: dict[int, float] = {}  # by row id
+        self._fit = _Fit(decay=0.98)
+
+    def forget(self, row: int) -> None:
+        self.acceptance.pop(row, None)
+
+    def observe_step(self, forward_tokens: int, seconds: float) -> None:
+        """A decode step's wall time, plain (forward_tokens = rows) or verifying (rows x (K + 1))."""
+        if forward_tokens > 0 and seconds > 0:
+            self._fit.add(forward_tokens, seconds)
+
+    def observe_row(self, row: int, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        rate = accepted / proposed
+        old = self.acceptance.get(row, self.prior_acceptance)
+        self.acceptance[row] = self.memory * old + (1 - self.memory) * rate
+
+    def step_cost(self, rows: int, depth: int) -> float:
+        """A verify step's time with `depth` drafts a row, as a multiple of a plain step's."""
+        fit = self._fit.line()
+        fixed, per_token = fit if fit is not None else (1.0, self.prior_token_cost)
+        return (fixed + per_token * rows * (depth + 1)) / (fixed + per_token * rows)
+
+    def hopeless(self, rows: list[int]) -> bool:
+        """Whether no depth would pay for these rows even with every draft available (checked before
+        proposing: a proposal waits for each row's last token). A row's acceptance drifts back
+        towards the prior at each such check, so a row that stopped speculating tries again later."""
+        for r in rows:
+            if r in self.acceptance:
+                self.acceptance[r] += self.recovery * (self.prior_acceptance - self.acceptance[r])
+        return self.fixed is None and self.choose(rows, [self.max_drafts] * len(rows)).depth == 0
+
+    def choose(self, rows: list[int], available: list[int]) -> Choice:
+        """The depth for a step of these rows (ids), each with `available` draft tokens."""
+        if not any(available):
+            return Choice(0, [0] * len(rows), "no_drafts")
+        n = len(rows)
+        if self.fixed is not None:
+            depth = min(self.fixed, max(available))
+            return Choice(depth, [min(a, depth) for a in available], "speculate")
+        best, best_gain = 0, 1.0
+        for depth in range(1, min(self.max_drafts, max(available)) + 1):
+            made = sum(_expected(self.acceptance.get(r, self.prior_acceptance), min(a, depth)) for r, a in zip(rows, available, strict=True))
+            gain = made / n / self.step_cost(n, depth)
+            if gain > best_gain:
+                best, best_gain = depth, gain
+        if best == 0 or best_gain < self.min_gain:
+            return Choice(0, [0] * n, "cost", best_gain)
+        return Choice(best, [min(a, best) for a in available], "speculate", best_gain)
+
+
+def _expected(acceptance: float, drafts: int) -> float:
+    """Tokens a row makes in one step with `drafts` drafts, each accepted at `acceptance`."""
+    a = min(max(acceptance, 0.0), 1.0)
+    if a >= 1.0:
+        return drafts + 1.0
+    return (1 - math.pow(a, drafts + 1)) / (1 - a)

@@ -1,0 +1,239 @@
+"""Speculative decoding inside the batch: every row's draft tokens verified in one forward.
+
+A decode step of mlx-lm's GenerationBatch feeds each row the token sampled at the step before (the
+row's `_next_tokens`). A verify step feeds it that token and K draft tokens ([rows, K + 1] in one
+forward of the target model over the batch's own cache), then keeps, per row, the longest prefix of
+drafts the target accepts, and samples the token after it from the target:
+- greedy rows accept a draft while it is the target's argmax at its position; the next token is the
+  argmax after the last accepted one, so the output is the plain greedy decode's;
+- sampled rows use rejection sampling with the deterministic proposal of prompt lookup: draft t is
+  accepted with probability p(t), p the target's distribution under the row's own temperature,
+  top-p, top-k and min-p; on a rejection the token is drawn from p with t removed (max(p - onehot(t),
+  0), normalised), after all K are accepted from p at the next position. The output keeps the
+  target's distribution.
+
+The cache then holds K + 1 new positions a row, of which the rejected tail must go. Every layer
+cache is trimmed by the fewest rejected; a row that rejected more has its extra tail rolled to the
+front into its left padding (mlx-lm's `prepare(right_padding=...)` and `finalize()`, what it does
+after a right-padded prefill), where the mask hides it. With one row nothing is rolled.
+
+Steps that do not speculate are mlx-lm's own (`Speculator.step` returns None): while a prompt is
+being prefilled, while any row carries logits processors (penalties, logit_bias, a grammar: they see
+one token per step) or a seed (its draws come from its own key, one per step), when no row has a
+proposal, or when the depth controller (spec_depth.py) finds a verify step would not pay. Runs on
+the engine's MLX thread."""
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
+
+import mlx.core as mx
+
+from deployments.engines.prompt_lookup import PromptLookup
+from deployments.engines.sampling import BatchSampler, RowSampling, filtered
+from deployments.engines.spec_depth import Depth
+
+COUNTERS = (
+    "spec_steps",  # verify steps run
+    "spec_rows",  # rows in them
+    "spec_proposed",  # draft tokens verified
+    "spec_accepted",  # ... and accepted
+    "spec_depth_sum",  # the depth K of each verify step, summed (over spec_steps: the mean)
+    "spec_off_prefill",  # decode steps not speculated: a prompt was being prefilled
+    "spec_off_rows",  # ... a row carried logits processors or a seed
+    "spec_off_no_drafts",  # ... no row had a proposal
+    "spec_off_cost",  # ... the depth controller found it would cost more than it saves
+)
+
+
+class Proposer(Protocol):
+    """Draft tokens for one row: up to `k` tokens to follow `tokens` (the row's whole sequence,
+    prompt and output, each call extending the last). PromptLookup is one."""
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]: ...
+
+
+class Speculator:
+    """Proposals, depth and verification for one engine's BatchGenerator (module docstring)."""
+
+    def __init__(self, sampling: BatchSampler, max_drafts: int = 8, fixed_depth: int | None = None, ngram_max: int = 4, ngram_min: int = 2):
+        self.sampling = sampling
+        self.depth = Depth(max_drafts=max_drafts, fixed=fixed_depth)
+        self.proposer: Callable[[], Proposer] = lambda: PromptLookup(ngram_max, ngram_min)  # a new row's
+        self._lookups: dict[int, Proposer] = {}  # by the generator's uid
+        self.stats: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self._plain_rows = 0  # rows of the last step, when it was a plain decode step (0: it was not)
+
+    # ---- the engine's calls --------------------------------------------------------------------
+    def step(self, generator: Any) -> list[Any] | None:
+        """One verify step of the generator's decoding batch, its responses (several a row, in order,
+        as mlx-lm's next() gives one), or None where this step is mlx-lm's own."""
+        batch = generator._generation_batch
+        if not batch.uids:
+            return None
+        if len(generator._prompt_batch) or generator._unprocessed_sequences:
+            self.stats["spec_off_prefill"] += 1
+            return None
+        if any(batch.logits_processors) or any(self._settings(uid).seed is not None for uid in batch.uids):
+            self.stats["spec_off_rows"] += 1
+            return None
+        if self.depth.hopeless(batch.uids):  # not even every row's best case would pay: no wait for its last token
+            self.stats["spec_off_cost"] += 1
+            return None
+        started = time.perf_counter()
+        mx.eval(batch._next_tokens)
+        last = cast(list[int], batch._next_tokens.tolist())
+        proposals = [self._propose(uid, tokens + [y]) for uid, tokens, y in zip(batch.uids, batch.tokens, last, strict=True)]
+        choice = self.depth.choose(batch.uids, [len(p) for p in proposals])
+        if choice.depth == 0:
+            self.stats["spec_off_no_drafts" if choice.why == "no_drafts" else "spec_off_cost"] += 1
+            return None
+        drafts = [p[:k] for p, k in zip(proposals, choice.drafts, strict=True)]
+        with mx.stream(generator.stream):
+            responses, emitted = self._verify(batch, last, drafts, choice.depth)
+        seconds = time.perf_counter() - started
+        counters = generator._counters
+        counters.decode_time += seconds
+        counters.generation_tokens += emitted
+        counters.generation_steps += 1
+        self.depth.observe_step(len(last) * (choice.depth + 1), seconds)
+        self._plain_rows = 0
+        return responses
+
+    def timed_plain_step(self, rows: int, seconds: float) -> None:
+        """A plain decode step's wall time (none after a verify step: mlx-lm's next step then finds
+        its input computed, and its time would be too short)."""
+        if self._plain_rows == rows:
+            self.depth.observe_step(rows, seconds)
+        self._plain_rows = rows
+
+    def not_plain(self) -> None:
+        """The last step was not a plain decode step (a prefill ran in it)."""
+        self._plain_rows = 0
+
+    def clear(self) -> None:
+        """The batch was dropped (a broken step)."""
+        for uid in list(self._lookups):
+            self.forget(uid)
+
+    def forget(self, uid: int) -> None:
+        """A row left the batch."""
+        self._lookups.pop(uid, None)
+        self.depth.forget(uid)
+
+    # ---- inside a step -------------------------------------------------------------------------
+    def _settings(self, uid: int) -> RowSampling:
+        return self.sampling.settings(uid)
+
+    def _propose(self, uid: int, tokens: list[int]) -> list[int]:
+        lookup = self._lookups.get(uid)
+        if lookup is None:
+            lookup = self._lookups[uid] = self.proposer()
+        return lookup.propose(tokens, self.depth.max_drafts)
+
+    def _verify(self, batch: Any, last: list[int], drafts: list[list[int]], depth: int) -> tuple[list[Any], int]:
+        """Feed every row its last token and drafts, keep what the target accepts, fix the cache."""
+        rows = len(last)
+        padded = [d + [y] * (depth - len(d)) for d, y in zip(drafts, last, strict=True)]  # padding is never accepted
+        inputs = mx.array([[y, *d] for y, d in zip(last, padded, strict=True)])
+        logits = batch.model(inputs, cache=batch.prompt_cache)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        settings = [self._settings(uid) for uid in batch.uids]
+        accepted, following = accept(logprobs, mx.array(padded), [len(d) for d in drafts], settings)
+        mx.eval(accepted, following)
+        accepted_n = cast(list[int], accepted.tolist())
+
+        responses: list[Any] = []
+        kept: list[int] = []  # positions each row keeps in its cache
+        finished: list[tuple[int, list[Any]]] = []  # row, its responses' fields
+        emitted_total = 0
+        for i in range(rows):
+            tokens = [last[i], *drafts[i][: accepted_n[i]]]
+            logprob_rows = [batch._next_logprobs[i], *(logprobs[i, j] for j in range(accepted_n[i]))]
+            out, reason = [], None
+            for token, row in zip(tokens, logprob_rows, strict=True):
+                batch._num_tokens[i] += 1
+                if batch._num_tokens[i] >= batch.max_tokens[i]:
+                    reason = "length"
+                if batch._matchers[i].advance(token):
+                    reason = "stop"
+                out.append([batch.uids[i], token, row, reason])
+                if reason is not None:
+                    break
+            kept.append(len(out))
+            batch.tokens[i].extend(tokens[: len(out)])
+            emitted_total += len(out)
+            self.stats["spec_proposed"] += len(drafts[i])
+            self.stats["spec_accepted"] += accepted_n[i]
+            self.depth.observe_row(batch.uids[i], len(drafts[i]), accepted_n[i])
+            if reason is not None:
+                finished.append((i, out))
+            responses.append(out)
+        _rewind(batch.prompt_cache, [depth + 1 - k for k in kept])
+        done = {i for i, _ in finished}
+        made: list[Any] = []
+        for i, out in enumerate(responses):
+            for n, (uid, token, row, reason) in enumerate(out):
+                last_one = i in done and n == len(out) - 1
+                made.append(
+                    batch.Response(
+                        uid=uid,
+                        token=token,
+                        logprobs=row,
+                        finish_reason=reason,
+                        prompt_cache=batch.extract_cache(i) if last_one else None,
+                        all_tokens=batch.tokens[i] if last_one else None,
+                    )
+                )
+        batch._next_tokens = following
+        batch._next_logprobs = [logprobs[i, accepted_n[i]] for i in range(rows)]
+        self.stats["spec_steps"] += 1
+        self.stats["spec_rows"] += rows
+        self.stats["spec_depth_sum"] += depth
+        if done:
+            batch.filter([i for i in range(rows) if i not in done])
+        return made, emitted_total
+
+
+def accept(logprobs: mx.array, drafts: mx.array, lengths: list[int], settings: list[RowSampling]) -> tuple[mx.array, mx.array]:
+    """Per row: how many of its drafts the target accepts, and the token after them.
+    `logprobs`: [rows, K + 1, vocab], position j predicting the token after input j; `drafts`:
+    [rows, K], of which the first `lengths[i]` are row i's (the rest are rejected)."""
+    rows, width, vocab = logprobs.shape
+    depth = width - 1
+    valid = mx.arange(depth)[None, :] < mx.array(lengths)[:, None]
+    greedy = [s.temperature == 0 for s in settings]
+    target = mx.argmax(logprobs, axis=-1)  # [rows, K + 1]
+    if all(greedy):
+        agree = (target[:, :depth] == drafts) & valid
+        accepted = mx.cumprod(agree.astype(mx.int32), axis=-1).sum(axis=-1)
+        return accepted, mx.take_along_axis(target, accepted[:, None], axis=-1)[:, 0]
+    flat = filtered(logprobs.reshape(rows * width, vocab), [s for s in settings for _ in range(width)]).reshape(rows, width, vocab)
+    inverse_t = mx.array([1 / s.temperature if s.temperature else 1.0 for s in settings], dtype=mx.float32)[:, None, None]
+    scores = flat.astype(mx.float32) * inverse_t
+    probs = mx.softmax(scores, axis=-1)
+    p_draft = mx.take_along_axis(probs[:, :depth, :], drafts[..., None], axis=-1)[..., 0]  # [rows, K]
+    is_greedy = mx.array(greedy)[:, None]
+    chance = mx.where(is_greedy, (target[:, :depth] == drafts).astype(mx.float32), p_draft)
+    agree = (mx.random.uniform(shape=(rows, depth)) < chance) & valid
+    accepted = mx.cumprod(agree.astype(mx.int32), axis=-1).sum(axis=-1)
+    # a rejected draft's token is drawn from the residual: the target without that token
+    removed = (mx.arange(vocab)[None, None, :] == drafts[..., None]) & valid[..., None]  # [rows, K, vocab]
+    removed = mx.concatenate([removed, mx.zeros((rows, 1, vocab), dtype=mx.bool_)], axis=1)
+    drawn = mx.argmax(mx.where(removed, -math.inf, scores) + mx.random.gumbel(shape=scores.shape), axis=-1)
+    following = mx.where(is_greedy, target, drawn)
+    return accepted, mx.take_along_axis(following, accepted[:, None], axis=-1)[:, 0]
+
+
+def _rewind(layer_caches: list[Any], rejected: list[int]) -> None:
+    """Drop each row's `rejected` last positions: all rows' fewest by trimming, a row's extra rolled
+    into its left padding."""
+    common = min(rejected)
+    extra = [r - common for r in rejected]
+    for cache in layer_caches:
+        if common:
+            cache.trim(common)
+        if any(extra):
+            cache.prepare(right_padding=extra)
+            cache.finalize()

@@ -1,0 +1,211 @@
+"""Speculative decoding in the batch: prompt-lookup proposals, the depth controller, the acceptance
+rule, and the engine's greedy output with speculation equal to its output without, for every cache
+kind the engine uses (plain KV, quantized KV, block prefix cache hits, mlx-lm's LRU cache, chunked
+prefill) and for several rows verified in one forward."""
+
+import asyncio
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+
+from deployments.engines.llm import LLMEngine
+from deployments.engines.prompt_lookup import PromptLookup
+from deployments.engines.sampling import RowSampling
+from deployments.engines.spec_depth import Depth
+from deployments.engines.speculation import accept
+from deployments.wire.generation import GenerationRequest
+
+REPEATING = "the cat sat on the mat and the dog sat on the log. " * 12
+PROMPTS = [
+    REPEATING,
+    "Once upon a time, in a land far away, there lived a",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" * 3,
+    "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,",
+]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# ---- proposals -------------------------------------------------------------------------------
+def test_prompt_lookup_proposes_what_followed_the_most_recent_earlier_occurrence():
+    lookup = PromptLookup(ngram_max=3, ngram_min=2)
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 6, 2, 3]
+    assert lookup.propose(tokens, 4) == [7, 8, 6, 2]  # "2 3" last came before 7 8 6 2
+    assert lookup.propose([*tokens, 7], 3) == [8, 6, 2]  # "2 3 7": the longer match
+    assert lookup.propose([*tokens, 7, 0], 3) == []  # "7 0" and "3 7 0" never came before
+    assert lookup.propose([*tokens, 7, 0, 5], 0) == []
+
+
+def test_prompt_lookup_grown_token_by_token_proposes_as_one_built_at_once():
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5] * 3
+    grown = PromptLookup()
+    for end in range(1, len(tokens) + 1):
+        assert grown.propose(tokens[:end], 5) == PromptLookup().propose(tokens[:end], 5)
+
+
+# ---- depth -----------------------------------------------------------------------------------
+def test_depth_speculates_where_drafts_are_accepted_and_cheap_and_not_otherwise():
+    depth = Depth(max_drafts=8, prior_token_cost=0.01)
+    assert depth.choose([1, 2], [0, 0]).why == "no_drafts"
+    for _ in range(10):
+        depth.observe_row(1, 8, 8)
+    chosen = depth.choose([1], [8])
+    assert chosen.why == "speculate" and chosen.depth == 8 and chosen.gain > 4
+    for _ in range(10):
+        depth.observe_row(1, 4, 0)
+    assert depth.choose([1], [8]).why == "cost"  # a row that accepts nothing does not pay for a wider forward
+
+
+def test_depth_turns_down_where_the_measured_steps_say_a_wider_forward_costs_its_tokens():
+    depth = Depth(max_drafts=4)
+    for _ in range(20):  # 10 ms a step and 1 ms a token
+        for tokens in (16, 32, 48, 80):
+            depth.observe_step(tokens, 0.01 + 0.001 * tokens)
+    rows = list(range(16))
+    for r in rows:
+        depth.observe_row(r, 4, 2)
+    assert depth.step_cost(16, 4) == pytest.approx(0.09 / 0.026, rel=0.01)
+    assert depth.choose(rows, [4] * 16).why == "cost"
+    assert depth.hopeless(rows)
+    assert not Depth(max_drafts=4, fixed=2).hopeless(rows) and Depth(max_drafts=4, fixed=2).choose(rows, [4] * 16).depth == 2
+
+
+# ---- the acceptance rule ---------------------------------------------------------------------
+def test_greedy_acceptance_keeps_the_drafts_the_target_agrees_with_and_then_its_token():
+    vocab = 6
+    targets = [[2, 3, 4, 5], [2, 0, 4, 5], [1, 1, 1, 1]]  # each position's argmax
+    logprobs = mx.log(mx.softmax(mx.array([[[5.0 if v == t else 0.0 for v in range(vocab)] for t in row] for row in targets]), axis=-1))
+    drafts = mx.array([[2, 3, 4], [2, 3, 4], [1, 1, 1]])
+    accepted, following = accept(logprobs, drafts, [3, 3, 2], [RowSampling()] * 3)
+    assert accepted.tolist() == [3, 1, 2]  # all; up to the disagreement; up to the row's own drafts
+    assert following.tolist() == [5, 0, 1]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    mx.random.seed(7)
+    rows, probs = 40_000, [0.5, 0.3, 0.15, 0.05]
+    logprobs = mx.broadcast_to(mx.log(mx.array(probs))[None, None, :], (rows, 3, 4))
+    drafts = mx.broadcast_to(mx.array([[1, 0]]), (rows, 2))  # a draft of token 1, then 0
+    accepted, following = accept(logprobs, drafts, [2] * rows, [RowSampling(temperature=1.0)] * rows)
+    accepted_n, after = accepted.tolist(), following.tolist()
+    first = Counter(1 if a >= 1 else t for a, t in zip(accepted_n, after, strict=True))
+    for token, p in enumerate(probs):
+        assert abs(first[token] / rows - p) < 0.01, (token, first[token] / rows, p)
+    assert abs(sum(a >= 1 for a in accepted_n) / rows - 0.3) < 0.01  # token 1 accepted with its probability
+    second = Counter(0 if a == 2 else t for a, t in zip(accepted_n, after, strict=True) if a >= 1)
+    kept = sum(second.values())
+    for token, p in enumerate(probs):  # the token after an accepted draft: the target's again
+        assert abs(second[token] / kept - p) < 0.02, (token, second[token] / kept, p)
+
+
+# ---- the engine ------------------------------------------------------------------------------
+class Known:
+    """Drafts from the plain decode's known answers, one in three of them spoiled, so that rows accept
+    different numbers of drafts (prompt lookup on llama-10m's random weights seldom proposes, and
+    what it proposes is always right): the verify step, the rewinds and the rolls all run."""
+
+    def __init__(self, answers: list[tuple[list[int], list[int]]], vocab: int):
+        self.answers, self.vocab = answers, vocab
+
+    def propose(self, tokens, k):
+        for prompt, answer in self.answers:
+            if list(tokens[: len(prompt)]) == prompt:
+                at = len(tokens) - len(prompt)  # the answer's tokens so far (the last is fed next)
+                drafts = list(answer[at : at + k])
+                if drafts and at % 3 != 2:
+                    spoil = (at * 7) % len(drafts)
+                    drafts[spoil] = (drafts[spoil] + 1) % self.vocab
+                return drafts
+        return []
+
+
+class Repeat:
+    """Drafts that repeat the last token: mostly rejected, sometimes not."""
+
+    def propose(self, tokens, k):
+        return [tokens[-1]] * k
+
+
+async def _complete_all(engine: LLMEngine, requests: list[GenerationRequest], together: bool) -> list[list[int]]:
+    if together:
+        return [d.token_ids for d in await asyncio.gather(*(engine.complete(r) for r in requests))]
+    return [(await engine.complete(r)).token_ids for r in requests]
+
+
+def _outputs(path, requests, together=False, repeat=1, known=None, proposer=None, **settings) -> tuple[list[list[list[int]]], dict]:
+    """Each round's outputs (`repeat` rounds) and the engine's counters. `known`: outputs the drafts come from."""
+
+    async def scenario():
+        engine = LLMEngine("llama-10m", path, prefix_disk_bytes=0, **settings)
+        await engine.load()
+        try:
+            if known is not None:
+                answers = [(engine.tokenize(r), out) for r, out in zip(requests, known, strict=True)]
+                engine.speculator.proposer = lambda: Known(answers, engine.vocab_size)
+            elif proposer is not None:
+                engine.speculator.proposer = proposer
+            outputs = []
+            for _ in range(repeat):
+                outputs.append(await _complete_all(engine, requests, together))
+            return outputs, engine.counters()
+        finally:
+            await engine.stop()
+
+    return run(scenario())
+
+
+CACHES = {
+    "plain KV": {"prompt_cache_min_tokens": 16},
+    "quantized KV": {"kv_bits": 8, "prompt_cache_min_tokens": 16},
+    "LRU prefix cache": {"prefix_cache": "lru", "prompt_cache_min_tokens": 16},
+    "chunked prefill": {"prefill_chunk_tokens": 32, "prompt_cache_min_tokens": 16},
+}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_greedy_output_with_speculation_is_the_plain_decode(models_dir, cache):
+    path = str(models_dir / "llama-10m")
+    requests = [GenerationRequest(prompt=p, max_tokens=48, temperature=0) for p in PROMPTS]
+    # twice: the second round's prompts are cached prefixes (block cache or LRU)
+    plain, _ = _outputs(path, requests, repeat=2, speculation="off", **CACHES[cache])
+    spec, counted = _outputs(path, requests, repeat=2, known=plain[0], spec_fixed_depth=4, **CACHES[cache])
+    assert spec == plain
+    assert 0 < counted["spec_accepted"] < counted["spec_proposed"]  # drafts were verified, some rejected
+    if cache != "LRU prefix cache":
+        assert counted["prefix_hits"] > 0  # the second round reused the first's prefixes
+
+
+def test_prompt_lookup_itself_keeps_the_plain_decode(models_dir):
+    path = str(models_dir / "llama-10m")
+    requests = [GenerationRequest(prompt=p, max_tokens=48, temperature=0) for p in PROMPTS]
+    plain, _ = _outputs(path, requests, speculation="off")
+    spec, counted = _outputs(path, requests, spec_fixed_depth=4)
+    assert spec == plain and counted["spec_accepted"] > 0
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_several_rows_verified_in_one_forward_give_each_rows_plain_decode(models_dir, kv_bits):
+    path = str(models_dir / "llama-10m")
+    requests = [GenerationRequest(prompt=p, max_tokens=40 + 7 * i, temperature=0) for i, p in enumerate(PROMPTS)]
+    alone, _ = _outputs(path, requests, speculation="off", kv_bits=kv_bits)
+    together, counted = _outputs(path, requests, together=True, known=alone[0], spec_fixed_depth=4, kv_bits=kv_bits)
+    assert together == alone
+    assert counted["spec_rows"] > counted["spec_steps"] > 0  # rows verified together
+    assert 0 < counted["spec_accepted"] < counted["spec_proposed"]
+
+
+def test_sampled_and_seeded_rows_finish_beside_speculating_ones(models_dir):
+    path = str(models_dir / "llama-10m")
+    requests = [
+        GenerationRequest(prompt=PROMPTS[0], max_tokens=40, temperature=0.8),
+        GenerationRequest(prompt=PROMPTS[3], max_tokens=40, temperature=0.7, top_p=0.9, top_k=20),
+        GenerationRequest(prompt=PROMPTS[2], max_tokens=16, temperature=0.7, seed=3),
+    ]
+    alone, _ = _outputs(path, requests[2:], speculation="off")
+    outputs, counted = _outputs(path, requests, together=True, proposer=Repeat, spec_fixed_depth=4)
+    assert [len(t) for t in outputs[0]] == [40, 40, 16]
+    assert outputs[0][2] == alone[0][0]  # a seeded row is never speculated: its draws are its own key's
+    assert counted["spec_off_rows"] > 0 and counted["spec_steps"] > 0  # ... and speculation resumed once it left
