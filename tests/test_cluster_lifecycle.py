@@ -208,6 +208,7 @@ def test_prometheus_scrapes_orchards_series_and_the_ingress_serves_metrics(orcha
     r = requests.get(orchard["base"] + "/metrics", headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert 'orchard_node_usable_bytes{node="head"}' in r.text and 'orchard_events_total{kind="loaded",model="llama-10m"' in r.text
+    assert 'orchard_spec_plain_steps_total{model="llama-10m"' in r.text  # the instance's speculation counters (its engine's)
     assert requests.get(orchard["base"] + "/metrics", headers={"Authorization": f"Bearer {USER_KEY}"}, timeout=30).status_code == 403
 
 
@@ -475,7 +476,8 @@ def test_the_dashboard_shows_each_instances_state_size_and_why_it_ended(orchard)
     assert ("exit_actor" in cause or "INTENDED_USER_EXIT" in cause) and "ray.kill" not in cause, cause
     assert "started as a spare" in dead["repr_name"], dead["repr_name"]
     took = [("actor_id", "=", dead["actor_id"]), ("name", "=", "take doomed-llama")]
-    assert [t for t in list_tasks(filters=took, raise_on_missing_output=False) if t["state"] == "FINISHED"]
+    # a worker sends its task events to the GCS about once a second: the state API learns of the end late
+    wait_for(lambda: [t for t in list_tasks(filters=took, raise_on_missing_output=False) if t["state"] == "FINISHED"], 20, "the take task's end")
 
 
 def test_a_restarted_controller_adopts_the_running_servers_and_keeps_the_operators_state(orchard):
