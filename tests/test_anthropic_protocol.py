@@ -191,6 +191,7 @@ def test_sdk_request_round_trip(server: FakeServer) -> None:
         "top_k": 20,
         "stop": ["END"],
         "stream": False,
+        "prompt_cache_key": "u1",  # metadata.user_id: the instance affinity's conversation key
     }
     assert_chat_shape(out)
 

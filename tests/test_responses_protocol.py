@@ -1,5 +1,5 @@
 """OpenAI Responses (router/responses_protocol.py): requests as the openai SDK sends them parse and
-translate to OpenAI chat bodies; state Orchard does not keep and built-in tools are 400s naming the field;
+translate to OpenAI chat bodies; state Orchard does not keep is a 400 naming the field;
 Response objects and SSE streams built from output events parse with the SDK's own models, keep
 the Responses event order and sequence numbers, and accumulate (responses.stream ->
 get_final_response) to the non-streaming Response. Pure Python: the SDK talks to a mock transport."""
@@ -390,8 +390,12 @@ def test_unknown_keys_are_ignored_and_listed() -> None:
         ),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "Invalid"),
         ({"input": []}, "input", "Invalid"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "built-in tools"),
-        ({"input": "x", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type", "built-in tools"),
+        ({"input": "x", "tools": [{"type": "namespace", "name": "ns", "description": "d"}]}, "tools[0].tools", "Missing"),
+        (
+            {"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
+            "tools[0].tools[0].type",
+            "namespace holds",
+        ),
         ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice.type", "built-in"),
         ({"input": "x", "tool_choice": "sometimes"}, "tool_choice", "must be"),
         ({"input": "x", "tool_choice": "required"}, "tool_choice", "needs tools"),
@@ -399,7 +403,7 @@ def test_unknown_keys_are_ignored_and_listed() -> None:
         (
             {"input": "x", "tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "mcp"}]}},
             "tool_choice.tools[0]",
-            "function tools only",
+            "function and custom tools only",
         ),
         ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name", "Missing"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema", "Missing"),

@@ -7,7 +7,10 @@ prefills only its new messages where its earlier turns ran, and all of them anyw
 replica cannot see those caches; it remembers what it sent where instead. A request's prefix keys
 (`prefix_keys`) are rolling hashes of its prompt's beginnings: the part every turn repeats (the
 tools, the leading system messages, the template's variables), then that plus each message in turn
-(a raw completion's prompt: every 512 characters, or 128 token ids). Two requests share a key
+(a raw completion's prompt: every 512 characters, or 128 token ids). A chat request that names its
+conversation (`prompt_cache_key`: Codex sends its conversation id, the Messages route passes Claude
+Code's `metadata.user_id`) has that key first, so a turn whose messages were rewritten (a compacted
+history) still goes where its conversation ran, where at least its tools and system prompt are. Two requests share a key
 exactly when they share that whole beginning. `PrefixHistory` holds, per instance incarnation
 (node, loaded_at: a new incarnation starts empty, like its cache), the keys of the last requests
 sent there, an LRU of a bounded number; `choose` weighs the longest known prefix against load. The
@@ -39,11 +42,14 @@ def prefix_keys(body: Any) -> tuple[int, ...]:
     messages = getattr(body, "messages", None)
     if messages is None:
         return _prompt_keys(getattr(body, "prompt", None))
+    keys: list[int] = []
+    conversation = getattr(body, "prompt_cache_key", None)
+    if conversation:  # the client's conversation key (Codex's prompt_cache_key, Claude Code's metadata.user_id): its own first key
+        keys.append(int.from_bytes(hashlib.blake2b(b"conversation\n" + conversation.encode(), digest_size=8).digest()))
     h = hashlib.blake2b(digest_size=8)
     h.update(_dump([body.chat_template_kwargs, body.reasoning_effort]))
     for tool in body.tools or ():  # pydantic's own JSON (its field order is fixed): 4x faster than json.dumps
         h.update(tool.model_dump_json(exclude_none=True).encode() + b"\n")
-    keys: list[int] = []
     rest = 0
     while rest < len(messages) and messages[rest].role in ("system", "developer"):
         h.update(messages[rest].model_dump_json(exclude_none=True).encode() + b"\n")

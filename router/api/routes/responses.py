@@ -37,6 +37,7 @@ from router.serving.renderers import ResponsesRenderer
 router = APIRouter(tags=["openai"])
 log = logging.getLogger("orchard.responses")
 
+DROPPED_TOOLS_HEADER = "Orchard-Dropped-Tools"
 KV_TIMEOUT_S = 5.0  # one GCS call of the store; past it the call fails (a 503, or a record not stored)
 T = TypeVar("T")
 
@@ -166,6 +167,8 @@ async def responses(body: resp.ResponsesRequest, ingress: Ingress = Depends(curr
         return made[-1]
 
     answer = await generate(ingress, who, resp.to_chat_request(req), renderer, stream=bool(req.stream))  # type: ignore[arg-type]  # a chat request always gets a parser
+    if req.dropped_tools:  # hosted tools (web_search, ...): left out of the model's tools, not refused (docs/protocols.md)
+        answer.headers[DROPPED_TOOLS_HEADER] = ", ".join(req.dropped_tools)
     if not req.stream and made and made[0].record is not None:
         try:
             await asyncio.to_thread(kept.put, made[0].record)

@@ -17,6 +17,25 @@ def _text(blocks: Iterable[ContentBlock]) -> str:
     return "\n".join(b.text or "" for b in blocks if b.type == "text")
 
 
+BILLING_LINE = "x-anthropic-billing-header:"
+
+
+def _system_text(blocks: Iterable[ContentBlock]) -> str:
+    """The system prompt's text without Claude Code's attribution line: a text block (or a first
+    line) starting with `x-anthropic-billing-header:`, whose `cc_version=<version>.<hash>` changes
+    with every request. Left in, it would make every request's prompt differ from its first tokens,
+    and no prefix cache could serve any of it. It says nothing to the model."""
+    kept = []
+    for b in blocks:
+        if b.type == "text" and (b.text or "").startswith(BILLING_LINE):
+            rest = (b.text or "").partition("\n")[2]
+            if not rest:
+                continue
+            b = b.model_copy(update={"text": rest})
+        kept.append(b)
+    return _text(kept)
+
+
 def _image(block: ContentBlock) -> ContentPart:
     assert block.source is not None
     return build.image(block.source.url_for_chat())
@@ -67,7 +86,7 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
     """The conversation as OpenAI chat messages (system first)."""
     out: list[ChatMessage] = []
     if req.system is not None:
-        out.append(build.message("system", _text(req.system)))
+        out.append(build.message("system", _system_text(req.system)))
     tool_names: dict[str, str] = {}
     for m in req.messages:
         if m.role == "user":
@@ -75,7 +94,7 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
         elif m.role == "assistant":
             out.append(_assistant_turn(m.content, tool_names))
         else:
-            out.append(build.message("system", _text(m.content)))
+            out.append(build.message("system", _system_text(m.content)))
     return out
 
 
@@ -109,6 +128,8 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     if req.thinking is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     if isinstance(req, MessagesRequest):
+        if req.metadata is not None and req.metadata.user_id:
+            fields["prompt_cache_key"] = req.metadata.user_id  # the instance affinity's conversation key (router.serving.affinity)
         fields["max_tokens"] = req.max_tokens
         fields |= {name: getattr(req, name) for name in ("temperature", "top_p", "top_k") if getattr(req, name) is not None}
         if req.stop_sequences:

@@ -54,6 +54,16 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(item))
 
 
+def _custom_input(arguments: str) -> str:
+    """A custom tool call's freeform input from the arguments the model wrote for its function of
+    one string (`{"input": ...}`); arguments that are not that object are the input as they are."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value["input"] if isinstance(value, dict) and isinstance(value.get("input"), str) else arguments
+
+
 class ResponseStreamEncoder:
     """Output events of one generation -> the Responses SSE stream:
 
@@ -62,6 +72,7 @@ class ResponseStreamEncoder:
           message:       content_part.added, output_text.delta*, output_text.done, content_part.done
           reasoning:     content_part.added, reasoning_text.delta*, reasoning_text.done, content_part.done
           function_call: function_call_arguments.delta*, function_call_arguments.done
+          custom_tool_call: custom_tool_call_input.delta (the whole input), custom_tool_call_input.done
         response.output_item.done,
         response.completed (stop, tool calls) | response.incomplete (max_output_tokens)
 
@@ -97,6 +108,8 @@ class ResponseStreamEncoder:
         self.started = False
         self.done = False
         self._open: dict[Any, int] = {}  # "message" / "reasoning" / ("tool", call index) -> output index
+        self._tools = {t.name: t for t in req.function_tools}  # the names the model was offered
+        self._custom_arguments: dict[int, str] = {}  # a custom tool call's arguments (JSON) until it ends
         self._sequence = 0
         self._base = response_id.removeprefix("resp_")
 
@@ -166,6 +179,11 @@ class ResponseStreamEncoder:
             part = item["content"][0]
             out.append({"type": "response.reasoning_text.done", **where, "content_index": 0, "text": part["text"]})
             out.append({"type": "response.content_part.done", **where, "content_index": 0, "part": _copy(part)})
+        elif item["type"] == "custom_tool_call":
+            item["input"] = _custom_input(self._custom_arguments.pop(index, ""))
+            if item["input"]:
+                out.append({"type": "response.custom_tool_call_input.delta", **where, "delta": item["input"]})
+            out.append({"type": "response.custom_tool_call_input.done", **where, "input": item["input"]})
         else:
             out.append({"type": "response.function_call_arguments.done", **where, "arguments": item["arguments"]})
         out.append({"type": "response.output_item.done", "output_index": index, "item": _copy(item)})
@@ -228,20 +246,27 @@ class ResponseStreamEncoder:
                 out += self._text("message" if isinstance(event, TextDelta) else "reasoning", event.text)
         elif isinstance(event, ToolCallStart):
             out += self._close("message") + self._close("reasoning") + self._close(("tool", event.index))
-            out += self._add(
-                ("tool", event.index),
-                {
-                    "id": self._item_id("fc"),
-                    "type": "function_call",
+            tool = self._tools.get(event.name)
+            name = tool.tool_name if tool is not None else event.name
+            item = {"id": self._item_id("fc"), "type": "function_call", "call_id": event.id, "name": name, "arguments": "", "status": "in_progress"}
+            if tool is not None and tool.custom:  # its input comes whole at the call's end (the model writes it as JSON)
+                item = {
+                    "id": self._item_id("ctc"),
+                    "type": "custom_tool_call",
                     "call_id": event.id,
-                    "name": event.name,
-                    "arguments": "",
+                    "name": name,
+                    "input": "",
                     "status": "in_progress",
-                },
-            )
+                }
+                self._custom_arguments[len(self.output)] = ""
+            if tool is not None and tool.namespace is not None:
+                item["namespace"] = tool.namespace
+            out += self._add(("tool", event.index), item)
         elif isinstance(event, ToolCallArguments):
             index = self._open.get(("tool", event.index))
-            if index is not None and event.arguments:
+            if index is not None and index in self._custom_arguments:
+                self._custom_arguments[index] += event.arguments
+            elif index is not None and event.arguments:
                 item = self.output[index]
                 item["arguments"] += event.arguments
                 out.append({"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index, "delta": event.arguments})

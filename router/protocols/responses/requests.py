@@ -6,8 +6,11 @@ text format and reasoning config. `store` and `previous_response_id` are honoure
 Field policy follows router.protocols.openai (the chat endpoint): documented fields that do not
 change the output (user, metadata, include, truncation, service_tier, prompt_cache_key, ...) are
 accepted and ignored, as are keys OpenAI does not document (`ignored_fields`); `top_k` is the one
-local-server extra honoured. Built-in tools (web search, file search, computer use, MCP, ...) and
-input files / audio are a 400. Errors use OpenAI's body (router.protocols.openai.error_body) with
+local-server extra honoured. `namespace` tools are flattened to the function and custom tools they
+hold; `custom` (freeform) tools are offered to the model as a function of one string (`input`) and
+answered as `custom_tool_call` items; hosted tools the server cannot run (web search, file search,
+computer use, MCP, ...) are left out of the model's tools (`dropped_tools`: the route says so in a
+header). Input files / audio are a 400. Errors use OpenAI's body (router.protocols.openai.error_body) with
 OpenAI's param spelling (`input[2].content[0].image_url`)."""
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ _PARTS_BY_ROLE = {
     "developer": ("input_text",),
     "assistant": ("output_text", "refusal", "input_text"),
 }
-_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output", "reasoning")
 
 
 class InputItem(_Part):
@@ -88,7 +91,9 @@ class InputItem(_Part):
     content: list[ContentPart] | None = None
     call_id: str | None = None
     name: str | None = None
+    namespace: str | None = None  # a function_call of a namespace tool's function
     arguments: str | None = None
+    input: str | None = None  # a custom_tool_call's freeform input
     output: list[ContentPart] | None = None
 
     @model_validator(mode="before")
@@ -113,7 +118,13 @@ class InputItem(_Part):
 
     @model_validator(mode="after")
     def _complete(self) -> InputItem:
-        need = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"), "function_call_output": ("call_id", "output")}
+        need = {
+            "message": ("role", "content"),
+            "function_call": ("call_id", "name", "arguments"),
+            "function_call_output": ("call_id", "output"),
+            "custom_tool_call": ("call_id", "name", "input"),
+            "custom_tool_call_output": ("call_id", "output"),
+        }
         for name in need.get(self.type, ()):
             if getattr(self, name) is None:
                 raise _reject(f"a {self.type} item needs '{name}'", name, "missing_required_parameter")
@@ -125,18 +136,32 @@ class InputItem(_Part):
                     raise _reject(f"{self.role} messages take {' or '.join(allowed)} parts, not {part.type}", f"content[{j}].type", "invalid_value")
         for j, part in enumerate(self.output or ()):
             if part.type not in ("input_text", "input_image"):
-                raise _reject(f"function_call_output takes input_text or input_image parts, not {part.type}", f"output[{j}].type", "invalid_value")
+                raise _reject(f"{self.type} takes input_text or input_image parts, not {part.type}", f"output[{j}].type", "invalid_value")
         return self
 
 
-class FunctionTool(_Part):
-    """A function tool (the Responses API's flat shape). Built-in tools run on OpenAI's side."""
+_NAME = r"^[A-Za-z0-9_.\-]+$"  # as chat's FunctionDefinition
+# A custom (freeform) tool as the model sees it: a function of one string.
+CUSTOM_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"input": {"type": "string"}},
+    "required": ["input"],
+    "additionalProperties": False,
+}
 
-    type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")  # as chat's FunctionDefinition
+
+class Tool(_Part):
+    """One entry of `tools`: a `function`, a `custom` (freeform) tool, a `namespace` of those, or a
+    hosted tool (any other type: web_search, file_search, ...), which the request keeps only to
+    echo it and to say it was left out."""
+
+    type: str
+    name: str | None = Field(default=None, min_length=1, max_length=64, pattern=_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    format: Any = None  # a custom tool's input grammar: the model is not held to it
+    tools: list[Tool] | None = None  # a namespace's functions and custom tools
 
     @field_validator("parameters")
     @classmethod
@@ -146,13 +171,33 @@ class FunctionTool(_Part):
             raise _reject(error, code="invalid_value")
         return v
 
-    @model_validator(mode="before")
-    @classmethod
-    def _function_only(cls, v: Any) -> Any:
-        kind = v.get("type") if isinstance(v, dict) and isinstance(v.get("type"), str) else None  # a list is unhashable
-        if isinstance(kind, str) and kind != "function":
-            raise _reject(f"built-in tools are not supported (type '{kind}'); define function tools", "type")
-        return v
+    @model_validator(mode="after")
+    def _complete(self) -> Tool:
+        if self.type in ("function", "custom", "namespace") and self.name is None:
+            raise _reject(f"a {self.type} tool needs 'name'", "name", "missing_required_parameter")
+        if self.type == "namespace":
+            if not self.tools:
+                raise _reject("a namespace tool needs 'tools'", "tools", "missing_required_parameter")
+            for j, inner in enumerate(self.tools):
+                if inner.type not in ("function", "custom"):
+                    raise _reject(f"a namespace holds function and custom tools, not {inner.type}", f"tools[{j}].type", "invalid_value")
+        return self
+
+
+class FunctionTool(BaseModel):
+    """A tool as the model is offered it: a function (a namespace's function flattened, named as
+    `name` unless that name is taken, then `<namespace>.<name>`), or a custom tool's function of
+    one string (`custom`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str  # the name the model sees and calls
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    custom: bool = False
+    namespace: str | None = None
+    tool_name: str  # the name the client knows it by (within its namespace)
 
 
 class TextFormat(_Part):
@@ -190,7 +235,7 @@ class ResponsesRequest(BaseModel):
     model: str = Field(min_length=1)
     input: list[InputItem] = Field(min_length=1)
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -261,14 +306,14 @@ class ResponsesRequest(BaseModel):
         if v is None or v in ("none", "auto", "required"):
             return v
         kind = v.get("type") if isinstance(v, dict) and isinstance(v.get("type"), str) else None  # a list is unhashable
-        if kind == "function" and isinstance(v.get("name"), str):
+        if kind in ("function", "custom") and isinstance(v.get("name"), str):
             return {"type": "function", "name": v["name"]}
         if kind == "allowed_tools" and v.get("mode") in ("auto", "required") and isinstance(v.get("tools"), list):
             for j, tool in enumerate(v["tools"]):
-                if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-                    raise _reject("allowed_tools may list function tools only ({'type': 'function', 'name': ...})", f"tools[{j}]")
+                if not isinstance(tool, dict) or tool.get("type") not in ("function", "custom") or not isinstance(tool.get("name"), str):
+                    raise _reject("allowed_tools may list function and custom tools only ({'type': 'function', 'name': ...})", f"tools[{j}]")
             return {"type": "allowed_tools", "mode": v["mode"], "tools": [{"type": "function", "name": t["name"]} for t in v["tools"]]}
-        if isinstance(kind, str) and kind not in ("function", "allowed_tools"):
+        if isinstance(kind, str) and kind not in ("function", "custom", "allowed_tools"):
             raise _reject(f"tool_choice '{kind}' names a built-in tool; only function tools are supported", "type")
         raise _reject("tool_choice must be 'none', 'auto', 'required', {'type': 'function', 'name': ...} or allowed_tools", code="invalid_value")
 
@@ -278,12 +323,46 @@ class ResponsesRequest(BaseModel):
             raise _reject("input has only reasoning items: send a message or a function_call_output", "input", "invalid_value")
         return self
 
+    @property
+    def function_tools(self) -> list[FunctionTool]:
+        """The tools the model is offered: functions and custom tools, a namespace's flattened.
+        A flattened name that another tool has already is `<namespace>.<name>`."""
+        flat: list[tuple[Tool, str | None]] = []
+        for tool in self.tools or ():
+            if tool.type in ("function", "custom"):
+                flat.append((tool, None))
+            elif tool.type == "namespace":
+                flat += [(inner, tool.name) for inner in tool.tools or ()]
+        top = {t.name for t, ns in flat if ns is None}
+        out = []
+        for tool, ns in flat:
+            assert tool.name is not None
+            name = f"{ns}.{tool.name}" if ns is not None and tool.name in top else tool.name
+            custom = tool.type == "custom"
+            out.append(
+                FunctionTool(
+                    name=name,
+                    description=tool.description,
+                    parameters=CUSTOM_PARAMETERS if custom else tool.parameters,
+                    strict=tool.strict,
+                    custom=custom,
+                    namespace=ns,
+                    tool_name=tool.name,
+                )
+            )
+        return out
+
+    @property
+    def dropped_tools(self) -> list[str]:
+        """The hosted tools (by type) left out of the model's tools: the server cannot run them."""
+        return [t.type for t in self.tools or () if t.type not in ("function", "custom", "namespace")]
+
     @model_validator(mode="after")
     def _choice_names_a_tool(self) -> ResponsesRequest:
-        tools = [t.name for t in self.tools or ()]
+        tools = [t.name for t in self.function_tools]
         if len(set(tools)) != len(tools):
             raise _reject("tool names must be unique", "tools", "invalid_value")
-        names = set(tools)
+        names = set(tools) | {t.tool_name for t in self.function_tools}
         choice = self.tool_choice
         wanted = (
             [choice["name"]]

@@ -15,7 +15,14 @@ from router.protocols.openai import ProtocolError
 from router.protocols.responses.requests import InputItem, ResponsesRequest
 from router.protocols.responses.store import StoredResponse
 
-_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "custom_tool_call": "ctc",
+    "custom_tool_call_output": "ctco",
+    "reasoning": "rs",
+}
 
 
 def stored_item(item: InputItem) -> dict[str, Any]:
@@ -30,7 +37,11 @@ def stored_item(item: InputItem) -> dict[str, Any]:
         out |= {"role": item.role, "content": parts, "status": "completed"}
     elif item.type == "function_call":
         out |= {"call_id": item.call_id, "name": item.name, "arguments": item.arguments, "status": "completed"}
-    elif item.type == "function_call_output":
+        if item.namespace is not None:
+            out["namespace"] = item.namespace
+    elif item.type == "custom_tool_call":
+        out |= {"call_id": item.call_id, "name": item.name, "input": item.input, "status": "completed"}
+    elif item.type in ("function_call_output", "custom_tool_call_output"):
         output = [p.model_dump(exclude_none=True) for p in item.output or ()]
         text_only = len(output) == 1 and output[0]["type"] == "input_text"
         out |= {"call_id": item.call_id, "output": output[0]["text"] if text_only else output, "status": "completed"}

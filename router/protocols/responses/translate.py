@@ -5,11 +5,12 @@ response_format."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
 from router.protocols.openai import ChatCompletionRequest, ChatMessage, ContentPart as ChatPart, build
-from router.protocols.responses.requests import ContentPart, ResponsesRequest
+from router.protocols.responses.requests import ContentPart, FunctionTool, ResponsesRequest
 
 
 def _image(part: ContentPart) -> ChatPart:
@@ -26,8 +27,9 @@ _ROLE = {"developer": "system"}
 
 def chat_messages(req: ResponsesRequest) -> list[ChatMessage]:
     """`instructions` and `input` as OpenAI chat messages. Consecutive function_call items join the
-    assistant message before them (one turn, several tool_calls); a function_call_output becomes a
-    role "tool" message, and its images a user message after the turn's tool messages (chat tool
+    assistant message before them (one turn, several tool_calls; a custom_tool_call is a call of
+    its function of one string, `{"input": ...}`; a namespace's function is called by the name the
+    model was offered); a function_call_output (or custom_tool_call_output) becomes a role "tool" message, and its images a user message after the turn's tool messages (chat tool
     messages carry text only). Reasoning items are dropped: open-model chat templates strip past
     reasoning themselves, and Orchard's reasoning items carry no encrypted state to restore."""
     out: list[ChatMessage] = []
@@ -41,22 +43,25 @@ def chat_messages(req: ResponsesRequest) -> list[ChatMessage]:
             out.append(build.message("user", list(pending_images)))
             pending_images.clear()
 
+    model_name = {(t.namespace, t.tool_name): t.name for t in req.function_tools}
     for item in req.input:
-        if item.type != "function_call_output":
+        if item.type not in ("function_call_output", "custom_tool_call_output"):
             flush_images()
         if item.type == "message":
             assert item.role is not None
             out.append(build.message(_ROLE.get(item.role, item.role), _parts(item.content or ())))  # type: ignore[arg-type]  # developer is mapped
-        elif item.type == "function_call":
+        elif item.type in ("function_call", "custom_tool_call"):
             assert item.call_id is not None and item.name is not None
-            names[item.call_id] = item.name
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments or ""}}
+            name = model_name.get((item.namespace, item.name), item.name)
+            names[item.call_id] = name
+            arguments = item.arguments or "" if item.type == "function_call" else json.dumps({"input": item.input or ""}, ensure_ascii=False)
+            call = {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = out[-1] if out else None
             if last is not None and last.role == "assistant":
                 last.tool_calls = [*(last.tool_calls or ()), call]
             else:
                 out.append(build.message("assistant", None, tool_calls=[call]))
-        elif item.type == "function_call_output":
+        elif item.type in ("function_call_output", "custom_tool_call_output"):
             parts = item.output or []
             named = {"name": names[item.call_id]} if item.call_id in names else {}
             text = "\n".join(p.as_text() for p in parts if p.type == "input_text")
@@ -66,23 +71,39 @@ def chat_messages(req: ResponsesRequest) -> list[ChatMessage]:
     return out
 
 
+# No max_output_tokens means "up to the context" on OpenAI's Responses API, and Codex never sends one: the
+# engine clamps this to the room the prompt leaves (docs/protocols.md). A number, not the context itself, so
+# a key's tokens-per-minute reservation stays bounded (as for Claude Code's max_tokens of 32000).
+UNBOUNDED_OUTPUT_TOKENS = 32768
+
+
+def _description(tool: FunctionTool) -> str | None:
+    if not tool.custom:
+        return tool.description
+    note = "A freeform tool: put its whole input, as plain text, in the string `input`."
+    return f"{tool.description}\n\n{note}" if tool.description else note
+
+
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The OpenAI chat request for a Responses request: instructions -> a system message; tools
     (flat) -> chat tools; tool_choice -> chat tool_choice (allowed_tools keeps only the listed
     tools, with its mode); max_output_tokens -> max_tokens; text.format -> response_format;
     reasoning.effort -> reasoning_effort (for chat templates that read it)."""
     fields: dict[str, Any] = {}
-    tools = list(req.tools or ())
+    tools = req.function_tools
+    by_name = {t.tool_name: t.name for t in tools if t.namespace is None} | {t.name: t.name for t in tools}
     choice = req.tool_choice
     if isinstance(choice, dict) and choice["type"] == "allowed_tools":
-        allowed = {t["name"] for t in choice["tools"]}
+        allowed = {by_name.get(t["name"], t["name"]) for t in choice["tools"]}
         tools = [t for t in tools if t.name in allowed]
         choice = choice["mode"]
     if tools:
         empty = {"type": "object", "properties": {}}
-        fields["tools"] = [build.tool(t.name, t.parameters if t.parameters is not None else empty, t.description, t.strict) for t in tools]
+        fields["tools"] = [build.tool(t.name, t.parameters if t.parameters is not None else empty, _description(t), t.strict) for t in tools]
         if choice is not None:
-            fields["tool_choice"] = choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice["name"]}}
+            fields["tool_choice"] = (
+                choice if isinstance(choice, str) else {"type": "function", "function": {"name": by_name.get(choice["name"], choice["name"])}}
+            )
         if req.parallel_tool_calls is not None:
             fields["parallel_tool_calls"] = req.parallel_tool_calls
     fmt = req.text.format if req.text else None
@@ -93,8 +114,9 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         fields["response_format"] = build.json_schema_format(fmt.name, fmt.schema_, fmt.description, fmt.strict)
     if req.reasoning is not None and req.reasoning.effort is not None:
         fields["reasoning_effort"] = req.reasoning.effort
-    if req.max_output_tokens is not None:
-        fields["max_tokens"] = req.max_output_tokens
+    fields["max_tokens"] = req.max_output_tokens or UNBOUNDED_OUTPUT_TOKENS
+    if req.prompt_cache_key:
+        fields["prompt_cache_key"] = req.prompt_cache_key  # the instance affinity's conversation key (router.serving.affinity)
     fields |= {name: getattr(req, name) for name in ("temperature", "top_p", "top_k") if getattr(req, name) is not None}
     fields["stream"] = bool(req.stream)
     return build.chat_request(req.model, chat_messages(req), **fields)
