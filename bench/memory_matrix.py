@@ -36,9 +36,12 @@ RESULTS = Path(__file__).parent / "results"
 MIB = 2**20
 
 
-async def run_one(folder: Path, context: int, concurrency: int, generate: int = 8, chunk: int = 128) -> dict[str, Any]:
+async def run_one(folder: Path, context: int, concurrency: int, chunk: int = 128) -> dict[str, Any]:
     """Load `folder` in an LLM engine reserving `context` x `concurrency`, run `concurrency`
-    requests whose prompts and generations fill the reserved context, and return the figures."""
+    requests whose prompts and generations fill the reserved context, and return the figures. A
+    long prompt prefills alone, a chunk a step, so each generates long enough for the last to
+    prefill while the first still decodes: all of them hold the whole context at once (the row's
+    `kv_in_use_peak_bytes`, sampled while they run, says whether they did)."""
     engine = LLMEngine(
         folder.name,
         str(folder),
@@ -62,6 +65,7 @@ async def run_one(folder: Path, context: int, concurrency: int, generate: int = 
     measured = engine.measured
     assert measured is not None
     mx.reset_peak_memory()  # the probe at load is not serving; the weights stay active, so in the peak
+    generate = min(context // 2, 2 * concurrency * -(-context // chunk))
     prompt = context - generate
     vocab = engine.vocab_size
     requests = [
@@ -69,7 +73,17 @@ async def run_one(folder: Path, context: int, concurrency: int, generate: int = 
         for i in range(concurrency)
     ]
     started = time.perf_counter()
+    in_use = 0
+
+    async def sample() -> None:
+        nonlocal in_use
+        while True:
+            in_use = max(in_use, engine.memory().kv_bytes_in_use)
+            await asyncio.sleep(0.005)
+
+    sampler = asyncio.create_task(sample())
     done = await asyncio.gather(*(engine.complete(r) for r in requests))
+    sampler.cancel()
     run_s = time.perf_counter() - started
     mx.synchronize()
     peak = mx.get_peak_memory() - before
@@ -82,6 +96,9 @@ async def run_one(folder: Path, context: int, concurrency: int, generate: int = 
         "context": context,
         "concurrency": concurrency,
         "completion_tokens": [d.usage.completion_tokens if d.usage else 0 for d in done],
+        "generated_per_request": generate,
+        "kv_in_use_peak_bytes": in_use,
+        "kv_decoding_bytes": concurrency * measured.cache.sequence_bytes(context),  # all rows at the context, windows full
         "errors": [d.error for d in done if d.error],
         "weights_file_bytes": folder_estimate.weight_bytes,
         "estimated_kv_bytes": est_kv,

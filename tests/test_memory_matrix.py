@@ -28,12 +28,12 @@ from deployments.model_prep import architectures
 from deployments.wire.generation import GenerationRequest
 
 CONTEXT, CONCURRENCY = 1024, 2
-# Reserved / MLX's peak, at most. The issue's goal is 1.15; at these shapes a prefill step's
-# activations are a fifth to two fifths of everything the model holds (weights of 13-20 MiB), so
-# the bound on them (measure.activation: a line through two steps, exact at the context it was
-# measured at) weighs far more than at real sizes. Measured here: 1.05-1.12, Gemma 3's 1.19 (its
-# line is drawn while every layer's span still grows; past the window only the global layer's does).
-TIGHTNESS = 1.25
+# Reserved / MLX's peak, at most: the issue's 1.15, but for Gemma 3. At these shapes a step's
+# activations are a fifth to two fifths of all the model holds (weights of 13-20 MiB), so the bound on
+# them (measure.activation: a line through steps at two context offsets) weighs far more than at real
+# sizes. Gemma 3's line is drawn while every layer's span still grows; past the window only its global
+# layer's does, so its bound is the loosest: 1.19-1.22 here over runs (MLX's CPU peaks vary by ~1 MiB).
+TIGHTNESS = {"gemma3": 1.3}
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +46,12 @@ def test_the_reservation_holds_what_the_model_uses_at_the_reserved_context_and_c
     folder = folders / family
     architectures.build(folder, family)
     row = asyncio.run(run_one(folder, CONTEXT, CONCURRENCY))
-    assert row["errors"] == [] and row["completion_tokens"] == [8] * CONCURRENCY  # prompts filled the reserved context
+    assert row["errors"] == [] and row["completion_tokens"] == [row["generated_per_request"]] * CONCURRENCY  # they filled the context
+    assert row["kv_in_use_peak_bytes"] >= 0.95 * row["kv_decoding_bytes"]  # ... all of them at once
     assert row["estimate_matches_cache"], "the folder estimate's cache differs from the one mlx-lm built"
     assert abs(row["measured_weight_bytes"] - row["weights_file_bytes"]) < 0.01 * row["weights_file_bytes"]
     assert row["peak_bytes"] <= row["reserved_bytes"], f"MLX's peak passed the reservation: {row}"
-    assert row["reserved_bytes"] <= TIGHTNESS * row["peak_bytes"], f"the reservation wastes memory: {row}"
+    assert row["reserved_bytes"] <= TIGHTNESS.get(family, 1.15) * row["peak_bytes"], f"the reservation wastes memory: {row}"
 
 
 def test_a_prompt_past_the_reservation_is_refused_naming_its_size_and_the_limit_and_the_process_is_limited(folders):
