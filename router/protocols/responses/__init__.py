@@ -18,6 +18,7 @@ requests <- translate <- encoder; store <- state; every public name is re-export
 
 from router.protocols.responses.encoder import ResponseStreamEncoder, finish_error, new_response_id, response_object
 from router.protocols.responses.requests import (
+    CUSTOM_PARAMETERS,
     ContentPart,
     FunctionTool,
     InputItem,
@@ -25,13 +26,16 @@ from router.protocols.responses.requests import (
     ResponsesRequest,
     TextConfig,
     TextFormat,
+    Tool,
     parse_responses_request,
 )
 from router.protocols.responses.state import continued, conversation, item_page, stored_item
 from router.protocols.responses.store import KV, ResponseStore, ResponseTooLarge, StoredResponse, StoreSettings
-from router.protocols.responses.translate import chat_messages, to_chat_request
+from router.protocols.responses.translate import UNBOUNDED_OUTPUT_TOKENS, chat_messages, to_chat_request
 
 __all__ = [
+    "CUSTOM_PARAMETERS",
+    "UNBOUNDED_OUTPUT_TOKENS",
     "ContentPart",
     "FunctionTool",
     "InputItem",
@@ -45,6 +49,7 @@ __all__ = [
     "StoredResponse",
     "TextConfig",
     "TextFormat",
+    "Tool",
     "chat_messages",
     "continued",
     "conversation",
