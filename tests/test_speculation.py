@@ -13,7 +13,7 @@ from deployments.engines.llm import LLMEngine
 from deployments.engines.prompt_lookup import PromptLookup
 from deployments.engines.sampling import RowSampling
 from deployments.engines.spec_depth import Depth
-from deployments.engines.speculation import accept
+from deployments.engines.speculation import COUNTERS, accept
 from deployments.wire.generation import GenerationRequest
 
 REPEATING = "the cat sat on the mat and the dog sat on the log. " * 12
@@ -209,3 +209,15 @@ def test_sampled_and_seeded_rows_finish_beside_speculating_ones(models_dir):
     assert [len(t) for t in outputs[0]] == [40, 40, 16]
     assert outputs[0][2] == alone[0][0]  # a seeded row is never speculated: its draws are its own key's
     assert counted["spec_off_rows"] > 0 and counted["spec_steps"] > 0  # ... and speculation resumed once it left
+
+
+def test_metrics_carry_each_instances_speculation_counters():
+    from router.api.routes.metrics import speculation_lines
+
+    counted = dict.fromkeys(COUNTERS, 0) | {"spec_proposed": 40, "spec_accepted": 31, "spec_steps": 9, "spec_off_cost": 5}
+    lines = speculation_lines([("smollm2", "mac-1", counted), ("whisper", "mac-1", {"decode_steps": 3})])
+    assert 'orchard_spec_accepted_tokens_total{model="smollm2",node="mac-1"} 31' in lines
+    assert 'orchard_spec_proposed_tokens_total{model="smollm2",node="mac-1"} 40' in lines
+    assert 'orchard_spec_plain_steps_total{model="smollm2",node="mac-1",why="cost"} 5' in lines
+    assert not any("whisper" in line for line in lines)  # an engine that does not speculate has no lines
+    assert speculation_lines([("whisper", "mac-1", {})]) == []

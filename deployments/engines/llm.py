@@ -14,7 +14,9 @@ The engine's parts, each in its module:
 - llm_cache.py: the kept prompt prefixes (the block tree of prefix_cache.py, or mlx-lm's
   LRUPromptCache for models whose caches cannot be cut into blocks);
 - llm_output.py: a request's deltas (detokenizing, stop strings, logprobs, usage) and their hand-off
-  to the event loop, one call per loop per step whatever the number of streams."""
+  to the event loop, one call per loop per step whatever the number of streams;
+- speculation.py: draft tokens (prompt_lookup.py) verified for every row in one forward, at a depth
+  that follows acceptance and the step's cost (spec_depth.py)."""
 
 import asyncio
 import itertools
@@ -43,7 +45,7 @@ from deployments.engines.llm_loop import Arrival, MLXLoop
 from deployments.engines.llm_output import Delta, DeltaSink, Stream, TokenLogprob, Usage, failure, put
 from deployments.engines.llm_scheduler import Scheduler
 from deployments.engines.options import LLMEngineOptions
-from deployments.engines.prefix_cache import PrefixCache
+from deployments.engines.prefix_cache import PrefixCache, sliceable
 from deployments.engines.prefix_disk import DiskTier
 from deployments.engines.quantized_cache import KV_BITS, KV_GROUP_SIZES, quantizable
 from deployments.engines.sampling import BatchSampler
@@ -211,6 +213,9 @@ class LLMEngine(MLXLoop, Engine):
         self.eos_ids = sorted(self.tokenizer.eos_token_ids)
         self.vocab_size = _logits_width(self.model, self.tokenizer)
         self.kept.open(self.model, self._prefill_rate)
+        if self.speculator is not None and not sliceable(make_prompt_cache(self.model)):  # a window or an SSM state is not rewound by trimming
+            logger.info("%s: its KV cache is not plain KV in every layer; no speculative decoding", self.name)
+            self.speculator = None
         hf_tokenizer = self.tokenizer._tokenizer
         self.grammars = GrammarCompiler(hf_tokenizer, self.eos_ids, self.vocab_size)
         # mlx-lm's own renderers (a Python chat template) take tools; a Jinja one must name them

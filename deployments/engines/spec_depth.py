@@ -58,7 +58,7 @@ class Depth:
         self,
         max_drafts: int = 8,
         prior_acceptance: float = 0.5,
-        prior_token_cost: float = 0.02,
+        prior_token_cost: float = 0.1,
         min_gain: float = 1.05,
         memory: float = 0.7,
         recovery: float = 0.02,

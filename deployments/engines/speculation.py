@@ -78,26 +78,30 @@ class Speculator:
         if any(batch.logits_processors) or any(self._settings(uid).seed is not None for uid in batch.uids):
             self.stats["spec_off_rows"] += 1
             return None
-        if self.depth.hopeless(batch.uids):  # not even every row's best case would pay: no wait for its last token
+        if self.depth.hopeless(batch.uids):  # not even every row's best case would pay
             self.stats["spec_off_cost"] += 1
             return None
         started = time.perf_counter()
-        mx.eval(batch._next_tokens)
-        last = cast(list[int], batch._next_tokens.tolist())
-        proposals = [self._propose(uid, tokens + [y]) for uid, tokens, y in zip(batch.uids, batch.tokens, last, strict=True)]
-        choice = self.depth.choose(batch.uids, [len(p) for p in proposals])
+        # The row's last token (being sampled now) is not on the host yet, and waiting for it would
+        # stall the pipeline of every plain step: the proposal is looked up from the tokens before it,
+        # its first token a guess of that last one, and drafts count only where the guess was right.
+        # A draft past the row's max_tokens would be cut anyway (and past the context, not computed at all).
+        room = [max(0, m - n - 1) for m, n in zip(batch.max_tokens, batch._num_tokens, strict=True)]
+        proposals = [self._propose(uid, tokens)[: r + 1] for uid, tokens, r in zip(batch.uids, batch.tokens, room, strict=True)]
+        choice = self.depth.choose(batch.uids, [max(0, len(p) - 1) for p in proposals])
         if choice.depth == 0:
             self.stats["spec_off_no_drafts" if choice.why == "no_drafts" else "spec_off_cost"] += 1
             return None
-        drafts = [p[:k] for p, k in zip(proposals, choice.drafts, strict=True)]
+        guesses = [p[0] if p else -1 for p in proposals]
+        drafts = [p[1 : k + 1] for p, k in zip(proposals, choice.drafts, strict=True)]
         with mx.stream(generator.stream):
-            responses, emitted = self._verify(batch, last, drafts, choice.depth)
+            responses, emitted = self._verify(batch, guesses, drafts, choice.depth)
         seconds = time.perf_counter() - started
         counters = generator._counters
         counters.decode_time += seconds
         counters.generation_tokens += emitted
         counters.generation_steps += 1
-        self.depth.observe_step(len(last) * (choice.depth + 1), seconds)
+        self.depth.observe_step(len(batch.uids) * (choice.depth + 1), seconds)
         self._plain_rows = 0
         return responses
 
@@ -130,19 +134,23 @@ class Speculator:
         lookup = self._lookups.get(uid)
         if lookup is None:
             lookup = self._lookups[uid] = self.proposer()
-        return lookup.propose(tokens, self.depth.max_drafts)
+        return lookup.propose(tokens, self.depth.max_drafts + 1)
 
-    def _verify(self, batch: Any, last: list[int], drafts: list[list[int]], depth: int) -> tuple[list[Any], int]:
-        """Feed every row its last token and drafts, keep what the target accepts, fix the cache."""
-        rows = len(last)
-        padded = [d + [y] * (depth - len(d)) for d, y in zip(drafts, last, strict=True)]  # padding is never accepted
-        inputs = mx.array([[y, *d] for y, d in zip(last, padded, strict=True)])
+    def _verify(self, batch: Any, guesses: list[int], drafts: list[list[int]], depth: int) -> tuple[list[Any], int]:
+        """Feed every row its last token and drafts, keep what the target accepts, fix the cache.
+        `guesses`: what each row's drafts take its last token to be (they count only where it is)."""
+        rows = len(guesses)
+        y = batch._next_tokens
+        padded = [d + [0] * (depth - len(d)) for d in drafts]  # padding is never accepted
+        inputs = mx.concatenate([y[:, None].astype(mx.int32), mx.array(padded, dtype=mx.int32)], axis=1)
         logits = batch.model(inputs, cache=batch.prompt_cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         settings = [self._settings(uid) for uid in batch.uids]
-        accepted, following = accept(logprobs, mx.array(padded), [len(d) for d in drafts], settings)
-        mx.eval(accepted, following)
+        lengths = mx.where(y == mx.array(guesses, dtype=y.dtype), mx.array([len(d) for d in drafts]), 0)
+        accepted, following = accept(logprobs, inputs[:, 1:], lengths, settings)
+        mx.eval(accepted, following, y)
         accepted_n = cast(list[int], accepted.tolist())
+        last = cast(list[int], y.tolist())
 
         responses: list[Any] = []
         kept: list[int] = []  # positions each row keeps in its cache
@@ -196,13 +204,13 @@ class Speculator:
         return made, emitted_total
 
 
-def accept(logprobs: mx.array, drafts: mx.array, lengths: list[int], settings: list[RowSampling]) -> tuple[mx.array, mx.array]:
+def accept(logprobs: mx.array, drafts: mx.array, lengths: mx.array | list[int], settings: list[RowSampling]) -> tuple[mx.array, mx.array]:
     """Per row: how many of its drafts the target accepts, and the token after them.
     `logprobs`: [rows, K + 1, vocab], position j predicting the token after input j; `drafts`:
     [rows, K], of which the first `lengths[i]` are row i's (the rest are rejected)."""
     rows, width, vocab = logprobs.shape
     depth = width - 1
-    valid = mx.arange(depth)[None, :] < mx.array(lengths)[:, None]
+    valid = mx.arange(depth)[None, :] < mx.array(lengths)[:, None]  # (an mx.array stays itself)
     greedy = [s.temperature == 0 for s in settings]
     target = mx.argmax(logprobs, axis=-1)  # [rows, K + 1]
     if all(greedy):

@@ -1,0 +1,206 @@
+"""Speculative decoding with prompt lookup, on the LLM engine in process: what it gains where the answer
+repeats the prompt, and what it costs where it does not.
+
+    python -m bench.engine.speculation [--model models/smollm2-135m-instruct] [--file deployments/engines/block_rows.py]
+        [--rewrite-tokens 600] [--streams 16] [--stream-tokens 128] [--rounds 2]
+
+Two cells, each run by two engines of the same model loaded side by side, one with speculation off and
+one with it on (prompt lookup, the adaptive depth), taking turns in every round:
+- rewrite: one conversation asks the model to rewrite a ~1k-token file it is given (greedy). Decode
+  tok/s is the completion's tokens over the time from its first token to its last; the two sides'
+  token ids must be identical.
+- story: one conversation whose answer repeats nothing it was given (a story, `--stream-tokens`):
+  what the speculation's bookkeeping costs where there is little to propose;
+- concurrent: `--streams` requests of the engine benchmark's prompts at once (greedy, `--stream-tokens`
+  each), all the engine's tokens over the wall time, and whether the outputs are identical.
+Medians over the rounds; the ratio is on / off. Also the speculation counters of the on side
+(proposed, accepted, verify steps, the mean depth, the steps it turned down and why). Writes JSON
+(bench/results/engine-speculation.json)."""
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import deployments  # noqa: F401  (OpenBLAS before MLX)
+
+# isort: split
+from bench.engine.__main__ import prompts
+from bench.report import write_json
+from deployments.engines.llm import LLMEngine
+from deployments.wire.generation import GenerationRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+SIDES = ("off", "prompt_lookup")
+CELLS = ("rewrite", "story", "concurrent")
+
+
+def rewrite_request(text: str, max_tokens: int) -> GenerationRequest:
+    ask = "Rewrite this Python file with the class BlockKVCache renamed to RowKVCache. Answer with the whole file and nothing else.\n\n"
+    return GenerationRequest(messages=[{"role": "user", "content": ask + "```python\n" + text + "```"}], max_tokens=max_tokens, temperature=0)
+
+
+async def rewrite(engine: LLMEngine, request: GenerationRequest) -> dict:
+    stamps: list[float] = []
+    tokens: list[int] = []
+    started = time.perf_counter()
+    async for d in engine.generate(request):
+        if d.token_ids:
+            stamps.append(time.perf_counter())
+            tokens += d.token_ids
+    decode_s = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
+    return {
+        "tokens": tokens,
+        "completion_tokens": len(tokens),
+        "first_token_s": stamps[0] - started if stamps else 0.0,
+        "decode_tok_s": (len(tokens) - 1) / decode_s if decode_s else 0.0,
+        "total_s": time.perf_counter() - started,
+    }
+
+
+async def concurrent(engine: LLMEngine, requests: list[GenerationRequest]) -> dict:
+    started = time.perf_counter()
+    done = await asyncio.gather(*(engine.complete(r) for r in requests))
+    wall = time.perf_counter() - started
+    made = sum(len(d.token_ids) for d in done)
+    return {"tokens": [d.token_ids for d in done], "completion_tokens": made, "tok_s": made / wall, "wall_s": wall}
+
+
+def spec_counters(before: dict, after: dict) -> dict:
+    keys = [k for k in after if k.startswith("spec_")] + ["generation_steps", "generation_tokens"]
+    return {k: after.get(k, 0) - before.get(k, 0) for k in keys}
+
+
+async def run(a: argparse.Namespace) -> dict:
+    text = (ROOT / a.file).read_text()
+    engines = {side: LLMEngine(f"{Path(a.model).name}-{side}", a.model, speculation=side, prefix_disk_bytes=0) for side in SIDES}
+    for engine in engines.values():
+        await engine.load()
+    try:
+        ask = rewrite_request(text, a.rewrite_tokens)
+        many = [GenerationRequest(messages=[{"role": "user", "content": p}], max_tokens=a.stream_tokens, temperature=0) for p in prompts(a.streams)]
+        warm = GenerationRequest(messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0)
+        for engine in engines.values():
+            await engine.complete(warm)
+        story = many[0]
+        cells: dict[str, dict[str, list[dict]]] = {c: {s: [] for s in SIDES} for c in CELLS}
+        counted: dict[str, dict[str, dict]] = {c: {} for c in CELLS}
+        for r in range(a.rounds):
+            order = SIDES if r % 2 == 0 else SIDES[::-1]
+            for cell, job in (
+                ("rewrite", lambda e: rewrite(e, ask)),
+                ("story", lambda e: rewrite(e, story)),
+                ("concurrent", lambda e: concurrent(e, many)),
+            ):
+                for side in order:
+                    engine = engines[side]
+                    before = engine.counters()
+                    cells[cell][side].append(await job(engine))
+                    if side != "off":
+                        got = spec_counters(before, engine.counters())
+                        counted[cell] = {k: counted[cell].get(k, 0) + v for k, v in got.items()}
+        prompt_tokens = len(engines["off"].tokenize(ask))
+    finally:
+        for engine in engines.values():
+            await engine.stop()
+    return summarise(a, cells, counted, prompt_tokens)
+
+
+def summarise(a: argparse.Namespace, cells: dict, counted: dict, prompt_tokens: int) -> dict:
+    def med(cell: str, side: str, key: str) -> float:
+        return statistics.median(x[key] for x in cells[cell][side])
+
+    def identical(cell: str) -> bool:
+        return all(x["tokens"] == y["tokens"] for x, y in zip(cells[cell]["off"], cells[cell]["prompt_lookup"], strict=True))
+
+    rewrite_off, rewrite_on = med("rewrite", "off", "decode_tok_s"), med("rewrite", "prompt_lookup", "decode_tok_s")
+    many_off, many_on = med("concurrent", "off", "tok_s"), med("concurrent", "prompt_lookup", "tok_s")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = ""
+    return {
+        "command": "python -m bench.engine.speculation " + " ".join(a.argv),
+        "commit": commit,
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
+        "date": time.strftime("%Y-%m-%d"),
+        "model": a.model,
+        "rounds": a.rounds,
+        "rewrite": {
+            "file": a.file,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": cells["rewrite"]["off"][0]["completion_tokens"],
+            "decode_tok_s": {"off": rewrite_off, "on": rewrite_on},
+            "ratio": rewrite_on / rewrite_off if rewrite_off else 0.0,
+            "total_s": {"off": med("rewrite", "off", "total_s"), "on": med("rewrite", "prompt_lookup", "total_s")},
+            "identical": identical("rewrite"),
+            "counters": counted["rewrite"],
+        },
+        "story": {
+            "completion_tokens": cells["story"]["off"][0]["completion_tokens"],
+            "decode_tok_s": {"off": med("story", "off", "decode_tok_s"), "on": med("story", "prompt_lookup", "decode_tok_s")},
+            "ratio": med("story", "prompt_lookup", "decode_tok_s") / med("story", "off", "decode_tok_s"),
+            "identical": identical("story"),
+            "counters": counted["story"],
+        },
+        "concurrent": {
+            "streams": a.streams,
+            "stream_tokens": a.stream_tokens,
+            "tok_s": {"off": many_off, "on": many_on},
+            "ratio": many_on / many_off if many_off else 0.0,
+            "identical": identical("concurrent"),
+            "counters": counted["concurrent"],
+        },
+    }
+
+
+def table(result: dict) -> str:
+    rw, st, cc = result["rewrite"], result["story"], result["concurrent"]
+    lines = [
+        f"{result['model']}, {result['machine']}, {result['rounds']} rounds (medians), commit {result['commit']}",
+        "| cell | off tok/s | prompt lookup tok/s | ratio | identical | proposed | accepted | verify steps | mean depth | plain: no drafts / cost / prefill / rows |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for name, cell, off, on in (
+        (
+            f"rewrite ({rw['prompt_tokens']}-token prompt, {rw['completion_tokens']} tokens, decode)",
+            rw,
+            rw["decode_tok_s"]["off"],
+            rw["decode_tok_s"]["on"],
+        ),
+        (f"story, one stream ({st['completion_tokens']} tokens, decode)", st, st["decode_tok_s"]["off"], st["decode_tok_s"]["on"]),
+        (f"{cc['streams']} concurrent x {cc['stream_tokens']} tokens", cc, cc["tok_s"]["off"], cc["tok_s"]["on"]),
+    ):
+        c = cell["counters"]
+        depth = c.get("spec_depth_sum", 0) / c["spec_steps"] if c.get("spec_steps") else 0.0
+        plain = f"{c.get('spec_off_no_drafts', 0):.0f} / {c.get('spec_off_cost', 0):.0f} / {c.get('spec_off_prefill', 0):.0f} / {c.get('spec_off_rows', 0):.0f}"
+        lines.append(
+            f"| {name} | {off:.1f} | {on:.1f} | {cell['ratio']:.2f} | {cell['identical']} | {c.get('spec_proposed', 0):.0f} | "
+            f"{c.get('spec_accepted', 0):.0f} | {c.get('spec_steps', 0):.0f} | {depth:.1f} | {plain} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
+    ap.add_argument("--file", default="deployments/engines/block_rows.py", help="the file the conversation rewrites (from the repository's root)")
+    ap.add_argument("--rewrite-tokens", type=int, default=600)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--stream-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "engine-speculation.json"))
+    a = ap.parse_args(argv)
+    a.argv = argv if argv is not None else __import__("sys").argv[1:]
+    result = asyncio.run(run(a))
+    print(table(result))
+    write_json(result, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
