@@ -57,3 +57,48 @@ def test_m1_the_same_measurement_again_leaves_the_catalog_as_it_was():
     once = m.record(catalog, "a", gemma_like())
     assert once["a"].weight_bytes == 2 * GIB and m.record(once, "a", gemma_like()) is once
     assert m.record(once, "unknown", gemma_like()) is once  # a model the registry no longer lists
+
+
+def test_m1_v1_cluster_shows_each_instances_estimate_beside_what_was_measured():
+    from router.residency import views
+
+    estimated = spec("a", gb=3, kv_bytes_per_token=6 * 1024, reserve_context_tokens=8192, reserve_concurrency=2)
+    measured = gemma_like().model_copy(update={"estimated_weight_bytes": 3 * GIB, "estimated_cache": CacheShape(full_bytes_per_token=6 * 1024)})
+
+    async def scenario():
+        c, fx = make([estimated], nodes=(("n1", 16),))
+        fx.measured["a"] = measured
+        lease = await c.acquire("a")
+        c.release(lease.lease_id)
+        return views.cluster(c)
+
+    (instance,) = run(scenario())["nodes"][0]["instances"]
+    assert instance["memory"]["estimated"] == {"weight_bytes": 3 * GIB, "kv_reserved_bytes": 2 * 6 * 1024 * 8192}
+    assert instance["memory"]["measured"] == {
+        "weight_bytes": 2 * GIB,
+        "kv_reserved_bytes": measured.kv_reserved_bytes,
+        "activation_bytes": 300 * MIB,
+        "limit_bytes": measured.limit_bytes,
+        "layers": {"full": 1, "window": 5},
+    }
+
+
+def test_m1_the_console_says_what_was_measured_beside_the_estimate():
+    from router.console.view import ConsoleSettings, compose
+    from router.residency import views
+
+    estimated = spec("a", gb=3, kv_bytes_per_token=6 * 1024, reserve_context_tokens=8192, reserve_concurrency=2)
+    measured = gemma_like().model_copy(update={"estimated_weight_bytes": 3 * GIB, "estimated_cache": CacheShape(full_bytes_per_token=6 * 1024)})
+
+    async def scenario():
+        c, fx = make([estimated], nodes=(("n1", 16),))
+        fx.measured["a"] = measured
+        lease = await c.acquire("a")
+        c.release(lease.lease_id)
+        return views.cluster(c), views.models(c)
+
+    cluster, models = run(scenario())
+    (instance,) = compose(cluster, models, ConsoleSettings(), now=cluster["now"]).instances
+    assert instance.memory_words == (
+        "measured: weights 2.0 GiB + KV 37 MiB + a step's activations 300 MiB (MLX limit 2.3 GiB); estimated: weights 3.0 GiB + KV 96 MiB"
+    )

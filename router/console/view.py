@@ -145,6 +145,7 @@ class InstanceView(_Out):
     stays: str  # why it stays, in words
     actor: str | None
     actor_url: str | None = None
+    memory_words: str | None = None  # its folder's estimate beside what its engine measured (M1)
 
 
 class CapView(_Out):
@@ -332,6 +333,18 @@ def _guards(inst: dict[str, Any], f: ModelFacts, row: dict[str, Any], config: Po
             Guard(protection="keep_warm", words="keep-warm: evicted last, only when nothing else makes room, and never unloaded when idle (E5)")
         )
     return out
+
+
+def _memory_words(memory: dict[str, Any] | None) -> str | None:
+    """An instance's measured memory beside its folder's estimate (/v1/cluster's `memory`, M1)."""
+    if not memory:
+        return None
+    est, got = memory["estimated"], memory["measured"]
+    return (
+        f"measured: weights {size(got['weight_bytes'])} + KV {size(got['kv_reserved_bytes'])} + a step's activations "
+        f"{size(got['activation_bytes'])} (MLX limit {size(got['limit_bytes'])}); "
+        f"estimated: weights {size(est['weight_bytes'])} + KV {size(est['kv_reserved_bytes'])}"
+    )
 
 
 def _stays(guards: list[Guard], inst: dict[str, Any], f: ModelFacts, config: PolicyConfig, now: float | None) -> str:
@@ -536,6 +549,7 @@ def compose(
                     stays=_stays(guards, inst, f, config, now),
                     actor=actor,
                     actor_url=f"{dashboard_url}/#/actors/{actor_id}" if dashboard_url and actor_id else None,
+                    memory_words=_memory_words(inst.get("memory")),
                 )
             )
     rows = []

@@ -41,3 +41,20 @@ class Measurements:
 
     def get(self, model: str) -> MeasuredMemory | None:
         return self._by_model.get(model)
+
+
+def side_by_side(measured: MeasuredMemory | None) -> dict[str, dict[str, int | dict[str, int]]] | None:
+    """An instance's memory as its folder estimated it and as its engine measured it (/v1/cluster,
+    the console); None before its model was measured."""
+    if measured is None:
+        return None
+    return {
+        "estimated": {"weight_bytes": measured.estimated_weight_bytes, "kv_reserved_bytes": measured.estimated_kv_reserved_bytes},
+        "measured": {
+            "weight_bytes": measured.weight_bytes,
+            "kv_reserved_bytes": measured.kv_reserved_bytes,
+            "activation_bytes": measured.activation_bytes,
+            "limit_bytes": measured.limit_bytes,
+            "layers": dict(measured.cache.layers),
+        },
+    }

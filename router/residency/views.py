@@ -7,6 +7,7 @@ from policy import InstanceRef
 from policy.failures import backoff_left
 from policy.memory import ours_bytes, protected_for_s
 from router.residency.controller import ResidencyController
+from router.residency.measured import side_by_side
 
 
 def models(controller: ResidencyController) -> list[dict[str, Any]]:
@@ -80,6 +81,8 @@ def cluster(controller: ResidencyController) -> dict[str, Any]:
                         "protected_for_s": round(protected_for_s(i, state.catalog[i.model], controller.config), 2)
                         if i.model in state.catalog
                         else 0.0,
+                        # M1: its folder's estimate beside what its engine measured after the load
+                        "memory": side_by_side(controller.placements.measurements.get(i.model)),
                     }
                     for i in n.instances
                 ],

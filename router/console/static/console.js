@@ -147,7 +147,7 @@ function renderInstances(v) {
     else if (i.actor) ray.append(el("span", { class: "quiet", title: "no dashboard link: see README" }, i.actor));
     return el("tr", { "data-model": i.model, "data-node": i.node_id, "data-status": i.status },
       el("td", {}, el("b", {}, i.model)), el("td", {}, i.node_id), el("td", {}, i.kind + (i.role === "utility" ? " (utility)" : "")),
-      el("td", {}, i.status), el("td", { title: "of which reserved KV " + size(i.kv_bytes) + (i.cache_bytes ? "; kept prompt prefixes beside it " + size(i.cache_bytes) : "") }, size(i.bytes) + (i.kv_bytes ? " (KV " + size(i.kv_bytes) + ")" : "") + (i.cache_bytes ? " + " + size(i.cache_bytes) + " kept prefixes" : "")),
+      el("td", {}, i.status), el("td", { title: "of which reserved KV " + size(i.kv_bytes) + (i.cache_bytes ? "; kept prompt prefixes beside it " + size(i.cache_bytes) : "") + (i.memory_words ? "; " + i.memory_words : "") }, size(i.bytes) + (i.kv_bytes ? " (KV " + size(i.kv_bytes) + ")" : "") + (i.cache_bytes ? " + " + size(i.cache_bytes) + " kept prefixes" : ""), ...(i.memory_words ? [el("div", { class: "quiet measured" }, i.memory_words)] : [])),
       el("td", {}, String(Math.max(i.in_flight, i.leases))), el("td", {}, i.idle_s === null ? "?" : dur(i.idle_s)),
       guards, el("td", { class: "stays" }, i.stays), ray);
   });
