@@ -102,3 +102,23 @@ def test_m1_the_console_says_what_was_measured_beside_the_estimate():
     assert instance.memory_words == (
         "measured: weights 2.0 GiB + KV 37 MiB + a step's activations 300 MiB (MLX limit 2.3 GiB); estimated: weights 3.0 GiB + KV 96 MiB"
     )
+
+
+def test_m2_one_request_holds_at_most_one_share_of_the_kv_reservation():
+    from deployments.engines.measure import refusal
+
+    dense = MeasuredMemory(
+        weight_bytes=GIB,
+        cache=CacheShape(full_bytes_per_token=1024),
+        activation_bytes=0,
+        prefill_chunk=512,
+        reserve_context_tokens=1000,
+        reserve_concurrency=4,
+    )
+    # mlx-lm's buffers grow 256 tokens at a time: a share of 1,000 tokens holds 1,024, never 4 x 1,000
+    # (a batch cache is as long as its longest row for every row)
+    assert dense.longest_sequence() == 1024
+    assert refusal(dense, 1023) is None and "at most 1023 prompt tokens a request" in (refusal(dense, 1024) or "")
+    windows_only = dense.model_copy(update={"cache": CacheShape(window_bytes_per_token=1024, window_tokens=512, state_bytes=MIB)})
+    assert windows_only.longest_sequence() >= 2**31  # a sliding window and fixed state hold the same at any length
+    assert refusal(dense.model_copy(update={"reserve_context_tokens": 0}), 10**6) is None  # no KV reserved: nothing held to it

@@ -239,7 +239,8 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
         estimated_weight_bytes=safetensors_bytes(engine.path) if Path(engine.path).is_dir() else 0,
         estimated_cache=config_cache(config, weights_dtype(Path(engine.path)) if Path(engine.path).is_dir() else None, bits, group),
     )
-    engine.context_length = min(engine.context_length, measured.longest_sequence())
+    if engine.reserve_context_tokens:  # 0: the operator reserves no KV, and nothing is held to it
+        engine.context_length = min(engine.context_length, measured.longest_sequence())
     limit = set_limit(id(engine), measured.limit_bytes)
     weakref.finalize(engine, set_limit, id(engine), None)
     logger.info(
@@ -252,11 +253,12 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
 
 def refusal(measured: MeasuredMemory | None, prompt_tokens: int) -> str | None:
     """Why a prompt of `prompt_tokens` cannot run on this instance (None: it can): its own cache
-    would pass the KV this instance reserves, so its prefill would take the process past its limit."""
-    if measured is None or measured.sequence_bytes(prompt_tokens + 1) <= measured.kv_reserved_bytes:
+    would pass one sequence's share of the KV this instance reserves, so its prefill could take the
+    process past its limit."""
+    if measured is None or not measured.reserve_context_tokens or prompt_tokens < measured.longest_sequence():
         return None
     return (
         f"the prompt ({prompt_tokens} tokens) needs {measured.sequence_bytes(prompt_tokens + 1) / MIB:.1f} MiB of KV cache; this instance "
-        f"reserves {measured.kv_reserved_bytes / MIB:.1f} MiB ({measured.reserve_concurrency} x {measured.reserve_context_tokens} tokens, "
-        f"at most {measured.longest_sequence() - 1} prompt tokens) within its memory limit of {measured.limit_bytes / MIB:.1f} MiB"
+        f"reserves {measured.kv_reserved_bytes / MIB:.1f} MiB for {measured.reserve_concurrency} x {measured.reserve_context_tokens} tokens "
+        f"(at most {measured.longest_sequence() - 1} prompt tokens a request) within its memory limit of {measured.limit_bytes / MIB:.1f} MiB"
     )

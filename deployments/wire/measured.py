@@ -49,12 +49,14 @@ class MeasuredMemory(Frozen):
         return self.cache.sequence_bytes(tokens, self.prefill_chunk)
 
     def longest_sequence(self) -> int:
-        """The most tokens one sequence may hold within the KV reservation (with nothing else running):
-        windows and fixed state let it pass reserve_context_tokens x reserve_concurrency."""
-        low, high = 0, max(1, self.reserve_context_tokens * self.reserve_concurrency)
-        while self.sequence_bytes(high) <= self.kv_reserved_bytes and high < 2**31:
+        """The most tokens one sequence may hold within its share of the KV reservation (one of
+        `reserve_concurrency`): mlx-lm's batch caches are as long as their longest row for every
+        row, so a longer row beside others would hold more than the whole reservation."""
+        share = self.cache.sequence_bytes(self.reserve_context_tokens, self.prefill_chunk)
+        low, high = max(0, self.reserve_context_tokens - 1), self.reserve_context_tokens + 1
+        while self.sequence_bytes(high) <= share and high < 2**31:
             low, high = high, high * 2
         while high - low > 1:
             mid = (low + high) // 2
-            low, high = (mid, high) if self.sequence_bytes(mid) <= self.kv_reserved_bytes else (low, mid)
+            low, high = (mid, high) if self.sequence_bytes(mid) <= share else (low, mid)
         return low
