@@ -1,0 +1,102 @@
+"""The coding-agent CLIs' recorded requests (tests/fixtures/agents/, written by test_agent_clis.py)
+replayed through a real Orchard (the shared cluster, llama-64k), each answer checked with the SDK's
+own models as the CLI parses it: Claude Code's ~20k-token first request with max_tokens 32000 is
+served, streamed and whole; its second turn, sent with another billing
+hash as Claude Code does, is served from the prefix cache; count_tokens gives the prompt's exact
+count (tools included). Codex's first request (a namespace tool, web_search) streams to
+response.completed, and the dropped tool is named in a header. max_tokens is lowered so a random
+model's answer stays short; every other field is as the CLI sent it."""
+
+import json
+from pathlib import Path
+
+import anthropic
+import pytest
+import requests
+from anthropic.types import Message, RawMessageStreamEvent
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+from ray import serve
+from support.cluster import serve_orchard
+
+pytestmark = pytest.mark.cluster
+
+FIXTURES = Path(__file__).parent / "fixtures" / "agents"
+CLAUDE = json.loads((FIXTURES / "claude-code-2.1.332" / "00-v1_messages.json").read_text())
+CODEX = json.loads((FIXTURES / "codex-0.171.0" / "00-v1_responses.json").read_text())
+MODEL = "llama-64k"
+HEADERS = {"x-api-key": "unused", "anthropic-version": "2023-06-01", "content-type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def orchard(models_dir, shared_ray):
+    models = [{"name": MODEL, "kind": "llm", "path": MODEL, "reserve_context_tokens": 65536, "reserve_concurrency": 2}]
+    yield serve_orchard({"models_dir": str(models_dir), "models": models, "policy": {"min_residency_s": 0, "residency_per_reload": 0}})
+    serve.shutdown()
+
+
+def _events(response: requests.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+
+
+def test_claude_code_requests_are_served_and_cached(orchard):
+    first = {**CLAUDE, "max_tokens": 16, "stream": False}
+    r = requests.post(orchard + "/v1/messages", json=first, headers=HEADERS, timeout=600)
+    assert r.status_code == 200, r.text
+    message = Message.model_validate(r.json())
+    assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.input_tokens > 10000
+    prompt = message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+    counted = requests.post(
+        orchard + "/v1/messages/count_tokens", json={k: CLAUDE[k] for k in ("model", "system", "messages", "tools")}, headers=HEADERS, timeout=120
+    )
+    assert counted.status_code == 200 and counted.json()["input_tokens"] == prompt  # exact: the template with tools
+    # the next turn as Claude Code sends it: a new billing hash, the answer and a new user message after the history
+    billing = CLAUDE["system"][0]["text"].replace("cc_version=", "cc_version=0.0.0.abc; was=")
+    second = {
+        **CLAUDE,
+        "system": [{"type": "text", "text": billing}, *CLAUDE["system"][1:]],
+        "messages": [
+            *CLAUDE["messages"],
+            {"role": "assistant", "content": [{"type": "text", "text": "Done."}]},
+            {"role": "user", "content": "Thanks."},
+        ],
+        "max_tokens": 8,
+        "stream": True,
+    }
+    with requests.post(orchard + "/v1/messages", json=second, headers=HEADERS, timeout=600, stream=True) as streamed:
+        assert streamed.status_code == 200
+        events = [TypeAdapter(RawMessageStreamEvent).validate_python(e) for e in _events(streamed) if e["type"] != "ping"]
+    assert events[0].type == "message_start" and events[-1].type == "message_stop"
+    usage = next(e for e in events if e.type == "message_delta").usage
+    assert usage.cache_read_input_tokens is not None and usage.input_tokens is not None
+    assert usage.cache_read_input_tokens >= 0.95 * (usage.cache_read_input_tokens + usage.input_tokens)
+    # the SDK reads the same answer the CLI does
+    client = anthropic.Anthropic(base_url=orchard, api_key="unused", max_retries=0, timeout=600)
+    again = client.messages.create(
+        **{k: v for k, v in second.items() if k not in ("stream", "context_management")},
+        extra_body={"context_management": CLAUDE.get("context_management")},
+    )
+    assert again.usage.cache_read_input_tokens and again.usage.cache_read_input_tokens > 10000
+
+
+def test_codex_request_streams_to_completion(orchard):
+    body = {**CODEX, "max_output_tokens": 16}
+    with requests.post(orchard + "/v1/responses", json=body, headers={"Authorization": "Bearer unused"}, timeout=600, stream=True) as r:
+        assert r.status_code == 200, r.text
+        assert r.headers["Orchard-Dropped-Tools"] == "web_search"
+        events = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in _events(r)]
+    assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
+    last = events[-1]
+    assert last.type in ("response.completed", "response.incomplete")
+    response = Response.model_validate(last.response.model_dump())  # type: ignore[union-attr]
+    assert response.usage is not None and response.usage.input_tokens > 2000
+    # the whole conversation sent again (Codex resends its history): its prefix is cached
+    follow = {
+        **body,
+        "input": [*CODEX["input"], *[o.model_dump(exclude_none=True) for o in response.output], {"role": "user", "content": "And now?"}],
+        "stream": False,
+    }
+    r2 = requests.post(orchard + "/v1/responses", json=follow, headers={"Authorization": "Bearer unused"}, timeout=600)
+    assert r2.status_code == 200, r2.text
+    usage = Response.model_validate(r2.json()).usage
+    assert usage is not None and usage.input_tokens_details.cached_tokens >= 0.9 * usage.input_tokens
