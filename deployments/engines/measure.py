@@ -93,8 +93,8 @@ def _step_activation(model: Any, layers: list[Any], rows: int, tokens: int, voca
     mx.synchronize()
     mx.reset_peak_memory()
     out = model(inputs, cache=layers)
-    if logits:
-        out = mx.softmax(out[:, -1, :].astype(mx.float32), axis=-1)
+    if logits:  # every position's: a speculative step verifies each draft
+        out = mx.softmax(out.astype(mx.float32), axis=-1)
         mx.eval(out, [c.state for c in layers])
     else:
         mx.eval([c.state for c in layers])
@@ -104,9 +104,12 @@ def _step_activation(model: Any, layers: list[Any], rows: int, tokens: int, voca
     return max(0, peak - mx.get_active_memory())
 
 
-def activation(model: Any, caches: Callable[[], list[Any]], rows: int, chunk: int, vocab: int, decode_rows: int) -> tuple[int, float, int]:
+def activation(
+    model: Any, caches: Callable[[], list[Any]], rows: int, chunk: int, vocab: int, decode_rows: int, decode_tokens: int = 1
+) -> tuple[int, float, int]:
     """(one row's prefill step at context 0, its growth per token of context, the most of a step of
-    `rows` rows at context 0 and a decode step of `decode_rows`). The growth is the line from offset
+    `rows` rows at context 0 and a decode step of `decode_rows` rows of `decode_tokens` each: one, or
+    with speculative decoding the token and its drafts). The growth is the line from offset
     0 to one chunk, whose second step also copies the cache into a larger buffer: attention's scratch
     and that copy both grow with the context, so the line bounds them from above at longer contexts
     (bench/memory_matrix.py measures how far)."""
@@ -114,7 +117,7 @@ def activation(model: Any, caches: Callable[[], list[Any]], rows: int, chunk: in
     first = _step_activation(model, layers, 1, chunk, vocab)
     second = _step_activation(model, layers, 1, chunk, vocab)
     group = _step_activation(model, caches(), rows, chunk, vocab) if rows > 1 else first  # one cache per layer holds the batch
-    decode = _step_activation(model, caches(), decode_rows, 1, vocab, logits=True)
+    decode = _step_activation(model, caches(), decode_rows, decode_tokens, vocab, logits=True)
     del layers
     mx.clear_cache()
     return first, max(0.0, (second - first) / chunk), max(group, decode)
@@ -130,6 +133,7 @@ def measure(
     reserve_concurrency: int,
     prefill_chunk: int,
     prefill_rows: int,
+    decode_tokens: int = 1,
     prefix_cache_bytes: int = 0,
     weights_hash: str = "",
     estimated_weight_bytes: int = 0,
@@ -141,7 +145,7 @@ def measure(
     shape = cache_shape(model, caches)
     rows = max(1, min(prefill_rows, reserve_concurrency))
     chunk = max(1, min(prefill_chunk, reserve_context_tokens or 1))
-    base, per_token, batched = activation(model, caches, rows, chunk, vocab, reserve_concurrency)
+    base, per_token, batched = activation(model, caches, rows, chunk, vocab, reserve_concurrency, decode_tokens)
     # a prompt longer than the engine's max_prefill_tokens prefills alone; a group's rows are shorter
     at_context = max(batched, base + int(per_token * max(0, reserve_context_tokens - chunk) + 0.5))
     return MeasuredMemory(
@@ -211,6 +215,7 @@ class LoadedEngine(Protocol):
     prefill_batch: int
     max_prefill_tokens: int
     prompt_cache_bytes: int
+    spec_max_drafts: int
 
     @property
     def prefill_chunk(self) -> int: ...
@@ -234,6 +239,7 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
         reserve_concurrency=engine.reserve_concurrency,
         prefill_chunk=chunk,
         prefill_rows=max(1, engine.max_prefill_tokens // chunk),
+        decode_tokens=1 + (engine.spec_max_drafts if getattr(engine, "speculator", None) is not None else 0),
         prefix_cache_bytes=engine.prompt_cache_bytes,
         weights_hash=model_identity(engine.path, bits, group, 0, "") if Path(engine.path).is_dir() else "",
         estimated_weight_bytes=safetensors_bytes(engine.path) if Path(engine.path).is_dir() else 0,
