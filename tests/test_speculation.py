@@ -135,21 +135,24 @@ async def _complete_all(engine: LLMEngine, requests: list[GenerationRequest], to
     return [(await engine.complete(r)).token_ids for r in requests]
 
 
-def _outputs(path, requests, together=False, repeat=1, known=None, proposer=None, **settings) -> tuple[list[list[list[int]]], dict]:
-    """Each round's outputs (`repeat` rounds) and the engine's counters. `known`: outputs the drafts come from."""
+def _outputs(path, requests, together=False, repeat=1, known=None, proposer=None, later=(), **settings) -> tuple[list[list[list[int]]], dict]:
+    """Each round's outputs (`repeat` rounds of `requests`, then a round of `later`) and the engine's
+    counters. `known`: the outputs the drafts come from (of `requests`, then of `later`)."""
 
     async def scenario():
         engine = LLMEngine("llama-10m", path, prefix_disk_bytes=0, **settings)
         await engine.load()
         try:
             if known is not None:
-                answers = [(engine.tokenize(r), out) for r, out in zip(requests, known, strict=True)]
+                answers = [(engine.tokenize(r), out) for r, out in zip([*requests, *later], known, strict=True)]
                 engine.speculator.proposer = lambda: Known(answers, engine.vocab_size)
             elif proposer is not None:
                 engine.speculator.proposer = proposer
             outputs = []
             for _ in range(repeat):
                 outputs.append(await _complete_all(engine, requests, together))
+            if later:
+                outputs.append(await _complete_all(engine, list(later), together))
             return outputs, engine.counters()
         finally:
             await engine.stop()
@@ -190,11 +193,17 @@ def test_prompt_lookup_itself_keeps_the_plain_decode(models_dir):
 def test_several_rows_verified_in_one_forward_give_each_rows_plain_decode(models_dir, kv_bits):
     path = str(models_dir / "llama-10m")
     requests = [GenerationRequest(prompt=p, max_tokens=40 + 7 * i, temperature=0) for i, p in enumerate(PROMPTS)]
-    alone, _ = _outputs(path, requests, speculation="off", kv_bits=kv_bits)
-    together, counted = _outputs(path, requests, together=True, known=alone[0], spec_fixed_depth=4, kv_bits=kv_bits)
-    assert together == alone
+    # then the same prompts with tails of different lengths: their rows join with cached prefixes that
+    # leave them different numbers of tokens to prefill, and take back as much as aligns them (prefill_align)
+    later = [GenerationRequest(prompt=r.prompt + " and then" * (2 + 3 * i), max_tokens=32, temperature=0) for i, r in enumerate(requests)]
+    alone, _ = _outputs(path, [*requests, *later], speculation="off", kv_bits=kv_bits)
+    together, counted = _outputs(
+        path, requests, together=True, later=later, known=alone[0], spec_fixed_depth=4, kv_bits=kv_bits, prompt_cache_min_tokens=16
+    )
+    assert together == [alone[0][:4], alone[0][4:]]
     assert counted["spec_rows"] > counted["spec_steps"] > 0  # rows verified together
     assert 0 < counted["spec_accepted"] < counted["spec_proposed"]
+    assert counted["prefix_hits"] >= 4 and counted["aligned_tokens"] > 0
 
 
 def test_sampled_and_seeded_rows_finish_beside_speculating_ones(models_dir):

@@ -2,7 +2,7 @@
 repeats the prompt, and what it costs where it does not.
 
     python -m bench.engine.speculation [--model models/smollm2-135m-instruct] [--file deployments/engines/block_rows.py]
-        [--rewrite-tokens 600] [--streams 16] [--stream-tokens 128] [--rounds 2]
+        [--rewrite-tokens 600] [--streams 16] [--stream-tokens 128] [--rounds 2] [--cells rewrite story concurrent]
 
 Two cells, each run by two engines of the same model loaded side by side, one with speculation off and
 one with it on (prompt lookup, the adaptive depth), taking turns in every round:
@@ -87,19 +87,16 @@ async def run(a: argparse.Namespace) -> dict:
         for engine in engines.values():
             await engine.complete(warm)
         story = many[0]
-        cells: dict[str, dict[str, list[dict]]] = {c: {s: [] for s in SIDES} for c in CELLS}
-        counted: dict[str, dict[str, dict]] = {c: {} for c in CELLS}
+        jobs = {"rewrite": lambda e: rewrite(e, ask), "story": lambda e: rewrite(e, story), "concurrent": lambda e: concurrent(e, many)}
+        cells: dict[str, dict[str, list[dict]]] = {c: {s: [] for s in SIDES} for c in a.cells}
+        counted: dict[str, dict[str, float]] = {c: {} for c in a.cells}
         for r in range(a.rounds):
             order = SIDES if r % 2 == 0 else SIDES[::-1]
-            for cell, job in (
-                ("rewrite", lambda e: rewrite(e, ask)),
-                ("story", lambda e: rewrite(e, story)),
-                ("concurrent", lambda e: concurrent(e, many)),
-            ):
+            for cell in a.cells:
                 for side in order:
                     engine = engines[side]
                     before = engine.counters()
-                    cells[cell][side].append(await job(engine))
+                    cells[cell][side].append(await jobs[cell](engine))
                     if side != "off":
                         got = spec_counters(before, engine.counters())
                         counted[cell] = {k: counted[cell].get(k, 0) + v for k, v in got.items()}
@@ -111,75 +108,56 @@ async def run(a: argparse.Namespace) -> dict:
 
 
 def summarise(a: argparse.Namespace, cells: dict, counted: dict, prompt_tokens: int) -> dict:
-    def med(cell: str, side: str, key: str) -> float:
-        return statistics.median(x[key] for x in cells[cell][side])
-
-    def identical(cell: str) -> bool:
-        return all(x["tokens"] == y["tokens"] for x, y in zip(cells[cell]["off"], cells[cell]["prompt_lookup"], strict=True))
-
-    rewrite_off, rewrite_on = med("rewrite", "off", "decode_tok_s"), med("rewrite", "prompt_lookup", "decode_tok_s")
-    many_off, many_on = med("concurrent", "off", "tok_s"), med("concurrent", "prompt_lookup", "tok_s")
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = ""
-    return {
+    result: dict = {
         "command": "python -m bench.engine.speculation " + " ".join(a.argv),
         "commit": commit,
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
         "date": time.strftime("%Y-%m-%d"),
         "model": a.model,
         "rounds": a.rounds,
-        "rewrite": {
-            "file": a.file,
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": cells["rewrite"]["off"][0]["completion_tokens"],
-            "decode_tok_s": {"off": rewrite_off, "on": rewrite_on},
-            "ratio": rewrite_on / rewrite_off if rewrite_off else 0.0,
-            "total_s": {"off": med("rewrite", "off", "total_s"), "on": med("rewrite", "prompt_lookup", "total_s")},
-            "identical": identical("rewrite"),
-            "counters": counted["rewrite"],
-        },
-        "story": {
-            "completion_tokens": cells["story"]["off"][0]["completion_tokens"],
-            "decode_tok_s": {"off": med("story", "off", "decode_tok_s"), "on": med("story", "prompt_lookup", "decode_tok_s")},
-            "ratio": med("story", "prompt_lookup", "decode_tok_s") / med("story", "off", "decode_tok_s"),
-            "identical": identical("story"),
-            "counters": counted["story"],
-        },
-        "concurrent": {
-            "streams": a.streams,
-            "stream_tokens": a.stream_tokens,
-            "tok_s": {"off": many_off, "on": many_on},
-            "ratio": many_on / many_off if many_off else 0.0,
-            "identical": identical("concurrent"),
-            "counters": counted["concurrent"],
-        },
     }
+    for cell, sides in cells.items():
+        key = "tok_s" if cell == "concurrent" else "decode_tok_s"  # all tokens over the wall time; one stream's decode
+        off, on = (statistics.median(x[key] for x in sides[s]) for s in SIDES)
+        result[cell] = {
+            "completion_tokens": sides["off"][0]["completion_tokens"],
+            key: {"off": off, "on": on},
+            "ratio": on / off if off else 0.0,
+            "identical": all(x["tokens"] == y["tokens"] for x, y in zip(sides["off"], sides["prompt_lookup"], strict=True)),
+            "counters": counted[cell],
+        }
+    if "rewrite" in result:
+        result["rewrite"] |= {"file": a.file, "prompt_tokens": prompt_tokens}
+    if "concurrent" in result:
+        result["concurrent"] |= {"streams": a.streams, "stream_tokens": a.stream_tokens}
+    return result
 
 
 def table(result: dict) -> str:
-    rw, st, cc = result["rewrite"], result["story"], result["concurrent"]
     lines = [
         f"{result['model']}, {result['machine']}, {result['rounds']} rounds (medians), commit {result['commit']}",
         "| cell | off tok/s | prompt lookup tok/s | ratio | identical | proposed | accepted | verify steps | mean depth | plain: no drafts / cost / prefill / rows |",
         "|---|---:|---:|---:|---|---:|---:|---:|---:|---|",
     ]
-    for name, cell, off, on in (
-        (
-            f"rewrite ({rw['prompt_tokens']}-token prompt, {rw['completion_tokens']} tokens, decode)",
-            rw,
-            rw["decode_tok_s"]["off"],
-            rw["decode_tok_s"]["on"],
-        ),
-        (f"story, one stream ({st['completion_tokens']} tokens, decode)", st, st["decode_tok_s"]["off"], st["decode_tok_s"]["on"]),
-        (f"{cc['streams']} concurrent x {cc['stream_tokens']} tokens", cc, cc["tok_s"]["off"], cc["tok_s"]["on"]),
-    ):
-        c = cell["counters"]
+    names = {
+        "rewrite": lambda c: f"rewrite ({c['prompt_tokens']}-token prompt, {c['completion_tokens']} tokens, decode)",
+        "story": lambda c: f"story, one stream ({c['completion_tokens']} tokens, decode)",
+        "concurrent": lambda c: f"{c['streams']} concurrent x {c['stream_tokens']} tokens",
+    }
+    for cell in CELLS:
+        if cell not in result:
+            continue
+        got = result[cell]
+        rate = got["tok_s" if cell == "concurrent" else "decode_tok_s"]
+        c = got["counters"]
         depth = c.get("spec_depth_sum", 0) / c["spec_steps"] if c.get("spec_steps") else 0.0
         plain = f"{c.get('spec_off_no_drafts', 0):.0f} / {c.get('spec_off_cost', 0):.0f} / {c.get('spec_off_prefill', 0):.0f} / {c.get('spec_off_rows', 0):.0f}"
         lines.append(
-            f"| {name} | {off:.1f} | {on:.1f} | {cell['ratio']:.2f} | {cell['identical']} | {c.get('spec_proposed', 0):.0f} | "
+            f"| {names[cell](got)} | {rate['off']:.1f} | {rate['on']:.1f} | {got['ratio']:.2f} | {got['identical']} | {c.get('spec_proposed', 0):.0f} | "
             f"{c.get('spec_accepted', 0):.0f} | {c.get('spec_steps', 0):.0f} | {depth:.1f} | {plain} |"
         )
     return "\n".join(lines)
@@ -193,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--stream-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cells", nargs="+", choices=CELLS, default=list(CELLS))
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "engine-speculation.json"))
     a = ap.parse_args(argv)
     a.argv = argv if argv is not None else __import__("sys").argv[1:]

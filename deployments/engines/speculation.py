@@ -64,12 +64,14 @@ class Speculator:
         self._lookups: dict[int, Proposer] = {}  # by the generator's uid
         self.stats: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._plain_rows = 0  # rows of the last step, when it was a plain decode step (0: it was not)
+        self._following: dict[int, int] = {}  # by uid: the token each row feeds next, where a verify step just made it
 
     # ---- the engine's calls --------------------------------------------------------------------
     def step(self, generator: Any) -> list[Any] | None:
         """One verify step of the generator's decoding batch, its responses (several a row, in order,
         as mlx-lm's next() gives one), or None where this step is mlx-lm's own."""
         batch = generator._generation_batch
+        known, self._following = self._following, {}  # valid for the step right after a verify step only
         if not batch.uids:
             return None
         if len(generator._prompt_batch) or generator._unprocessed_sequences:
@@ -82,12 +84,16 @@ class Speculator:
             self.stats["spec_off_cost"] += 1
             return None
         started = time.perf_counter()
-        # The row's last token (being sampled now) is not on the host yet, and waiting for it would
-        # stall the pipeline of every plain step: the proposal is looked up from the tokens before it,
-        # its first token a guess of that last one, and drafts count only where the guess was right.
+        # The token a row feeds next is on the host after a verify step (which waited for it); after a
+        # plain step it is still being sampled, and waiting for it would stall mlx-lm's pipeline: the
+        # proposal is then looked up from the tokens before it, its first token a guess of that one,
+        # and its drafts count only where the guess was right (checked on the device).
         # A draft past the row's max_tokens would be cut anyway (and past the context, not computed at all).
         room = [max(0, m - n - 1) for m, n in zip(batch.max_tokens, batch._num_tokens, strict=True)]
-        proposals = [self._propose(uid, tokens)[: r + 1] for uid, tokens, r in zip(batch.uids, batch.tokens, room, strict=True)]
+        proposals = []
+        for uid, tokens, r in zip(batch.uids, batch.tokens, room, strict=True):
+            y = known.get(uid)
+            proposals.append([y, *self._propose(uid, [*tokens, y])][: r + 1] if y is not None else self._propose(uid, tokens)[: r + 1])
         choice = self.depth.choose(batch.uids, [max(0, len(p) - 1) for p in proposals])
         if choice.depth == 0:
             self.stats["spec_off_no_drafts" if choice.why == "no_drafts" else "spec_off_cost"] += 1
@@ -195,6 +201,7 @@ class Speculator:
                     )
                 )
         batch._next_tokens = following
+        self._following = dict(zip(batch.uids, cast(list[int], following.tolist()), strict=True))
         batch._next_logprobs = [logprobs[i, accepted_n[i]] for i in range(rows)]
         self.stats["spec_steps"] += 1
         self.stats["spec_rows"] += rows
