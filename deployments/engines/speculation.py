@@ -98,7 +98,7 @@ class Speculator:
         if choice.depth == 0:
             self.stats["spec_off_no_drafts" if choice.why == "no_drafts" else "spec_off_cost"] += 1
             return None
-        guesses = [p[0] if p else -1 for p in proposals]
+        guesses = [p[0] if p else 0 for p in proposals]  # (a row without drafts has none to count)
         drafts = [p[1 : k + 1] for p, k in zip(proposals, choice.drafts, strict=True)]
         with mx.stream(generator.stream):
             responses, emitted = self._verify(batch, guesses, drafts, choice.depth)
