@@ -8,6 +8,7 @@ response.completed, and the dropped tool is named in a header. max_tokens is low
 model's answer stays short; every other field is as the CLI sent it."""
 
 import json
+import time
 from pathlib import Path
 
 import anthropic
@@ -100,3 +101,22 @@ def test_codex_request_streams_to_completion(orchard):
     assert r2.status_code == 200, r2.text
     usage = Response.model_validate(r2.json()).usage
     assert usage is not None and usage.input_tokens_details.cached_tokens >= 0.9 * usage.input_tokens
+
+
+def _long_prompt(tag: str) -> dict:
+    """Claude Code's request made ~30k tokens and new to every cache: its system prompt twice, after a new first line."""
+    system = [{"type": "text", "text": f"Session {tag}."}, *CLAUDE["system"][1:], *CLAUDE["system"][1:]]
+    return {**CLAUDE, "system": system, "max_tokens": 8, "stream": True}
+
+
+def test_a_long_prefill_keeps_the_stream_alive(orchard):
+    started = time.monotonic()
+    with requests.post(orchard + "/v1/messages", json=_long_prompt("one"), headers=HEADERS, timeout=600, stream=True) as r:
+        assert r.status_code == 200
+        head_s = time.monotonic() - started
+        kinds = [json.loads(line[6:])["type"] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    whole_s = time.monotonic() - started
+    # the answer starts (message_start, a ping) before the prompt is read, and pings come every 5 s until it is
+    assert head_s < 4 < whole_s and kinds[:2] == ["message_start", "ping"], (head_s, whole_s, kinds)
+    assert kinds.count("ping") >= 1 + int((whole_s - 4) // 5) and kinds[-1] == "message_stop"
+    assert "content_block_start" not in kinds[: kinds.index("ping")]

@@ -6,9 +6,11 @@ non-streamed one is one call answered at its end (WholeGeneration). A request th
 any output raises (the protocol's error handler answers); one that fails after some output ends
 its stream with the protocol's error event."""
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 from router import metrics
 from router.api.bodies import json_body
@@ -23,6 +25,10 @@ from router.serving.generation import ChatOrCompletion, DeltaStream, WholeGenera
 from router.serving.output.parsing import OutputParser
 from router.serving.renderers import Renderer
 from router.serving.token_estimate import estimate_tokens
+
+# A stream whose first delta takes longer (a long prompt being read) is answered at once, with
+# keep-alives until it comes (router/api/sse.py); a quicker one's early failure stays an HTTP error.
+KEEPALIVE_AFTER_S = 2.0
 
 
 async def generate(
@@ -40,7 +46,13 @@ async def generate(
             metrics.on_request(body.model, whole.ttft_s, whole.tokens, whole.elapsed_s())
             return json_body(renderer.respond([delta]), headers=timing)
         deltas = DeltaStream(ingress.mux, lease, request, ingress.chunk_timeout_s)
-        first = await deltas.first()
+        pending = asyncio.ensure_future(deltas.first())
+        try:
+            await asyncio.wait({pending}, timeout=KEEPALIVE_AFTER_S)
+        except asyncio.CancelledError:
+            pending.cancel()
+            raise
+        first: Any = pending.result() if pending.done() else pending  # failed early: the protocol's HTTP error
         timing = {"Server-Timing": server_timing(entered - arrived, deltas.started - entered, deltas.ttft_s or 0.0)}
         lease.hand_off()  # the event stream ends it: closing `deltas` releases the lease
         return event_stream(first, deltas, renderer, body.model, who, write_timeout_s=ingress.stream_write_timeout_s, headers=timing)

@@ -12,7 +12,9 @@ therefore ends the lease (DeltaStream's close releases it) whatever the client d
   client closes it);
 - the response ending any other way (the client went away) cancels the generation too.
 Errors after the first delta end the stream with the protocol's error event, worded for the key
-that asked (router.api.errors.for_principal)."""
+that asked (router.api.errors.for_principal). A stream whose first delta is late (a long prompt
+being read) starts without it and sends keep-alives until it comes, so no client's idle timeout
+fires during a prefill; its errors then are error events too."""
 
 import asyncio
 import contextlib
@@ -35,6 +37,7 @@ from router.serving.renderers import Renderer
 
 log = logging.getLogger("orchard.ingress")
 
+KEEPALIVE_S = 5.0  # between keep-alives while a prompt is read (Claude Code gives up after ~300 s without a byte)
 STREAM_BUFFER_BYTES = 4 * 1024**2  # rendered bytes a stream may hold for a client that reads slower than its model writes
 
 
@@ -97,10 +100,28 @@ class StreamBuffer:
             yield chunk
 
 
-async def pump(first: GenerationDelta, deltas: DeltaStream, renderer: Renderer, model: str, who: Principal, out: StreamBuffer) -> None:
+async def pump(
+    first: GenerationDelta | asyncio.Future[GenerationDelta],
+    deltas: DeltaStream,
+    renderer: Renderer,
+    model: str,
+    who: Principal,
+    out: StreamBuffer,
+    keepalive_s: float = KEEPALIVE_S,
+) -> None:
     """Drain the generation into `out` as rendered SSE bytes; close it (cancelling what is left and
-    releasing the lease) at its end, on a failure, when `out` is over its bound, or when cancelled."""
+    releasing the lease) at its end, on a failure, when `out` is over its bound, or when cancelled.
+    `first` still pending (a long prompt being read): the stream's start and a keep-alive (the
+    protocol's `renderer.ping()`) go out now, and another every `keepalive_s` until it comes."""
     try:
+        if isinstance(first, asyncio.Future):
+            out.put(renderer.start() + renderer.ping())
+            while True:
+                done, _ = await asyncio.wait({first}, timeout=keepalive_s)
+                if done:
+                    break
+                out.put(renderer.ping())
+            first = first.result()
         out.put(renderer.start() + renderer.feed(first))
         async for delta in deltas:
             out.put(renderer.feed(delta))
@@ -115,6 +136,10 @@ async def pump(first: GenerationDelta, deltas: DeltaStream, renderer: Renderer, 
         out.put(renderer.fail(error.status, error.code, error.message))
     finally:
         try:
+            if isinstance(first, asyncio.Future) and not first.done():  # cancelled while the prompt was read
+                first.cancel()
+                with contextlib.suppress(BaseException):
+                    await first
             await deltas.aclose()
         finally:
             metrics.on_request(model, deltas.ttft_s, deltas.tokens, deltas.elapsed_s())
@@ -130,7 +155,7 @@ class PumpedEventStream(ClosingStreamingResponse):
 
     def __init__(
         self,
-        first: GenerationDelta,
+        first: GenerationDelta | asyncio.Future[GenerationDelta],
         deltas: DeltaStream,
         renderer: Renderer,
         model: str,

@@ -38,6 +38,10 @@ class OpenAIRenderer:
     def start(self) -> bytes:
         return b""
 
+    def ping(self) -> bytes:
+        """A keep-alive while the prompt is read: an SSE comment line (clients skip it)."""
+        return b": keep-alive\n\n"
+
     def feed(self, delta: GenerationDelta) -> bytes:
         return self.encoder.feed(self._parsed(delta))
 
@@ -69,6 +73,10 @@ class _EventRenderer:
     def start(self) -> bytes:
         return self.encoder.start()
 
+    def ping(self) -> bytes:
+        """A keep-alive while the prompt is read: an SSE comment line (clients skip it)."""
+        return b": keep-alive\n\n"
+
     def feed(self, delta: GenerationDelta) -> bytes:
         return b"".join(self.encoder.feed(e) for e in self.parser.feed(delta))
 
@@ -88,6 +96,10 @@ class AnthropicRenderer(_EventRenderer):
         self.req = req
         self.message_id = anth.new_message_id()
         super().__init__(parser, anth.MessageStreamEncoder(req.model, self.message_id, statuses=HTTP_STATUS))
+
+    def ping(self) -> bytes:
+        """Anthropic's `ping` event (clients skip it), after message_start."""
+        return self.encoder.ping()
 
     def respond(self, deltas: list[GenerationDelta]) -> dict[str, Any]:
         return anth.message_response(self.req.model, self.message_id, self._events(deltas), statuses=HTTP_STATUS)
