@@ -17,6 +17,12 @@ cache is trimmed by the fewest rejected; a row that rejected more has its extra 
 front into its left padding (mlx-lm's `prepare(right_padding=...)` and `finalize()`, what it does
 after a right-padded prefill), where the mask hides it. With one row nothing is rolled.
 
+After a plain step a row's next token is still being computed (mlx-lm runs a step ahead); waiting for
+it before proposing would stall that pipeline on every step. The lookup then runs on the tokens before
+it and its proposal's first token is a guess of it: the drafts count only where the guess was right
+(compared on the device). After a verify step the token is on the host, and the lookup uses it.
+This reads and sets GenerationBatch's own fields (mlx-lm is pinned: 0.32.2).
+
 Steps that do not speculate are mlx-lm's own (`Speculator.step` returns None): while a prompt is
 being prefilled, while any row carries logits processors (penalties, logit_bias, a grammar: they see
 one token per step) or a seed (its draws come from its own key, one per step), when no row has a
