@@ -5,7 +5,8 @@ served, streamed and whole; its second turn, sent with another billing
 hash as Claude Code does, is served from the prefix cache; count_tokens gives the prompt's exact
 count (tools included). Codex's first request (a namespace tool, web_search) streams to
 response.completed, and the dropped tool is named in a header. max_tokens is lowered so a random
-model's answer stays short; every other field is as the CLI sent it."""
+model's answer stays short; every other field is as the CLI sent it. A long prefill's stream starts
+at once and keeps alive; a max_tokens past the room left ends with each protocol's length reason."""
 
 import json
 import time
@@ -26,12 +27,16 @@ FIXTURES = Path(__file__).parent / "fixtures" / "agents"
 CLAUDE = json.loads((FIXTURES / "claude-code-2.1.332" / "00-v1_messages.json").read_text())
 CODEX = json.loads((FIXTURES / "codex-0.171.0" / "00-v1_responses.json").read_text())
 MODEL = "llama-64k"
+SMALL = "llama-10m"
 HEADERS = {"x-api-key": "unused", "anthropic-version": "2023-06-01", "content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
 def orchard(models_dir, shared_ray):
-    models = [{"name": MODEL, "kind": "llm", "path": MODEL, "reserve_context_tokens": 65536, "reserve_concurrency": 2}]
+    models = [
+        {"name": MODEL, "kind": "llm", "path": MODEL, "reserve_context_tokens": 65536, "reserve_concurrency": 2},
+        {"name": SMALL, "kind": "llm", "path": SMALL},  # a 4096-token context
+    ]
     yield serve_orchard({"models_dir": str(models_dir), "models": models, "policy": {"min_residency_s": 0, "residency_per_reload": 0}})
     serve.shutdown()
 
@@ -120,3 +125,59 @@ def test_a_long_prefill_keeps_the_stream_alive(orchard):
     assert head_s < 4 < whole_s and kinds[:2] == ["message_start", "ping"], (head_s, whole_s, kinds)
     assert kinds.count("ping") >= 1 + int((whole_s - 4) // 5) and kinds[-1] == "message_stop"
     assert "content_block_start" not in kinds[: kinds.index("ping")]
+
+
+def _near_the_context(orchard: str, room: int) -> str:
+    """A user message whose prompt leaves `room` tokens of llama-10m's 4096 (count_tokens, exact)."""
+
+    def count(n: int) -> int:
+        body = {"model": SMALL, "messages": [{"role": "user", "content": "a" + " b" * n}]}
+        return requests.post(orchard + "/v1/messages/count_tokens", json=body, headers=HEADERS, timeout=120).json()["input_tokens"]
+
+    base, per = count(0), count(100) - count(0)
+    assert per > 0
+    n = (4096 - room - base) * 100 // per
+    while count(n) > 4096 - room:
+        n -= 1
+    assert 4096 - count(n) <= room + 2
+    return "a" + " b" * n
+
+
+def test_a_max_tokens_past_the_room_left_ends_with_each_protocol_s_length_reason(orchard):
+    text = _near_the_context(orchard, 8)
+    no_eos = {"temperature": 0}
+    anth = requests.post(
+        orchard + "/v1/messages",
+        json={"model": SMALL, "max_tokens": 32000, "messages": [{"role": "user", "content": text}], **no_eos},
+        headers=HEADERS,
+        timeout=300,
+    )
+    assert anth.status_code == 200, anth.text
+    message = Message.model_validate(anth.json())
+    chat = requests.post(
+        orchard + "/v1/chat/completions",
+        json={"model": SMALL, "max_tokens": 32000, "messages": [{"role": "user", "content": text}], **no_eos},
+        headers=HEADERS,
+        timeout=300,
+    )
+    assert chat.status_code == 200, chat.text
+    resp = requests.post(
+        orchard + "/v1/responses", json={"model": SMALL, "max_output_tokens": 32000, "input": text, **no_eos}, headers=HEADERS, timeout=300
+    )
+    assert resp.status_code == 200, resp.text
+    response = Response.model_validate(resp.json())
+    usage = chat.json()["usage"]
+    # greedy, the same prompt: the same tokens on each protocol, up to the context (no EOS in 8 tokens here)
+    assert chat.json()["choices"][0]["finish_reason"] == "length" and usage["prompt_tokens"] + usage["completion_tokens"] == 4096
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == usage["completion_tokens"]
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    # a prompt that leaves no room at all is still a 400
+    full = _near_the_context(orchard, 0) + " b b b b"
+    refused = requests.post(
+        orchard + "/v1/messages",
+        json={"model": SMALL, "max_tokens": 1, "messages": [{"role": "user", "content": full}]},
+        headers=HEADERS,
+        timeout=300,
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
