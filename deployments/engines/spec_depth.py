@@ -96,13 +96,19 @@ class Depth:
         return (fixed + per_token * rows * (depth + 1)) / (fixed + per_token * rows)
 
     def hopeless(self, rows: list[int]) -> bool:
-        """Whether no depth would pay for these rows even with every draft available (checked before
-        proposing: a proposal waits for each row's last token). A row's acceptance drifts back
-        towards the prior at each such check, so a row that stopped speculating tries again later."""
+        """Whether no depth would pay for these rows even if every row had all its drafts and the
+        best acceptance among them (checked before proposing, in O(rows + depth): it runs every
+        step of a full batch). A row's acceptance drifts back towards the prior at each such check,
+        so a row that stopped speculating tries again later."""
+        if self.fixed is not None:
+            return False
+        best = self.prior_acceptance if any(r not in self.acceptance for r in rows) else 0.0
         for r in rows:
             if r in self.acceptance:
-                self.acceptance[r] += self.recovery * (self.prior_acceptance - self.acceptance[r])
-        return self.fixed is None and self.choose(rows, [self.max_drafts] * len(rows)).depth == 0
+                a = self.acceptance[r] = self.acceptance[r] + self.recovery * (self.prior_acceptance - self.acceptance[r])
+                best = max(best, a)
+        n = len(rows)
+        return all(_expected(best, depth) / self.step_cost(n, depth) < self.min_gain for depth in range(1, self.max_drafts + 1))
 
     def choose(self, rows: list[int], available: list[int]) -> Choice:
         """The depth for a step of these rows (ids), each with `available` draft tokens."""
