@@ -14,12 +14,15 @@ from pathlib import Path
 
 import anthropic
 import pytest
+import ray
 import requests
 from anthropic.types import Message, RawMessageStreamEvent
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from ray import serve
-from support.cluster import serve_orchard
+from support.cluster import serve_orchard, wait_for
+
+from cluster.model_servers import find_model_servers
 
 pytestmark = pytest.mark.cluster
 
@@ -181,3 +184,26 @@ def test_a_max_tokens_past_the_room_left_ends_with_each_protocol_s_length_reason
         timeout=300,
     )
     assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
+
+
+def _running(model: str) -> int:
+    """Requests the instance of `model` runs now (its engine's health)."""
+    healths = [ray.get(handle.health.remote(), timeout=30) for _, handle in find_model_servers()]
+    return sum(h.running_requests for h in healths if h.model == model)
+
+
+def test_a_client_that_leaves_during_a_long_prefill_cancels_it(orchard):
+    started = time.monotonic()
+    with requests.post(orchard + "/v1/messages", json=_long_prompt("three"), headers=HEADERS, timeout=600, stream=True) as r:
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("data: ") and json.loads(line[6:])["type"] == "ping":
+                break
+        assert _running(MODEL) == 1
+    left_s = time.monotonic() - started  # the connection is closed here, a few seconds into a ~9 s prefill
+    wait_for(lambda: _running(MODEL) == 0, 30, "the instance to drop the request")
+    gone_s = time.monotonic() - started
+    whole_s = time.monotonic()
+    r = requests.post(orchard + "/v1/messages", json={**_long_prompt("four"), "stream": False}, headers=HEADERS, timeout=600)
+    assert r.status_code == 200
+    whole_s = time.monotonic() - whole_s
+    assert gone_s - left_s < 0.5 * (whole_s - left_s), (left_s, gone_s, whole_s)  # dropped, not read to the end
