@@ -12,6 +12,7 @@ The depth K is the one whose expected tokens per second is highest, if it beats 
 `min_gain`; else 0."""
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -96,19 +97,24 @@ class Depth:
         return (fixed + per_token * rows * (depth + 1)) / (fixed + per_token * rows)
 
     def hopeless(self, rows: list[int]) -> bool:
-        """Whether no depth would pay for these rows even if every row had all its drafts and the
-        best acceptance among them (checked before proposing, in O(rows + depth): it runs every
-        step of a full batch). A row's acceptance drifts back towards the prior at each such check,
+        """Whether no depth would pay for these rows even with every draft available (checked before
+        proposing, every step of a full batch: rows of one acceptance are counted together, most
+        of them at the prior). A row's acceptance drifts back towards the prior at each such check,
         so a row that stopped speculating tries again later."""
         if self.fixed is not None:
             return False
-        best = self.prior_acceptance if any(r not in self.acceptance for r in rows) else 0.0
+        alike: Counter[float] = Counter()
         for r in rows:
-            if r in self.acceptance:
-                a = self.acceptance[r] = self.acceptance[r] + self.recovery * (self.prior_acceptance - self.acceptance[r])
-                best = max(best, a)
+            a = self.acceptance.get(r)
+            if a is not None:
+                a = self.acceptance[r] = a + self.recovery * (self.prior_acceptance - a)
+            alike[self.prior_acceptance if a is None else a] += 1
         n = len(rows)
-        return all(_expected(best, depth) / self.step_cost(n, depth) < self.min_gain for depth in range(1, self.max_drafts + 1))
+        for depth in range(1, self.max_drafts + 1):
+            made = sum(count * _expected(a, depth) for a, count in alike.items())
+            if made / n / self.step_cost(n, depth) >= self.min_gain:
+                return False
+        return True
 
     def choose(self, rows: list[int], available: list[int]) -> Choice:
         """The depth for a step of these rows (ids), each with `available` draft tokens."""
