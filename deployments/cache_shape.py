@@ -15,39 +15,12 @@ Four kinds of layer, as mlx-lm caches them:
   (DeepSeek-V2 and V2-Lite) caches the decompressed keys and values of every head instead.
 A quantized cache (`kv_bits`) shrinks the attention kinds (`quantized_kv_bytes`)."""
 
-from pydantic import Field
+from deployments.wire.measured import CacheShape
 
-from policy._frozen import Frozen
-
-KV_STEP = 256  # mlx-lm's KVCache grows its buffers this many tokens at a time
 STATE_BYTES = 4  # recurrent states (gated delta, Mamba's SSM) are kept in float32
 
 # model types that cache a compressed latent (mlx-lm's deepseek_v3 and its kin)
 LATENT_TYPES = {"deepseek_v3", "kimi_k2", "deepseek_v32", "joyai_llm_flash", "glm4_moe_lite", "kimi_k3", "longcat_flash", "mistral4"}
-
-
-class CacheShape(Frozen):
-    """A decoder's cache per sequence: bytes per token of the layers that grow with the context, of
-    the sliding-window layers (which stop at `window_tokens`), and the fixed-size state; the layer
-    count of each kind."""
-
-    full_bytes_per_token: int = Field(default=0, ge=0)
-    window_bytes_per_token: int = Field(default=0, ge=0)
-    window_tokens: int = Field(default=0, ge=0)
-    state_bytes: int = Field(default=0, ge=0)
-    layers: dict[str, int] = Field(default_factory=dict)  # "full", "window", "state", "latent", "none"
-
-    def sequence_bytes(self, tokens: int, chunk: int = 1) -> int:
-        """What one sequence of `tokens` holds at most while it prefills in chunks of `chunk` tokens:
-        full layers' buffers rounded up to mlx-lm's 256-token steps, windows up to W - 1 + chunk."""
-        held = -(-tokens // KV_STEP) * KV_STEP if tokens else 0
-        window = min(held, self.window_tokens + max(chunk, 1) - 1) if self.window_tokens else 0
-        return self.full_bytes_per_token * held + self.window_bytes_per_token * window + self.state_bytes
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Per token at a context past every window: the full layers' (the registry's kv_bytes_per_token)."""
-        return self.full_bytes_per_token
 
 
 def _text(config: dict) -> dict:

@@ -14,9 +14,10 @@ import json
 import struct
 from pathlib import Path
 
-from deployments.cache_shape import CacheShape, cache_shape, quantized_kv_bytes
+from deployments.cache_shape import cache_shape, quantized_kv_bytes
 from deployments.engine import Frozen
 from deployments.manifest import safetensors_bytes
+from deployments.wire.measured import CacheShape
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "F32": 4, "F16": 2, "BF16": 2}
 

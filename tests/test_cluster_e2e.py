@@ -192,7 +192,7 @@ def test_an_llms_kept_prompt_prefixes_are_counted_in_its_footprint(orchard):
     memory report and /v1/cluster lists it per instance and in the node's ours_bytes, not as
     other processes' memory."""
     http, client = orchard["http"], orchard["client"]
-    prompt = " ".join(f"word{i}" for i in range(600))  # over prompt_cache_min_tokens: kept after it runs
+    prompt = " ".join(f"word{i}" for i in range(400))  # 1,443 tokens: over prompt_cache_min_tokens (kept), within the reservation
     assert client.completions.create(model="llama-10m", prompt=prompt, max_tokens=2, temperature=0).usage.completion_tokens >= 1
     deadline = time.monotonic() + 15
     while True:
@@ -203,7 +203,11 @@ def test_an_llms_kept_prompt_prefixes_are_counted_in_its_footprint(orchard):
             break
         time.sleep(0.2)
     assert inst["prefix_cache_bytes"] > 0
-    assert node["memory"]["ours_bytes"] == sum(i["bytes"] + i["prefix_cache_bytes"] for i in node["instances"])
+    # ours: the instances and their kept prefixes, and the node's spare process (R1): as measured when
+    # it is ready, its estimate while it starts
+    spare = node["spare"]["bytes"] if node["spare"] else None
+    extra = node["memory"]["ours_bytes"] - sum(i["bytes"] + i["prefix_cache_bytes"] for i in node["instances"])
+    assert extra == spare if spare is not None else extra in (0, http.get("/v1/cluster").json()["policy"]["spare_bytes"]), extra
 
 
 def test_filling_a_node_evicts(orchard):

@@ -5,8 +5,7 @@ in-memory effects; the engine's own measurement: tests/test_memory_matrix.py).""
 from support.builders import spec
 from support.loop import PLAIN, make, run
 
-from deployments.cache_shape import CacheShape
-from deployments.wire.measured import MeasuredMemory
+from deployments.wire.measured import CacheShape, MeasuredMemory
 from policy.config import GIB
 from policy.memory import required_bytes
 from router.residency.measured import measured_spec

@@ -31,12 +31,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from deployments.cache_shape import CacheShape
 from deployments.engines.prefix_disk import model_identity
 from deployments.engines.quantized_cache import fresh_caches
 from deployments.estimate import config_cache, weights_dtype
 from deployments.manifest import safetensors_bytes
-from deployments.wire.measured import MeasuredMemory
+from deployments.wire.measured import CacheShape, MeasuredMemory
 
 MIB = 2**20
 

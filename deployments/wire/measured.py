@@ -3,8 +3,33 @@ figures its reservation comes from once it has loaded, beside the folder's estim
 
 from pydantic import Field
 
-from deployments.cache_shape import CacheShape
 from policy._frozen import Frozen
+
+KV_STEP = 256  # mlx-lm's KVCache grows its buffers this many tokens at a time
+
+
+class CacheShape(Frozen):
+    """A decoder's cache per sequence: bytes per token of the layers that grow with the context, of
+    the sliding-window layers (which stop at `window_tokens`), and the fixed-size state; the layer
+    count of each kind."""
+
+    full_bytes_per_token: int = Field(default=0, ge=0)
+    window_bytes_per_token: int = Field(default=0, ge=0)
+    window_tokens: int = Field(default=0, ge=0)
+    state_bytes: int = Field(default=0, ge=0)
+    layers: dict[str, int] = Field(default_factory=dict)  # "full", "window", "state", "latent", "none"
+
+    def sequence_bytes(self, tokens: int, chunk: int = 1) -> int:
+        """What one sequence of `tokens` holds at most while it prefills in chunks of `chunk` tokens:
+        full layers' buffers rounded up to mlx-lm's 256-token steps, windows up to W - 1 + chunk."""
+        held = -(-tokens // KV_STEP) * KV_STEP if tokens else 0
+        window = min(held, self.window_tokens + max(chunk, 1) - 1) if self.window_tokens else 0
+        return self.full_bytes_per_token * held + self.window_bytes_per_token * window + self.state_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Per token at a context past every window: the full layers' (the registry's kv_bytes_per_token)."""
+        return self.full_bytes_per_token
 
 
 class MeasuredMemory(Frozen):

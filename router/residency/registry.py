@@ -6,11 +6,11 @@ from pathlib import Path
 
 from pydantic import ByteSize, Field, ValidationError, ValidationInfo, field_validator
 
-from deployments.cache_shape import CacheShape
 from deployments.engines.options import LLMEngineOptions
 from deployments.estimate import dtype_bytes, estimate, kv_bytes_quantized
 from deployments.manifest import ManifestEntry, read_manifest
 from deployments.tool_family import folder_template, infer_folder_family, infer_reasoning
+from deployments.wire.measured import CacheShape
 from policy import ModelSpec
 from policy._frozen import Frozen
 from policy.specs import ModelKind
