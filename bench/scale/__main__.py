@@ -53,7 +53,7 @@ import deployments  # noqa: E402, F401  (OpenBLAS before MLX, as the model serve
 from bench.engine.agent import system_prompt  # noqa: E402
 from bench.peers.agent import HTTPChat, Turn, cell  # noqa: E402
 from bench.report import publish  # noqa: E402
-from bench.swap.__main__ import POLICY, names, registry, sizes  # noqa: E402
+from bench.swap.__main__ import POLICY, names, registry, sizes, stop_orchard  # noqa: E402
 from bench.swap.trace import build, replay, summarize  # noqa: E402
 from cluster.store import ENV_STORE  # noqa: E402
 from deployments.models import prepare  # noqa: E402
@@ -110,7 +110,7 @@ def start(models_dir: Path, a: argparse.Namespace, n: int, budget_gib: float, st
         serve.run(build_app(app_args(stores / "nowhere", a, n)), name="orchard", route_prefix="/")
         return cluster, ingress_urls(f"http://127.0.0.1:{port}", n)
     except BaseException:
-        stop(cluster)
+        stop_orchard(cluster)
         raise
 
 
@@ -128,15 +128,6 @@ def ingress_urls(proxy: str, n: int, timeout_s: float = 180.0) -> list[str]:
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{n} ingress replicas and nodes did not come up within {timeout_s} s")
-
-
-def stop(cluster: Cluster) -> None:
-    try:
-        serve.shutdown()
-    except RuntimeError:
-        pass
-    ray.shutdown()
-    cluster.shutdown()
 
 
 def wait_agent_copies(base: str, n: int, timeout_s: float = 300.0) -> None:
@@ -269,7 +260,7 @@ def run_size(models_dir: Path, a: argparse.Namespace, n: int, size: dict[str, An
             print(f"N={n}: trace tok/s {swap['summary']['tok_s']}, p95 {swap['summary']['first_token_p95_s']} s; the agent workload", flush=True)
             agent = agent_phase(urls, a, n, shared)
         finally:
-            stop(cluster)
+            stop_orchard(cluster)
     return {"nodes": n, "node_budget_gib": budget, "urls": urls, "swap": swap, "agent": agent}
 
 
