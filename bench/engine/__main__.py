@@ -56,10 +56,10 @@ async def through_engine(engine: LLMEngine, texts: list[str], max_tokens: int) -
     return sum(r.usage.completion_tokens for r in results), time.perf_counter() - started  # type: ignore[union-attr, misc]  # complete() sets usage
 
 
-def measure(name: str, path: str, concurrencies: list[int], max_tokens: int) -> list[dict]:
+def measure(name: str, path: str, concurrencies: list[int], max_tokens: int, speculation: str = "prompt_lookup") -> list[dict]:
     rows = []
     # No prefix reuse: the direct side has none, and the prompts share a long prefix.
-    engine = LLMEngine(name, path, max_batch=64, prompt_cache_entries=0)
+    engine = LLMEngine(name, path, max_batch=64, prompt_cache_entries=0, speculation=speculation)
     asyncio.run(engine.load())
     asyncio.run(through_engine(engine, prompts(2), 4))  # warm-up: compile, caches
     direct(path, prompts(2), 4)
@@ -89,14 +89,16 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--json", default="bench/results/engine.json")
     parser.add_argument("--markdown", default=None)
+    # the engine's own default is prompt lookup; "off" compares the plain decode step with BatchGenerator's
+    parser.add_argument("--speculation", choices=["prompt_lookup", "off"], default="prompt_lookup")
     args = parser.parse_args()
     models = Path(args.models_dir)
     prepare(models, {"llama-10m", "smollm2-135m-instruct"}, log=lambda *_: None)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     header = "| model | concurrency | direct BatchGenerator tok/s | engine tok/s | ratio |\n|---|---:|---:|---:|---:|"
     print(header)
-    rows = measure("llama-10m", str(models / "llama-10m"), concurrencies, 128)
-    rows += measure("smollm2-135m-instruct", str(models / "smollm2-135m-instruct"), concurrencies, 48)
+    rows = measure("llama-10m", str(models / "llama-10m"), concurrencies, 128, args.speculation)
+    rows += measure("smollm2-135m-instruct", str(models / "smollm2-135m-instruct"), concurrencies, 48, args.speculation)
     result: dict[str, Any] = {
         "rows": rows,
         "machine": {"python": platform.python_version(), "processor": platform.machine(), "mlx": MLX_VERSION, "device": str(mx.default_device())},
