@@ -43,7 +43,9 @@ def test_command_line_lists_the_manifest(models_dir, capsys):
     assert "smollm2-135m-instruct" in out and "whisper-tiny-en" in out
 
 
-@pytest.mark.parametrize(("module", "low", "high"), [("llama_1b_shape", 0.9e9, 1.1e9), ("llama_8b_shape", 6.8e9, 7.1e9)])
+@pytest.mark.parametrize(
+    ("module", "low", "high"), [("llama_1b_shape", 0.9e9, 1.1e9), ("llama_1b_shape_64k", 0.9e9, 1.1e9), ("llama_8b_shape", 6.8e9, 7.1e9)]
+)
 def test_the_benchmark_shapes_are_the_real_models_layers_and_are_built_only_when_named(models_dir, module, low, high):
     """llama-1b-shape and llama-8b-shape have Llama-3.2-1B's and Llama-3.1-8B's layers (their parameters
     less the 128k-token embedding: the offline vocabulary is 2048), counted on the lazily built model

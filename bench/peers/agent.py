@@ -232,6 +232,9 @@ class Server:
     name: str
     open_chat: Callable[[], tuple[Chat, Callable[[], Awaitable[None]]]]  # -> (chat, close)
     counters: Callable[[], Awaitable[dict[str, float]]] | None = None
+    base: str | None = None  # an HTTP server's URL and the model name its requests carry (--shape)
+    model: str | None = None
+    engine: LLMEngine | None = None  # bare's engine
 
 
 def run_cell(server: Server, system: str, concurrency: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -254,7 +257,7 @@ def http_server(name: str, base: str, model: str, temperature: float, counters: 
         c = HTTPChat(base, model, temperature)
         return c, c.close
 
-    return Server(name, open_chat, counters)
+    return Server(name, open_chat, counters, base, model)
 
 
 def units(wanted: list[str]) -> list[list[str]]:
@@ -276,14 +279,16 @@ def started(names: list[str], a: argparse.Namespace, path: Path, home: str, fail
     short turn."""
     name = names[0]
     if name == "bare":
-        engine = LLMEngine(path.name, str(path), max_batch=max(64, *a.concurrency), **VARIANTS["blocks"])  # as served
+        # as served (with the KV reservation bench.serve gives the model, for the CLIs' long prompts)
+        reserve: dict[str, Any] = serve_bench.OVERRIDES.get(path.name, {}) if getattr(a, "shape", "chat") != "chat" else {}
+        engine = LLMEngine(path.name, str(path), max_batch=max(64, *a.concurrency), **VARIANTS["blocks"], **reserve)
         asyncio.run(engine.load())
         try:
 
             async def counters() -> dict[str, float]:
                 return engine.counters()
 
-            server = Server("bare", lambda: (in_process(engine, a.temperature), _nothing), counters)
+            server = Server("bare", lambda: (in_process(engine, a.temperature), _nothing), counters, engine=engine)
             _warm(server)
             yield [server]
         finally:
@@ -355,11 +360,17 @@ def _actor_counters(model: str) -> Callable[[], Awaitable[dict[str, float]]] | N
     return counters
 
 
-def cells(a: argparse.Namespace, path: Path, systems: dict[tuple[str, int], str]) -> tuple[list[dict], dict[str, str]]:
+Cell = Callable[[Server, str, int, argparse.Namespace], dict[str, Any]]
+
+
+def cells(
+    a: argparse.Namespace, path: Path, systems: dict[tuple[str, int], str], run: Cell = run_cell, last: Callable[[Server], dict | None] | None = None
+) -> tuple[list[dict], dict[str, str]]:
     """Every wanted server's cells: one after the other (each server alone), or with --interleave all
     up at once and the cells in turns (each round, each concurrency, every server, the order rotated
     a step each round). --warmup: an untimed cell of each concurrency first (CUDA compiles kernels
-    per shape)."""
+    per shape). `run` runs a cell (run_cell: chat conversations); `last`, if given, runs once on each
+    server after its cells (its result recorded as {"server", "last"})."""
     wanted = a.servers.split(",")
     out: list[dict] = []
     failed: dict[str, str] = {}
@@ -372,7 +383,7 @@ def cells(a: argparse.Namespace, path: Path, systems: dict[tuple[str, int], str]
         if server.name in failed:
             return
         try:
-            r = run_cell(server, systems[(key, n)], n, a)
+            r = run(server, systems[(key, n)], n, a)
         except (TimeoutError, RuntimeError, OSError, aiohttp.ClientError) as e:
             failed[server.name] = f"its {'warm-up' if key == 'warm' else f'round {int(key) + 1}'} cell of {n} at a time failed: {e}"
             print(f"  {server.name}: {failed[server.name]}", flush=True)
@@ -385,6 +396,19 @@ def cells(a: argparse.Namespace, path: Path, systems: dict[tuple[str, int], str]
             f"  {key:>4} {server.name:14} {n:3} at a time: {r['tok_s']:8.1f} tok/s, TTFT p50 {ttft} ms, ITL p50 {r['itl_p50_ms']:.1f} ms", flush=True
         )
 
+    def finish(server: Server) -> None:
+        if last is None or server.name in failed:
+            return
+        try:
+            r = last(server)
+        except (TimeoutError, RuntimeError, OSError, aiohttp.ClientError) as e:
+            failed[server.name] = f"its last step failed: {e}"
+            print(f"  {server.name}: {failed[server.name]}", flush=True)
+            return
+        if r is not None:
+            out.append({"server": server.name, "last": r})
+            partial.write_text(json.dumps(out, indent=1) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="orchard-peers-home-") as home:
         if not a.interleave:
             for unit in units(wanted):
@@ -394,6 +418,7 @@ def cells(a: argparse.Namespace, path: Path, systems: dict[tuple[str, int], str]
                         for n in a.concurrency:
                             for key in (["warm"] if a.warmup else []) + [str(r) for r in range(a.rounds)]:
                                 one(server, key, n)
+                        finish(server)
             return out, failed
         with contextlib.ExitStack() as up:
             servers = []
@@ -404,6 +429,8 @@ def cells(a: argparse.Namespace, path: Path, systems: dict[tuple[str, int], str]
                 for n in a.concurrency:
                     for server in servers[r % len(servers) :] + servers[: r % len(servers)]:
                         one(server, key, n)
+            for server in servers:
+                finish(server)
     return out, failed
 
 
@@ -573,7 +600,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, default=None, help="write the table as a section of this file, the rest kept")
     ap.add_argument("--section", default=None, help="the section's title (default: the machine's)")
     ap.add_argument("--render", type=Path, default=None, help="only render this JSON (with --markdown: into that file)")
+    ap.add_argument(
+        "--shape", choices=["chat", "claude-code", "codex"], default="chat", help="the requests: chat completions, or a CLI's (bench/peers/clis.py)"
+    )
+    ap.add_argument("--prompt-tokens", type=int, default=20000, help="--shape: the first request brought to about this many tokens")
+    ap.add_argument("--long-prompt-tokens", type=int, default=0, help="--shape: then requests of this many tokens new to every cache (0: none)")
+    ap.add_argument("--long-concurrency", type=int, default=1, help="--shape: how many of them at once")
+    ap.add_argument("--idle-timeout-s", type=float, default=10.0, help="--shape: their client's idle timeout (the CLIs': 300 s)")
     a = ap.parse_args(argv)
+    if a.shape != "chat":
+        from bench.peers.clis_run import main as clis_main
+
+        return clis_main(a, argv if argv is not None else sys.argv[1:])
     if a.render is not None:
         r = json.loads(a.render.read_text())
         print(render(r))

@@ -277,6 +277,9 @@ OVERRIDES = {  # room for 64 streams of 1024 tokens each, as the benchmarks run 
     "smollm2-135m-instruct": {"reserve_context_tokens": 512, "reserve_concurrency": 64},
     "llama-1b-shape": {"reserve_context_tokens": 1024, "reserve_concurrency": 64},
     "llama-8b-shape": {"reserve_context_tokens": 1024, "reserve_concurrency": 16},
+    # coding-agent prompts (bench.peers --agent --shape): 10 rows of up to 32k tokens
+    "llama-64k": {"reserve_context_tokens": 32768, "reserve_concurrency": 10},
+    "llama-1b-shape-64k": {"reserve_context_tokens": 32768, "reserve_concurrency": 10},
 }
 
 
