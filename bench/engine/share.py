@@ -81,7 +81,8 @@ class Bare:
         owner: dict[int, tuple[int, float, int]] = {}  # uid -> (client, inserted at, step count then)
         nxt = list(range(n))
         ttft: list[float] = []
-        seen: set[int] = set()
+        itl: list[float] = []  # per request: (end - first token) / (tokens - 1), as bench.serve's clients measure it
+        first_at: dict[int, tuple[float, int]] = {}  # uid -> (its first token's time, tokens since)
 
         def insert(k: int) -> None:
             (uid,) = gen.insert([self.prompt(nxt[k] % 4096)], max_tokens=[max_tokens], **kw)
@@ -100,17 +101,22 @@ class Bare:
             steps += 1  # a refill inserted below joins in step `steps`, as the engine counts
             for r in responses:
                 k, at, step = owner[r.uid]
-                if r.uid not in seen:
-                    seen.add(r.uid)
-                    ttft.append(time.perf_counter() - at)
+                if r.uid not in first_at:
+                    first_at[r.uid] = (time.perf_counter(), 0)
+                    ttft.append(first_at[r.uid][0] - at)
                     first_steps.append(steps - 1 - step)
                 produced += r.finish_reason != "stop"
+                first, made = first_at[r.uid]
+                first_at[r.uid] = (first, made + (r.finish_reason != "stop"))
                 if r.finish_reason is not None:
-                    del owner[r.uid]
+                    if made > 1:
+                        itl.append((time.perf_counter() - first) / (made - 1))
+                    del owner[r.uid], first_at[r.uid]
                     if time.perf_counter() < deadline:
                         insert(k)
         elapsed = time.perf_counter() - started
         out = {"tok_s": produced / elapsed, "ttft_p50_ms": 1000 * statistics.median(ttft), "first_token_steps": statistics.mean(first_steps)}
+        out["itl_p50_ms"] = 1000 * statistics.median(itl) if itl else 0.0
         out |= _steps(vars(gen._counters), before, elapsed)
         gen.close()
         return out

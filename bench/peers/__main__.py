@@ -49,6 +49,7 @@ ORCHARDS: dict[str, dict[str, Any]] = {  # app args, and "via": the address the 
     "orchard-igil0.1": {"ingress_gil_switch_ms": 0.1},  # the ingress replica's GIL switch interval 0.1 ms (Python's: 5)
     "orchard-keep0": {"llm_engine": {"prefill_cache_keep_mib": 0}},  # mlx-lm's own: MLX's buffer cache cleared after every prefill chunk
     "orchard-keep1g": {"llm_engine": {"prefill_cache_keep_mib": 1024}},  # 1 GiB of it kept (shipped: the KV reservation)
+    "orchard-spec-off": {"llm_engine": {"speculation": "off"}},  # the plain decode step, as BatchGenerator's (shipped: prompt lookup)
 }
 
 
@@ -148,10 +149,12 @@ async def load(base: str, model: str, streams: int, tokens: int, seconds: float,
         await client.one(model, 0, 4)  # warm-up
         if warmup_s > 0:  # the same load first, untimed: CUDA compiles kernels per batch shape on first use
             await serve_bench.closed_loop(lambda i: client.one(model, -1 - i, tokens), streams, warmup_s)
-        produced, elapsed, ttfts = await serve_bench.closed_loop(lambda i: client.one(model, i, tokens), streams, seconds)
+        record: dict = {}
+        produced, elapsed, ttfts = await serve_bench.closed_loop(lambda i: client.one(model, i, tokens), streams, seconds, record)
     finally:
         await client.close()
-    return {"tok_s": produced / elapsed, "ttft_p50_ms": 1000 * statistics.median(ttfts)}
+    itl = 1000 * statistics.median(record["itl_s"]) if record.get("itl_s") else 0.0
+    return {"tok_s": produced / elapsed, "ttft_p50_ms": 1000 * statistics.median(ttfts), "itl_p50_ms": itl}
 
 
 async def short_requests(base: str, route: str, body: Callable[[int], dict], clients: int, seconds: float) -> dict[str, float]:
@@ -244,7 +247,10 @@ def interleaved(
                 for name in order:
                     x = runners[name](n)
                     runs[name][n].append(x)
-                    print(f"  round {r + 1} {name:14} {n:3} streams: {x['tok_s']:8.1f} tok/s, TTFT p50 {x['ttft_p50_ms']:7.1f} ms", flush=True)
+                    print(
+                        f"  round {r + 1} {name:14} {n:3} streams: {x['tok_s']:8.1f} tok/s, TTFT p50 {x['ttft_p50_ms']:7.1f} ms, ITL p50 {x.get('itl_p50_ms', 0.0):6.2f} ms",
+                        flush=True,
+                    )
     summary: dict[str, dict[str, dict[str, Any]]] = {
         name: {str(n): {k: statistics.median(x[k] for x in xs) for k in xs[0]} | {"rounds": xs} for n, xs in by_n.items()}
         for name, by_n in runs.items()
@@ -306,13 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     def bare_run(n: int) -> dict[str, float]:
         bare.run(n, a.tokens, a.warmup_seconds)  # every batch shape compiled first (CUDA builds kernels on first use)
         r = bare.run(n, a.tokens, a.seconds)
-        return {"tok_s": r["tok_s"], "ttft_p50_ms": r["ttft_p50_ms"]}
+        return {"tok_s": r["tok_s"], "ttft_p50_ms": r["ttft_p50_ms"], "itl_p50_ms": r["itl_p50_ms"]}
 
     if a.interleave:
         results, failed, bare_all = interleaved(a, path, wanted, bare_run)
         bare_ref = {n: bare_all[n]["tok_s"] for n in bare_all}
         bare_ttft = {n: bare_all[n]["ttft_p50_ms"] for n in bare_all}
-        return report(a, results, failed, {"tok_s": bare_ref, "ttft_p50_ms": bare_ttft, "interleaved": bare_all})
+        bare_itl = {n: bare_all[n]["itl_p50_ms"] for n in bare_all}
+        return report(a, results, failed, {"tok_s": bare_ref, "ttft_p50_ms": bare_ttft, "itl_p50_ms": bare_itl, "interleaved": bare_all})
     print("bare BatchGenerator, in process (first)", flush=True)
     first_bare = measure("bare", bare_run, a.streams, a.rounds)
     for name, app_args in ORCHARDS.items():
@@ -348,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     last_bare = measure("bare", bare_run, a.streams, a.rounds)
     bare_ref = {n: statistics.median([first_bare[n]["tok_s"], last_bare[n]["tok_s"]]) for n in first_bare}
     bare_ttft = {n: statistics.median([first_bare[n]["ttft_p50_ms"], last_bare[n]["ttft_p50_ms"]]) for n in first_bare}
-    return report(a, results, failed, {"tok_s": bare_ref, "ttft_p50_ms": bare_ttft, "first": first_bare, "last": last_bare})
+    bare_itl = {n: statistics.median([first_bare[n]["itl_p50_ms"], last_bare[n]["itl_p50_ms"]]) for n in first_bare}
+    return report(a, results, failed, {"tok_s": bare_ref, "ttft_p50_ms": bare_ttft, "itl_p50_ms": bare_itl, "first": first_bare, "last": last_bare})
 
 
 def report(a: argparse.Namespace, results: dict[str, Any], failed: dict[str, str], bare: dict[str, Any]) -> int:
@@ -365,6 +373,7 @@ def report(a: argparse.Namespace, results: dict[str, Any], failed: dict[str, str
                     # interleaved: the median of each round's ratio; else to the median of bare's runs
                     "over_bare": round(r.get("over_bare", r["tok_s"] / bare_ref[n]), 3),
                     "ttft_p50_ms": round(r["ttft_p50_ms"], 1),
+                    "itl_p50_ms": round(r.get("itl_p50_ms", 0.0), 2),
                 }
             )
     result = {
@@ -476,10 +485,16 @@ async def lease_round_trip(model: str, n: int = 50) -> float:
 
 
 def render(r: dict) -> str:
-    lines = ["| server | streams | tok/s | / bare BatchGenerator | TTFT p50 ms (bare's) |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| server | streams | tok/s | / bare BatchGenerator | TTFT p50 ms (bare's) | inter-token p50 ms (bare's) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for x in sorted(r["rows"], key=lambda x: (x["streams"], x["server"])):
         n = str(x["streams"])
-        lines.append(f"| {x['server']} | {n} | {x['tok_s']:,.1f} | {x['over_bare']:.2f} | {x['ttft_p50_ms']} ({r['bare']['ttft_p50_ms'][n]:.1f}) |")
+        itl = f"{x.get('itl_p50_ms', 0.0):.2f} ({r['bare'].get('itl_p50_ms', {}).get(n, 0.0):.2f})"
+        lines.append(
+            f"| {x['server']} | {n} | {x['tok_s']:,.1f} | {x['over_bare']:.2f} | {x['ttft_p50_ms']} ({r['bare']['ttft_p50_ms'][n]:.1f}) | {itl} |"
+        )
     bare = ", ".join(f"{n} streams {v:,.1f}" for n, v in r["bare"]["tok_s"].items())
     runs = (
         "of its rounds, taking turns with the servers (each ratio is the median of the rounds' own ratios)"

@@ -134,11 +134,13 @@ async def closed_loop(one, n: int, seconds: float, record: dict | None = None) -
     state, not one burst of n, so the ramp-up and the tail of a single round do not dominate.
     `record`, if given, gets each request's seconds from sending to its end ("durations") and how
     late this process's event loop woke a 1 ms timer while the clients ran ("lag_s"): a client
-    whose loop is late starts its next request late, which the server would be blamed for."""
+    whose loop is late starts its next request late, which the server would be blamed for; and each
+    request's mean inter-token latency, (end - first token) / (tokens - 1) ("itl_s")."""
     started = time.perf_counter()
     deadline = started + seconds
     ttfts: list[float] = []
     durations: list[float] = []
+    itls: list[float] = []
     lags: list[float] = []
     running = True
 
@@ -148,6 +150,8 @@ async def closed_loop(one, n: int, seconds: float, record: dict | None = None) -
             sent = time.perf_counter()
             t, f = await one(i)
             durations.append(time.perf_counter() - sent)
+            if t > 1:
+                itls.append((durations[-1] - f) / (t - 1))
             tokens += t
             ttfts.append(f)
             i += n
@@ -167,7 +171,7 @@ async def closed_loop(one, n: int, seconds: float, record: dict | None = None) -
         if watcher is not None:
             await watcher
     if record is not None:
-        record["durations"], record["lag_s"] = durations, lags
+        record["durations"], record["lag_s"], record["itl_s"] = durations, lags, itls
     return sum(totals), time.perf_counter() - started, ttfts
 
 

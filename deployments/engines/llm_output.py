@@ -150,6 +150,8 @@ def failure(e: Exception) -> Delta:
 def _merged(stream: Stream) -> Delta:
     """What one step produced for a stream, as one delta."""
     pending, stream.pending = stream.pending, []
+    if len(pending) == 1 and not stream.request.logprobs:  # a plain step's one token per row: the delta as it is, not a copy (~2 µs a row a step)
+        return pending[0]
     return Delta.model_construct(
         text="".join(d.text for d in pending),
         token_ids=[t for d in pending for t in d.token_ids],
