@@ -24,6 +24,7 @@ from router.residency.controller import ResidencyController
 from router.residency.effects import RayEffects
 from router.residency.events import ClusterEvent
 from router.residency.limits import Limiter, RateLimited, Tenant
+from router.residency.measured import MeasurementStore
 from router.residency.operator_store import OperatorStore
 from router.residency.registry import from_config
 from router.residency.sites import Sites
@@ -56,6 +57,8 @@ class ResidencyService:
         self.limiter = Limiter()
         self._tickets: dict[str, str] = {}  # lease id -> the limiter's ticket
         self.controller.restore(await asyncio.to_thread(self.store.events), await asyncio.to_thread(self.store.pins))
+        measured = await asyncio.to_thread(self.controller.placements.measurements.attach, MeasurementStore(), self.controller.state.catalog)
+        self.controller.state = self.controller.state.model_copy(update={"catalog": measured})  # M1: what earlier loads measured
         self.effects.listeners.append(self.store.on_event)
         self._event_counts: dict[tuple[str, str, str], int] = {}  # (kind, model, node) -> events since start
         self.effects.listeners.append(self._count_event)
