@@ -64,6 +64,7 @@ async def run_one(folder: Path, context: int, concurrency: int, chunk: int = 128
     load_s = time.perf_counter() - started
     measured = engine.measured
     assert measured is not None
+    mx.synchronize()
     mx.reset_peak_memory()  # the probe at load is not serving; the weights stay active, so in the peak
     generate = min(context // 2, 2 * concurrency * -(-context // chunk))
     prompt = context - generate

@@ -361,7 +361,10 @@ def test_arrivals_while_the_batch_decodes_are_held_and_join_as_one_group(models_
         return await anext(stream)
 
     async def scenario():
-        e = LLMEngine("llama-10m", str(models_dir / "llama-10m"), max_batch=8, prefill_batch=3, admit_hold_steps=100_000, admit_quiet_steps=100_000)
+        e = LLMEngine(
+            "llama-10m", str(models_dir / "llama-10m"), max_batch=8, prefill_batch=3, admit_hold_steps=100_000, admit_quiet_steps=100_000,
+            reserve_concurrency=8,  # KV for the busy one's 3,000 tokens beside the others (M4: the batch is as long as its longest row)
+        )  # fmt: skip
         await e.load()
         busy = e.generate(greedy("A long one keeps the batch busy", 3000))
         await first_delta(busy)
@@ -434,8 +437,9 @@ def test_a_lone_arrival_joins_a_busy_batch(models_dir, hold, quiet, min_rows, le
 
     async def scenario():
         e = LLMEngine(
-            "llama-10m", str(models_dir / "llama-10m"), max_batch=8, admit_hold_steps=hold, admit_quiet_steps=quiet, admit_hold_min_rows=min_rows
-        )
+            "llama-10m", str(models_dir / "llama-10m"), max_batch=8, admit_hold_steps=hold, admit_quiet_steps=quiet, admit_hold_min_rows=min_rows,
+            reserve_concurrency=2,  # KV for the busy one's 3,000 tokens beside the lone one (M4)
+        )  # fmt: skip
         await e.load()
         try:
             busy = e.generate(greedy("Busy for a while", 3000))

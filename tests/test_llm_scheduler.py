@@ -3,7 +3,8 @@ how its rows align, and when a prefill chunk runs between decode steps. No MLX, 
 
 from dataclasses import dataclass, field
 
-from deployments.engines.llm_scheduler import Scheduler, Settings
+from deployments.engines.llm_scheduler import KVBudget, Scheduler, Settings
+from deployments.wire.measured import CacheShape
 
 
 @dataclass(eq=False)
@@ -11,6 +12,7 @@ class Arrival:
     rid: int
     tokens: list[int] = field(default_factory=list)
     step: int = 0
+    max_tokens: int = 16
 
 
 def prompt(n: int, start: int = 0) -> list[int]:
@@ -142,3 +144,85 @@ def test_prefill_chunks_run_every_decode_steps_plus_one_while_rows_decode():
     assert pattern == [False, False, True, False, False, True]
     s.answered(0)
     assert s.prefill_now(3)  # nothing prefills: the step is free to
+
+
+def kv_budget(concurrency: int = 2, context: int = 1024, window: int = 0) -> KVBudget:
+    """A model of 1 KiB a token in its full layers (and `window`: 4 KiB a token in sliding layers of
+    that many tokens), reserving `concurrency` x `context` tokens, as measure.kv_budget makes it."""
+    shape = CacheShape(full_bytes_per_token=1024, window_bytes_per_token=4096 if window else 0, window_tokens=window)
+    return KVBudget(reserved_bytes=concurrency * shape.sequence_bytes(context), context_tokens=context, sequence_bytes=shape.sequence_bytes)
+
+
+def joined_all(s: Scheduler[Arrival]) -> list[int]:
+    group = s.choose(None, lambda rid: None)
+    for a in group.arrivals:
+        s.joined(group, a, 0)
+    return [a.rid for a in group.arrivals]
+
+
+def test_m4_an_arrival_joins_only_while_the_batch_fits_the_kv_reservation_and_waits_first_in_line():
+    s = scheduler(max_prefill_tokens=10**6)
+    s.kv = kv_budget(concurrency=2, context=1024)
+    for rid in range(3):  # each may reach 600 + 400 tokens: a 1,024-token buffer, one share each
+        s.arrive(Arrival(rid, prompt(600, rid * 1000), max_tokens=400))
+    s.arrive(Arrival(3, prompt(10, 9000), max_tokens=10))  # small: it would fit beside the two
+    assert joined_all(s) == [0, 1]
+    assert [a.rid for a in s.held] == [2, 3] and s.stats["kv_waits"] == 1
+    assert s.admit_now(2) and joined_all(s) == []  # the small one does not overtake the long one
+    s.answered(0)
+    assert joined_all(s) == []  # a prefill done frees no KV: the row still grows to its bound
+    s.left(0)
+    assert joined_all(s) == [2]  # a row gone: the long one joins first
+    assert joined_all(s) == []  # ... and the small one waits: 3 rows at the longest's 1,024 tokens pass it
+    s.left(1)
+    assert joined_all(s) == [3]
+    assert s.rows == {2: 1000, 3: 20}
+
+
+def test_m4_the_batch_is_as_long_as_its_longest_row_for_every_row():
+    # short rows fit many at a time, but beside a long one each counts at its length (left padding)
+    s = scheduler(max_prefill_tokens=10**6)
+    s.kv = kv_budget(concurrency=2, context=1024)
+    for rid in range(8):
+        s.arrive(Arrival(rid, prompt(100, rid * 1000), max_tokens=100))  # 256-token buffers
+    assert joined_all(s) == list(range(8))  # 8 x 256 = the reservation's 2 x 1,024
+    s.arrive(Arrival(8, prompt(10, 9000), max_tokens=5))
+    assert joined_all(s) == []
+    for rid in range(8):
+        s.left(rid)
+    s.arrive(Arrival(9, prompt(900, 0), max_tokens=100))  # 1,000 tokens: 1,024 for every row beside it
+    assert joined_all(s) == [8, 9]
+    s.arrive(Arrival(10, prompt(10, 5000), max_tokens=5))
+    assert joined_all(s) == []  # a third row would be padded to 1,024 too
+
+
+def test_m4_a_row_is_bounded_by_the_context_and_windows_stop_growing():
+    budget = kv_budget(concurrency=1, context=1024, window=128)
+    assert budget.row_tokens(1000, 5000) == 1024  # max_tokens past the context stops there ("length")
+    # sliding layers hold their window (and a chunk) at any length: only the full layers grow
+    assert budget.batch_bytes([1024, 10]) == 2 * (1024 * 1024 + 4096 * 128)
+    s = scheduler()
+    s.kv = budget
+    s.arrive(Arrival(0, prompt(1000), max_tokens=24))
+    s.arrive(Arrival(1, prompt(10, 5000), max_tokens=5))
+    assert joined_all(s) == [0] and [a.rid for a in s.held] == [1]
+
+
+def test_m4_an_arrival_that_could_never_fit_alone_is_refused_and_the_rest_go_on():
+    s = scheduler(max_prefill_tokens=10**6)
+    s.kv = KVBudget(reserved_bytes=1024 * 256, context_tokens=4096, sequence_bytes=CacheShape(full_bytes_per_token=1024).sequence_bytes)
+    s.arrive(Arrival(0, prompt(300), max_tokens=10))  # 512 tokens' buffer: more than the whole reservation
+    s.arrive(Arrival(1, prompt(100, 1000), max_tokens=10))
+    group = s.choose(None, lambda rid: None)
+    assert [a.rid for a in group.refused] == [0] and [a.rid for a in group.arrivals] == [1]
+
+
+def test_m4_without_a_kv_reservation_nothing_waits_and_a_broken_batch_frees_every_row():
+    s = scheduler(max_prefill_tokens=10**6)
+    for rid in range(4):
+        s.arrive(Arrival(rid, prompt(5000, rid * 10_000), max_tokens=10_000))
+    assert joined_all(s) == [0, 1, 2, 3] and s.rows == {}  # reserve_context_tokens 0: kv is None
+    s.kv = kv_budget()
+    s.rows = {7: 1000, 8: 1000}
+    s.reset()
+    assert s.rows == {} and s.prefilling == {}

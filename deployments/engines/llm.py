@@ -223,6 +223,7 @@ class LLMEngine(MLXLoop, Engine):
             getattr(hf_tokenizer, "chat_template", None)
         )
         self.measured = measure.loaded(self, config, active)  # what it holds; the process's MLX limit
+        self.scheduler.kv = measure.kv_budget(self.measured, self.context_length)  # the batch within its KV reservation (M4)
         self.generator = self._new_generator()
 
     def _check_quantizable(self, config: dict) -> None:
@@ -253,6 +254,7 @@ class LLMEngine(MLXLoop, Engine):
             await asyncio.wrap_future(self._loop_done)
         if self._worker is not None:
             self._worker.shutdown()
+        measure.set_limit(id(self), None)  # a stopped engine holds nothing: its limit leaves the process's
 
     def running_requests(self) -> int:
         return len(self._streams) + self._arriving

@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import make_logits_processors
 
-from deployments.engine import queued_adds
+from deployments.engine import RequestError, queued_adds
 from deployments.engines import buffer_cache
 from deployments.engines.constrained import GrammarProcessor
 from deployments.engines.llm_cache import KeptPrefixes
@@ -50,6 +50,10 @@ class Arrival:
     started: float = 0.0  # time.monotonic() at start()
     prepared: float = 0.0  # ... when the preparation thread handed it to the MLX thread
     step: int = 0  # the engine's step count when it reached the MLX thread
+
+    @property
+    def max_tokens(self) -> int:
+        return self.request.max_tokens
 
 
 class MLXLoop:
@@ -165,6 +169,10 @@ class MLXLoop:
         kept = self.kept
         match = kept.match if kept.blocks is not None else None
         group = self.scheduler.choose(match, lambda rid: streams[rid].tokens if rid in streams else None)
+        for arrival in group.refused:  # M4: its KV could never fit the reservation (M2 refuses such a prompt first)
+            self._arrived(-1)
+            why = f"the request ({len(arrival.tokens)} prompt tokens) needs more KV cache than instance {self.name} reserves"
+            put(arrival.loop, [(arrival.out, failure(RequestError("context_length_exceeded", why)))])
         for arrival in group.arrivals:
             self._arrived(-1)
             try:
@@ -230,7 +238,7 @@ class MLXLoop:
                 stream.finish("error", error=f"{type(e).__name__}: {e}", code="internal")
                 outbox.append(stream)
             by_uid.clear()
-            self.scheduler.prefilling.clear()
+            self.scheduler.reset()
             generator.prefill_step_size = chunk
             self.generator = self._new_generator()
             self.sampling.clear()
@@ -259,6 +267,7 @@ class MLXLoop:
             by_uid.pop(r.uid)
             streams.pop(rid)
             self._left(r.uid)
+            self.scheduler.left(rid)
             self._admitted["finished_s"] += now - stream.started
             self._admitted["finished_requests"] += 1
             if r.finish_reason is None:  # cut by a stop string: still in the batch
@@ -290,7 +299,7 @@ class MLXLoop:
                 put(held.loop, [(held.out, Delta(finish_reason="cancelled", usage=Usage(prompt_tokens=len(held.tokens), completion_tokens=0)))])
                 return
             cancelled = streams.pop(payload, None)
-            self.scheduler.answered(payload)
+            self.scheduler.left(payload)
             if cancelled is not None:
                 by_uid.pop(cancelled.uid, None)
                 self.generator.remove([cancelled.uid])  # drops its KV cache now

@@ -14,6 +14,12 @@ step numbers): no MLX, no threads, no clock; the engine's MLX thread asks and ac
 - Within a group every row prefills the same number of tokens (`prefill_align`): the group's
   longest uncached prompt, when that fits one prefill chunk.
 - While rows decode, a prefill chunk runs only every `prefill_decode_steps` + 1 steps (`prefill_now`).
+- The batch's KV stays within the instance's KV reservation (`KVBudget`; docs/residency.md, M4): an
+  arrival joins only when the batch's rows, each at the most tokens it may reach (its prompt and its
+  max_tokens, within the engine's context), fit the reservation together; otherwise it waits at the
+  head of the queue and nothing behind it joins before it (first in, first out: a long request is
+  never overtaken by shorter ones while it waits for room). A running row never grows past its
+  bound, so decode needs no check. One that could not fit even alone is refused.
 
 docs/engines.md gives the measurements behind each setting (options.py: the served defaults)."""
 
@@ -61,11 +67,39 @@ class Settings:
 
 
 class Waiting(Protocol):
-    """An arrival as the scheduler sees it: its id, its prompt, and the step it arrived at."""
+    """An arrival as the scheduler sees it: its id, its prompt, the most tokens it may generate,
+    and the step it arrived at."""
 
     rid: int
     tokens: list[int]
     step: int
+
+    @property
+    def max_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """The KV reservation a batch is held to (M4). mlx-lm's batch cache is as long as its longest
+    row for every row (shorter rows are left-padded), so a batch of rows whose longest reaches T
+    tokens holds `rows x sequence_bytes(T)`. `context_tokens`: the most tokens one row may hold (the
+    engine's context, within one of reserve_concurrency shares); `sequence_bytes`: one row's cache
+    at a length (MeasuredMemory.sequence_bytes: buffers in mlx-lm's steps, windows, fixed state)."""
+
+    reserved_bytes: int
+    context_tokens: int
+    sequence_bytes: Callable[[int], int]
+
+    def row_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
+        """The most tokens a row holds: its prompt and what it may generate, within the context."""
+        return min(prompt_tokens + max_tokens, self.context_tokens)
+
+    def batch_bytes(self, rows: list[int]) -> int:
+        """The KV a batch of rows reaching `rows` tokens each holds at most."""
+        return len(rows) * self.sequence_bytes(max(rows)) if rows else 0
+
+    def fits(self, rows: list[int]) -> bool:
+        return self.batch_bytes(rows) <= self.reserved_bytes
 
 
 A = TypeVar("A", bound=Waiting)
@@ -79,15 +113,18 @@ class Group(Generic[A]):
     arrivals: list[A] = field(default_factory=list)
     align: int | None = None
     matched: dict[int, int] = field(default_factory=dict)
+    refused: list[A] = field(default_factory=list)  # could never fit the KV reservation, even alone (M4)
 
 
 class Scheduler(Generic[A]):
     """The held arrivals and the prefills in flight, and the decisions on them (module docstring)."""
 
-    def __init__(self, settings: SchedulingSettings):
+    def __init__(self, settings: SchedulingSettings, kv: KVBudget | None = None):
         self.settings = settings
+        self.kv = kv  # None: no KV reservation holds the batch (reserve_context_tokens 0)
         self.held: deque[A] = deque()  # prepared arrivals waiting to join the batch
         self.prefilling: dict[int, int] = {}  # request id -> prompt tokens it still prefills
+        self.rows: dict[int, int] = {}  # request id -> the most tokens its row may hold (KVBudget.row_tokens)
         self.due = False  # held arrivals of a group already let in, waiting only for prefill room
         self.steps = 0  # the engine's steps so far
         self.last_arrival = 0  # the step count when the last arrival came
@@ -103,6 +140,7 @@ class Scheduler(Generic[A]):
             "group_padded_tokens": 0,
             "aligned_tokens": 0,
             "ragged_rows": 0,
+            "kv_waits": 0,  # choices that stopped at an arrival whose KV would pass the reservation (one a step while it waits)
         }
 
     # ---- arrivals ----------------------------------------------------------------------------
@@ -142,9 +180,18 @@ class Scheduler(Generic[A]):
         later: list[A] = []  # left for a later group, ahead of the rest
         cut = match is not None and s.prefill_pad_ratio > 0
         group: Group[A] = Group()
+        kv = self.kv
+        bounds = list(self.rows.values())  # the rows' KV bounds, the group's included as it forms
         while self.held:
             arrival = self.held[0]
             rest = len(arrival.tokens)
+            bound = kv.row_tokens(rest, arrival.max_tokens) if kv is not None else 0
+            if kv is not None and not kv.fits([*bounds, bound]):
+                if kv.fits([bound]):  # it waits for room, first in line: nothing behind it joins first
+                    self.stats["kv_waits"] += 1
+                    break
+                group.refused.append(self.held.popleft())  # it could never fit, even alone
+                continue
             if match is not None:
                 cached = group.matched[arrival.rid] = match(arrival.tokens)
                 rest -= cached if cached >= s.prompt_cache_min_tokens else 0
@@ -159,6 +206,7 @@ class Scheduler(Generic[A]):
                 later.append(self.held.popleft())
                 continue
             group.arrivals.append(self.held.popleft())
+            bounds.append(bound)
             prefilling += rest
             widest, useful = max(widest, rest), useful + rest
         self.held.extendleft(reversed(later))
@@ -192,6 +240,8 @@ class Scheduler(Generic[A]):
     def joined(self, group: Group[A], arrival: A, cached: int) -> None:
         """`arrival` of `group` is in the batch with `cached` tokens from the prefix cache."""
         uncached = self.prefilling[arrival.rid] = len(arrival.tokens) - cached
+        if self.kv is not None:
+            self.rows[arrival.rid] = self.kv.row_tokens(len(arrival.tokens), arrival.max_tokens)
         self.stats["held_steps"] += self.steps - arrival.step
         if group.align is not None:
             self.stats["ragged_rows"] += uncached != group.align
@@ -220,5 +270,15 @@ class Scheduler(Generic[A]):
         return False
 
     def answered(self, rid: int) -> None:
-        """A row made its first token: its prefill is done (or it left the batch)."""
+        """A row made its first token: its prefill is done."""
         self.prefilling.pop(rid, None)
+
+    def left(self, rid: int) -> None:
+        """A row left the batch (finished, cancelled): its KV is free for the next arrivals."""
+        self.prefilling.pop(rid, None)
+        self.rows.pop(rid, None)
+
+    def reset(self) -> None:
+        """The batch is gone (a broken step): no row prefills or holds KV."""
+        self.prefilling.clear()
+        self.rows.clear()

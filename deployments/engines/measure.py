@@ -8,9 +8,10 @@ it has loaded (the folder's estimate, deployments/estimate.py, is only for befor
   layer (an ArraysCache: a convolution tail and a recurrent state) the same bytes at any context;
 - a step's activation peak: MLX's peak over a step less what is active after it. A prompt longer
   than the engine's max_prefill_tokens prefills alone, one chunk a step: one row's steps at context
-  offsets 0 and one chunk give a line that bounds its steps at the reserved context from above
-  (attention's scratch and the cache's copy into a larger buffer grow with the context; a chunk at
-  the reserved context itself would cost a whole prefill at load). A group of shorter prompts
+  offsets 0 and one chunk (with sliding windows: a few chunks past the windows) give a line that
+  bounds its steps at the reserved context from above (`prefill_line`: attention's scratch and the cache's copy into a larger
+  buffer grow with the context; a chunk at the reserved context itself would cost a whole prefill at
+  load). A group of shorter prompts
   prefills `rows` rows at once, and a decode step of `reserve_concurrency` rows computes the logits:
   the most of the three is the figure.
 
@@ -20,6 +21,7 @@ budget. The engine sets MLX's memory limit (and on Metal its wired limit) to it,
 request whose own cache could never fit the reservation (`refusal`)."""
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -31,11 +33,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from deployments.engines.llm_scheduler import KVBudget
 from deployments.engines.prefix_disk import model_identity
 from deployments.engines.quantized_cache import fresh_caches
 from deployments.estimate import config_cache, weights_dtype
 from deployments.manifest import safetensors_bytes
-from deployments.wire.measured import CacheShape, MeasuredMemory
+from deployments.wire.measured import KV_STEP, CacheShape, MeasuredMemory
 
 MIB = 2**20
 
@@ -103,23 +106,50 @@ def _step_activation(model: Any, layers: list[Any], rows: int, tokens: int, voca
     return max(0, peak - mx.get_active_memory())
 
 
-def activation(
-    model: Any, caches: Callable[[], list[Any]], rows: int, chunk: int, vocab: int, decode_rows: int, decode_tokens: int = 1
-) -> tuple[int, float, int]:
-    """(one row's prefill step at context 0, its growth per token of context, the most of a step of
-    `rows` rows at context 0 and a decode step of `decode_rows` rows of `decode_tokens` each: one, or
-    with speculative decoding the token and its drafts). The growth is the line from offset
-    0 to one chunk, whose second step also copies the cache into a larger buffer: attention's scratch
-    and that copy both grow with the context, so the line bounds them from above at longer contexts
-    (bench/memory_matrix.py measures how far)."""
+def prefill_line(model: Any, caches: Callable[[], list[Any]], chunk: int, vocab: int, context: int, window: int = 0) -> tuple[int, int, float, int]:
+    """One row's prefill steps of `chunk` tokens up to `context`, bounded: (the most of the steps
+    measured, a line's value at offset `start`, its growth per token, `start`); a step at offset
+    o >= start holds at most `value + growth x (o - start)`.
+
+    Attention's scratch and the cache's copy into a larger buffer grow with the context. Without
+    sliding windows the line runs from offset 0 to one chunk, which bounds the later steps from above
+    (bench/memory_matrix.py measures how far). With windows, a sliding layer's span grows only until
+    its window is full (W - 1 + a chunk while it prefills), then stays: that line climbs as if every
+    layer's span grew for the whole context (twice Gemma 3's real steps at 1,024 tokens). So the
+    steps run from offset 0 to two periods past the first chunk
+    boundary a window and a chunk in (`period`: the chunks that make a whole number of mlx-lm's
+    256-token buffer steps, so two steps a period apart both copy their full layers' buffers into
+    larger ones, or neither), the growth is the steepest between such pairs (a single step's
+    activation varies by a few hundred KiB from run to run; one pair, extrapolated 15-fold to the
+    reserved context, made the bound vary by 15%), and each step of the last period is carried to
+    the reserved context at that growth. Where the steps reach the context, every step was measured
+    and the line is flat."""
     layers = caches()
-    first = _step_activation(model, layers, 1, chunk, vocab)
-    second = _step_activation(model, layers, 1, chunk, vocab)
-    group = _step_activation(model, caches(), rows, chunk, vocab) if rows > 1 else first  # one cache per layer holds the batch
+    if not window:  # every layer's span grows from the start: the line from offset 0 to one chunk
+        base = _step_activation(model, layers, 1, chunk, vocab)
+        second = _step_activation(model, layers, 1, chunk, vocab)
+        return max(base, second), base, max(0.0, (second - base) / chunk), 0
+    period = min(4, math.lcm(chunk, KV_STEP) // chunk) * chunk
+    first = -(-(window + chunk) // chunk) * chunk  # every window full from here on
+    end = first + 2 * period
+    last = max(0, context - chunk)  # the offset of the reserved context's last step
+    steps = {offset: _step_activation(model, layers, 1, chunk, vocab) for offset in range(0, min(end, last) + 1, chunk)}
+    most = max(steps.values())
+    if end >= last:  # every step up to the context was measured
+        return most, most, 0.0, 0
+    growth = max(0.0, *((steps[q + period] - steps[q]) / period for q in range(first, end - period + 1, chunk)))
+    start = end - period + chunk  # the last period's first step
+    value = max(steps[q] - growth * (q - start) for q in range(start, end + 1, chunk))
+    return most, int(value + 0.5), growth, start
+
+
+def activation(model: Any, caches: Callable[[], list[Any]], rows: int, chunk: int, vocab: int, decode_rows: int, decode_tokens: int = 1) -> int:
+    """The most of a prefill step of `rows` rows of a chunk at context 0 and a decode step of
+    `decode_rows` rows of `decode_tokens` each: one, or with speculative decoding the token and its
+    drafts, with every position's logits."""
+    group = _step_activation(model, caches(), rows, chunk, vocab)  # one cache per layer holds the batch
     decode = _step_activation(model, caches(), decode_rows, decode_tokens, vocab, logits=True)
-    del layers
-    mx.clear_cache()
-    return first, max(0.0, (second - first) / chunk), max(group, decode)
+    return max(group, decode)
 
 
 def measure(
@@ -144,9 +174,11 @@ def measure(
     shape = cache_shape(model, caches)
     rows = max(1, min(prefill_rows, reserve_concurrency))
     chunk = max(1, min(prefill_chunk, reserve_context_tokens or 1))
-    base, per_token, batched = activation(model, caches, rows, chunk, vocab, reserve_concurrency, decode_tokens)
     # a prompt longer than the engine's max_prefill_tokens prefills alone; a group's rows are shorter
-    at_context = max(batched, base + int(per_token * max(0, reserve_context_tokens - chunk) + 0.5))
+    most, base, per_token, start = prefill_line(model, caches, chunk, vocab, reserve_context_tokens, shape.window_tokens)
+    batched = activation(model, caches, rows, chunk, vocab, reserve_concurrency, decode_tokens)
+    mx.clear_cache()
+    at_context = max(batched, most, base + int(per_token * max(0, reserve_context_tokens - chunk - start) + 0.5))
     return MeasuredMemory(
         weights_hash=weights_hash,
         weight_bytes=weight_bytes,
@@ -176,6 +208,22 @@ def caches_of(model: Any, make: Callable[[Any], list[Any]], quantized: Callable[
 
 _limits: dict[int, int] = {}  # id(engine) -> its limit_bytes, while the engine lives
 _limits_lock = threading.Lock()
+_mlx_default: list[int] = []  # MLX's own memory limit, from before any engine set one
+
+
+def _set_memory_limit(nbytes: int) -> None:
+    previous = mx.set_memory_limit(nbytes)
+    if not _mlx_default:
+        _mlx_default.append(previous)
+
+
+def unlimited() -> None:
+    """MLX's own memory limit again, as before any engine set one. A model is measured under it: under
+    a smaller limit (a stopped engine's, or one that does not count the model being measured) MLX
+    waits for work in flight before it allocates, and a step peaks lower than it will when it serves
+    (a gpt-oss step measured after another model's engine: 15% under the peak it then reached)."""
+    if _mlx_default:
+        mx.set_memory_limit(_mlx_default[0])
 
 
 def set_limit(owner: int, limit_bytes: int | None) -> int:
@@ -188,9 +236,10 @@ def set_limit(owner: int, limit_bytes: int | None) -> int:
         else:
             _limits[owner] = int(limit_bytes)
         total = sum(_limits.values())
-    if not total:
+    if not total:  # no engine left: MLX's own limit
+        unlimited()
         return 0
-    mx.set_memory_limit(total)
+    _set_memory_limit(total)
     if mx.metal.is_available():
         try:
             mx.set_wired_limit(total)
@@ -226,6 +275,7 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
     reservation: a longer prompt is refused (`refusal`), a longer generation stops at it."""
     mx.synchronize()
     weights = max(0, mx.get_active_memory() - active_before)
+    unlimited()  # measured as it will run (set_limit below sets the process's limit again)
     bits, group = engine.kv_bits, engine.kv_group_size
     quantized = (lambda layers: list(fresh_caches(layers, bits, group))) if bits is not None else None
     chunk = engine.prefill_chunk
@@ -254,6 +304,14 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
         measured.activation_bytes / MIB, measured.seconds, limit / MIB,
     )  # fmt: skip
     return measured
+
+
+def kv_budget(measured: MeasuredMemory, context_length: int) -> KVBudget | None:
+    """The KV reservation the engine's batch is held to (M4), its rows at most `context_length`
+    tokens each; None where the operator reserves no KV (reserve_context_tokens 0)."""
+    if not measured.reserve_context_tokens:
+        return None
+    return KVBudget(reserved_bytes=measured.kv_reserved_bytes, context_tokens=context_length, sequence_bytes=measured.sequence_bytes)
 
 
 def refusal(measured: MeasuredMemory | None, prompt_tokens: int) -> str | None:
