@@ -9,12 +9,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from support.chat_body import as_body
 
 from router.protocols import anthropic as ap, responses as rp
 from router.protocols.events import Finish, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from router.protocols.openai import ProtocolError
 from router.serving.affinity import prefix_keys
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"
@@ -66,6 +68,26 @@ def test_a_namespace_function_named_like_a_top_level_tool_is_offered_under_its_n
     assert [(t.name, t.namespace, t.tool_name) for t in req.function_tools] == [("f", None, "f"), ("ns.f", "ns", "f")]
     body = rp.response_object(req, "resp_1", [ToolCallStart(index=0, id="c", name="ns.f"), ToolCallEnd(index=0), Finish(reason="tool_calls")])
     assert (body["output"][0]["name"], body["output"][0]["namespace"]) == ("f", "ns")
+
+
+def test_a_name_two_namespaces_hold_is_offered_under_each_namespace():
+    inner = [{"type": "function", "name": "search"}]
+    tools = [{"type": "namespace", "name": n, "description": "d", "tools": inner} for n in ("docs", "web")]
+    req = rp.parse_responses_request({"model": "m", "input": "x", "tools": tools})
+    assert [(t.name, t.namespace, t.tool_name) for t in req.function_tools] == [("docs.search", "docs", "search"), ("web.search", "web", "search")]
+
+
+@pytest.mark.parametrize("kind", ["网络", "web_search\r\nX-Evil: 1", "x" * 65, ""])
+def test_a_hosted_tool_type_that_is_not_a_name_is_a_400(kind):
+    # its type goes back in the Orchard-Dropped-Tools header: text that no header can carry is refused
+    with pytest.raises(ProtocolError) as e:
+        rp.parse_responses_request({"model": "m", "input": "x", "tools": [{"type": kind}]})
+    assert e.value.status == 400 and e.value.param is not None and e.value.param.startswith("tools")
+
+
+def test_a_hosted_tool_sent_twice_is_named_once():
+    req = rp.parse_responses_request({"model": "m", "input": "x", "tools": [{"type": "web_search"}, {"type": "web_search"}]})
+    assert req.dropped_tools == ["web_search"]
 
 
 def test_a_custom_tool_is_a_function_of_one_string_and_its_call_a_custom_tool_call():

@@ -183,7 +183,7 @@ class PumpedEventStream(ClosingStreamingResponse):
         try:
             await super().__call__(scope, receive, timed_send)
         except* _ClientStalled:  # a task group (ASGI < 2.4) wraps it
-            reset = connection.reset(scope)
+            reset = await asyncio.to_thread(connection.reset, scope)  # a scan of this process's descriptors: off the event loop
             log.info(
                 "a stream of %s: its client took nothing for %.0f s; the response ends%s",
                 self.model,

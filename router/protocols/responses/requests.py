@@ -15,6 +15,7 @@ OpenAI's param spelling (`input[2].content[0].image_url`)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -153,9 +154,9 @@ CUSTOM_PARAMETERS: dict[str, Any] = {
 class Tool(_Part):
     """One entry of `tools`: a `function`, a `custom` (freeform) tool, a `namespace` of those, or a
     hosted tool (any other type: web_search, file_search, ...), which the request keeps only to
-    echo it and to say it was left out."""
+    echo it and to say it was left out (its type goes back in a response header: a name, not text)."""
 
-    type: str
+    type: str = Field(min_length=1, max_length=64, pattern=_NAME)
     name: str | None = Field(default=None, min_length=1, max_length=64, pattern=_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -326,18 +327,19 @@ class ResponsesRequest(BaseModel):
     @property
     def function_tools(self) -> list[FunctionTool]:
         """The tools the model is offered: functions and custom tools, a namespace's flattened.
-        A flattened name that another tool has already is `<namespace>.<name>`."""
+        A flattened name that another tool (top-level or in another namespace) has too is
+        `<namespace>.<name>`."""
         flat: list[tuple[Tool, str | None]] = []
         for tool in self.tools or ():
             if tool.type in ("function", "custom"):
                 flat.append((tool, None))
             elif tool.type == "namespace":
                 flat += [(inner, tool.name) for inner in tool.tools or ()]
-        top = {t.name for t, ns in flat if ns is None}
+        seen = Counter(t.name for t, _ in flat)
         out = []
         for tool, ns in flat:
             assert tool.name is not None
-            name = f"{ns}.{tool.name}" if ns is not None and tool.name in top else tool.name
+            name = f"{ns}.{tool.name}" if ns is not None and seen[tool.name] > 1 else tool.name
             custom = tool.type == "custom"
             out.append(
                 FunctionTool(
@@ -355,7 +357,7 @@ class ResponsesRequest(BaseModel):
     @property
     def dropped_tools(self) -> list[str]:
         """The hosted tools (by type) left out of the model's tools: the server cannot run them."""
-        return [t.type for t in self.tools or () if t.type not in ("function", "custom", "namespace")]
+        return list(dict.fromkeys(t.type for t in self.tools or () if t.type not in ("function", "custom", "namespace")))
 
     @model_validator(mode="after")
     def _choice_names_a_tool(self) -> ResponsesRequest:
