@@ -67,7 +67,7 @@ async def run_one(folder: Path, context: int, concurrency: int, chunk: int = 128
     mx.synchronize()
     mx.reset_peak_memory()  # the probe at load is not serving; the weights stay active, so in the peak
     generate = min(context // 2, 2 * concurrency * -(-context // chunk))
-    prompt = context - generate
+    prompt = min(context, engine.context_length) - generate  # the context less what a verify step's drafts may add (M4)
     vocab = engine.vocab_size
     requests = [
         GenerationRequest(prompt_tokens=[(7 + 13 * i + 31 * j) % (vocab - 16) + 8 for j in range(prompt)], max_tokens=generate, temperature=0.0)

@@ -201,6 +201,9 @@ def test_m4_a_row_is_bounded_by_the_context_and_windows_stop_growing():
     assert budget.row_tokens(1000, 5000) == 1024  # max_tokens past the context stops there ("length")
     # sliding layers hold their window (and a chunk) at any length: only the full layers grow
     assert budget.batch_bytes([1024, 10]) == 2 * (1024 * 1024 + 4096 * 128)
+    # a verify step runs drafts past the longest row: a row that ends at a buffer step needs the next
+    drafting = KVBudget(reserved_bytes=budget.reserved_bytes, context_tokens=1024, sequence_bytes=budget.sequence_bytes, overshoot=8)
+    assert drafting.batch_bytes([768]) == budget.batch_bytes([776]) == budget.batch_bytes([1024]) > budget.batch_bytes([768])
     s = scheduler()
     s.kv = budget
     s.arrive(Arrival(0, prompt(1000), max_tokens=24))

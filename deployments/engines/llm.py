@@ -223,7 +223,7 @@ class LLMEngine(MLXLoop, Engine):
             getattr(hf_tokenizer, "chat_template", None)
         )
         self.measured = measure.loaded(self, config, active)  # what it holds; the process's MLX limit
-        self.scheduler.kv = measure.kv_budget(self.measured, self.context_length)  # the batch within its KV reservation (M4)
+        self.scheduler.kv = measure.kv_budget(self.measured, self.context_length, measure.drafts(self))  # the batch within its KV reservation (M4)
         self.generator = self._new_generator()
 
     def _check_quantizable(self, config: dict) -> None:

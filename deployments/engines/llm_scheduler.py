@@ -84,11 +84,14 @@ class KVBudget:
     row for every row (shorter rows are left-padded), so a batch of rows whose longest reaches T
     tokens holds `rows x sequence_bytes(T)`. `context_tokens`: the most tokens one row may hold (the
     engine's context, within one of reserve_concurrency shares); `sequence_bytes`: one row's cache
-    at a length (MeasuredMemory.sequence_bytes: buffers in mlx-lm's steps, windows, fixed state)."""
+    at a length (MeasuredMemory.sequence_bytes: buffers in mlx-lm's steps, windows, fixed state);
+    `overshoot`: positions the batch cache may run past its longest row (a speculative verify step
+    runs every row's drafts in before it trims the rejected ones)."""
 
     reserved_bytes: int
     context_tokens: int
     sequence_bytes: Callable[[int], int]
+    overshoot: int = 0
 
     def row_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
         """The most tokens a row holds: its prompt and what it may generate, within the context."""
@@ -96,7 +99,7 @@ class KVBudget:
 
     def batch_bytes(self, rows: list[int]) -> int:
         """The KV a batch of rows reaching `rows` tokens each holds at most."""
-        return len(rows) * self.sequence_bytes(max(rows)) if rows else 0
+        return len(rows) * self.sequence_bytes(max(rows) + self.overshoot) if rows else 0
 
     def fits(self, rows: list[int]) -> bool:
         return self.batch_bytes(rows) <= self.reserved_bytes

@@ -288,14 +288,16 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
         reserve_concurrency=engine.reserve_concurrency,
         prefill_chunk=chunk,
         prefill_rows=max(1, engine.max_prefill_tokens // chunk),
-        decode_tokens=1 + (engine.spec_max_drafts if getattr(engine, "speculator", None) is not None else 0),
+        decode_tokens=1 + drafts(engine),
         prefix_cache_bytes=engine.prompt_cache_bytes,
         weights_hash=model_identity(engine.path, bits, group, 0, "") if Path(engine.path).is_dir() else "",
         estimated_weight_bytes=safetensors_bytes(engine.path) if Path(engine.path).is_dir() else 0,
         estimated_cache=config_cache(config, weights_dtype(Path(engine.path)) if Path(engine.path).is_dir() else None, bits, group),
     )
     if engine.reserve_context_tokens:  # 0: the operator reserves no KV, and nothing is held to it
-        engine.context_length = min(engine.context_length, measured.longest_sequence())
+        # a verify step runs every row's drafts into the batch cache before it trims the rejected
+        # ones: a row's cache may reach its length + the drafts, which its share must hold too
+        engine.context_length = min(engine.context_length, measured.longest_sequence() - drafts(engine))
     limit = set_limit(id(engine), measured.limit_bytes)
     weakref.finalize(engine, set_limit, id(engine), None)
     logger.info(
@@ -306,12 +308,20 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
     return measured
 
 
-def kv_budget(measured: MeasuredMemory, context_length: int) -> KVBudget | None:
+def drafts(engine: Any) -> int:
+    """The draft tokens a speculative verify step runs past a row's length at most (0 without one)."""
+    return int(engine.spec_max_drafts) if getattr(engine, "speculator", None) is not None else 0
+
+
+def kv_budget(measured: MeasuredMemory, context_length: int, overshoot: int = 0) -> KVBudget | None:
     """The KV reservation the engine's batch is held to (M4), its rows at most `context_length`
-    tokens each; None where the operator reserves no KV (reserve_context_tokens 0)."""
+    tokens each, the batch cache up to `overshoot` positions past its longest row (`drafts`); None
+    where the operator reserves no KV (reserve_context_tokens 0)."""
     if not measured.reserve_context_tokens:
         return None
-    return KVBudget(reserved_bytes=measured.kv_reserved_bytes, context_tokens=context_length, sequence_bytes=measured.sequence_bytes)
+    return KVBudget(
+        reserved_bytes=measured.kv_reserved_bytes, context_tokens=context_length, sequence_bytes=measured.sequence_bytes, overshoot=overshoot
+    )
 
 
 def refusal(measured: MeasuredMemory | None, prompt_tokens: int) -> str | None:
