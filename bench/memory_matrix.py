@@ -6,9 +6,9 @@ engine's reservation (measured after its load: weights, KV for the reserved cont
 concurrency, one prefill step) and with the folder's estimate.
 
     python -m bench.memory_matrix                      # tiny shapes, this machine (seconds each)
-    python -m bench.memory_matrix --scale card --context 8192 --concurrency 4   # a GPU (real widths, layers cut)
+    python -m bench.memory_matrix --scale card --context 8192 --concurrency 4 --chunk 512   # a GPU (real widths, layers cut)
 
-Prints a table and writes bench/results/memory-matrix-<scale>.json. `reserved / peak` is the issue's
+Prints a table and writes bench/results/memory-matrix-<scale>.json (or --json). `reserved / peak` is the issue's
 goal: at least 1 (the reservation holds) and at most 1.15 (it wastes little)."""
 
 import argparse
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=128, help="the engine's prefill_chunk_tokens")
     parser.add_argument("--only", default="", help="comma-separated families")
     parser.add_argument("--dir", type=Path, default=None, help="where the folders are built (default: a temporary folder)")
+    parser.add_argument("--json", type=Path, default=None, help="where the rows go (default: bench/results/memory-matrix-<scale>.json)")
     args = parser.parse_args(argv)
     dtype = args.dtype or ("float32" if args.scale == "tiny" else "bfloat16")
     families = [f for f in architectures.FAMILIES if not args.only or f in args.only.split(",")]
@@ -155,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(folder)
     print(table(rows))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"memory-matrix-{args.scale}.json"
+    out = args.json or RESULTS / f"memory-matrix-{args.scale}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"commit": commit, "device": str(mx.default_device()), "machine": platform.machine(), "args": {k: str(v) for k, v in vars(args).items()}}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")
