@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache
 
 from deployments.engines.llm import LLMEngine
 from deployments.engines.prefix_cache import PrefixCache
-from deployments.engines.prefix_disk import SUFFIX, DiskTier, chain, model_identity, tier_bytes
+from deployments.engines.prefix_disk import READ_PROBE_EVERY, SUFFIX, DiskTier, chain, model_identity, tier_bytes
 from deployments.engines.quantized_cache import QuantizedKVCache
 from deployments.wire.generation import GenerationRequest
 
@@ -147,3 +147,12 @@ def test_a_prefix_is_read_back_only_where_that_beats_prefilling_it(tmp_path):
     assert not again.disk.worth_reading() and again.restore(TOKENS) == 0 and again.disk.stats["disk_blocks_restored"] == 0
     again.disk.prefill_rate = lambda: 10.0  # a Mac's prefill of a large model: 10 tokens a second
     assert again.disk.worth_reading() and again.restore(TOKENS) == 5 * BLOCK
+
+
+def test_a_tier_passed_up_as_too_slow_still_reads_now_and_then_so_its_rate_can_recover(tmp_path):
+    disk = DiskTier(tmp_path, "model-a", 2**30)
+    disk.per_token = 1000.0
+    disk._read_rate = 1000.0  # one slow read back: a token a second
+    disk.prefill_rate = lambda: 100.0
+    asked = [disk.worth_reading() for _ in range(3 * READ_PROBE_EVERY)]
+    assert asked.count(True) == 3 and asked[READ_PROBE_EVERY - 1]

@@ -45,6 +45,8 @@ DIR_NAME = ".prefixes"  # beside the model store's folders, not counted in its b
 SUFFIX = ".safetensors"
 _SAMPLE = 1 << 20
 RESCAN = 256  # a writer lists the tier's folder at least every this many blocks it writes
+READ_RATE_WEIGHT = 0.2  # of each read in the moving average of the read-back rate
+READ_PROBE_EVERY = 32  # a read passed up as too slow is made anyway once in this many
 
 
 def default_dir() -> Path | None:
@@ -109,7 +111,8 @@ class DiskTier:
         self.folder = root / identity
         self.folder.mkdir(parents=True, exist_ok=True)
         self.stats = {"disk_blocks_written": 0, "disk_blocks_restored": 0, "disk_blocks_refused": 0, "disk_write_errors": 0}
-        self._read: list[float] = [0, 0.0]  # bytes and seconds of the blocks read back
+        self._read_rate: float | None = None  # bytes/s of recent reads back (a moving average)
+        self._passed = 0  # reads passed up in a row because they would not pay
         self.per_token = 0.0  # bytes a token's KV takes in a block (seen at the first put or load)
         self._writes = 0  # blocks this tier wrote (the folder is listed again every RESCAN of them)
         # the engine's measured prefill rate (tokens/s; 0 before any): a prefix is read back only
@@ -169,7 +172,7 @@ class DiskTier:
             return
         target = self._file(key)
         tmp = target.with_name(f".{key}.{os.getpid()}.tmp")
-        meta = {"identity": self.identity, "tokens": json.dumps(list(tokens)), "dtypes": json.dumps(dtypes), "sha256": _digest(arrays)}
+        meta = {"identity": self.identity, "tokens": json.dumps(list(tokens)), "dtypes": json.dumps(dtypes), "crc32": _digest(arrays)}
         self._reserve(nbytes)
         save_file(arrays, str(tmp), metadata=meta)
         os.replace(tmp, target)
@@ -189,7 +192,7 @@ class DiskTier:
             if (
                 meta.get("identity") != self.identity
                 or json.loads(meta.get("tokens", "null")) != list(tokens)
-                or meta.get("sha256") != _digest(arrays)
+                or meta.get("crc32") != _digest(arrays)
             ):
                 raise ValueError("its identity, tokens or checksum do not match")
             dtypes = json.loads(meta["dtypes"])
@@ -208,23 +211,28 @@ class DiskTier:
         values = _from_numpy([arrays[f"v{i}"] for i in range(len(arrays) - n)], dtypes[n:])
         self.stats["disk_blocks_restored"] += 1
         nbytes = sum(a.nbytes for a in arrays.values())
-        self._read[0] += nbytes
-        self._read[1] += time.monotonic() - started
+        rate = nbytes / max(time.monotonic() - started, 1e-6)
+        self._read_rate = rate if self._read_rate is None else (1 - READ_RATE_WEIGHT) * self._read_rate + READ_RATE_WEIGHT * rate
         self.per_token = nbytes / max(1, len(tokens))
         return keys, values
 
     def worth_reading(self) -> bool:
         """Whether reading blocks back beats prefilling their tokens, at the rates measured here
-        (until both are known: yes)."""
+        (until both are known: yes). Every READ_PROBE_EVERY-th read passed up is made anyway, so one
+        slow read (a cold disk, a busy node) does not turn the tier off for the engine's life."""
         rate = self.prefill_rate() if self.prefill_rate is not None else 0.0
-        if rate <= 0 or self.per_token <= 0:
+        if rate <= 0 or self.per_token <= 0 or self.read_bytes_per_s() / self.per_token > rate:
+            self._passed = 0
             return True
-        return self.read_bytes_per_s() / self.per_token > rate
+        self._passed += 1
+        if self._passed >= READ_PROBE_EVERY:
+            self._passed = 0
+            return True
+        return False
 
     def read_bytes_per_s(self) -> float:
-        """How fast blocks came back from disk here (checks included); 1 GiB/s before any did."""
-        nbytes, seconds = self._read
-        return nbytes / seconds if nbytes and seconds > 0 else float(2**30)
+        """How fast blocks came back from disk here lately (checks included); 1 GiB/s before any did."""
+        return self._read_rate if self._read_rate is not None else float(2**30)
 
     # ---- the budget -------------------------------------------------------------------------
     @contextlib.contextmanager
