@@ -23,7 +23,7 @@ from deployments.manifest import ManifestEntry, model_location
 from deployments.spare import SPARE_ENTRY, NoModel, keep_kernels, warm_up
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import ChannelItem, GenerationRequest, VLMRequest, WholeReply, parse_request
-from deployments.wire.reports import HealthReport, MemoryReport
+from deployments.wire.reports import HealthReport, MemoryReport, Released
 from deployments.wire.results import EmbeddingResult, RerankResult, TranscribedSegment, TranscriptionResult
 
 # Which method serves which kind, and the words an error message uses for it.
@@ -125,6 +125,7 @@ class ModelServer:
         self._wholes: dict[str, Whole] = {}  # whole generations running (generate_whole), by request id
         self._path: dict[str, float] = dict(PATH_COUNTERS)  # where the path's time goes here (counters())
         self._exiting = False
+        self._released: Released | None = None  # what `stop` gave back
         if load_now:
             self._load_in_creation()
 
@@ -267,10 +268,33 @@ class ModelServer:
             await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
         return self.running()
 
-    async def stop(self, reason: str = "stopped") -> None:
-        """Stop the engine: running streams end (engine_stopped), later calls fail the same way."""
+    async def stop(self, reason: str = "stopped") -> Released:
+        """Stop the engine: running streams end (engine_stopped), later calls fail the same way. The
+        engine drops its model, batch and caches and clears MLX's buffer cache as it stops; what the
+        process gave back and still holds, measured here (rule X1: a placement waiting for this
+        memory may load before the process has exited)."""
+        if self._released is not None:  # stopped already (the exit's own stop after the release)
+            return self._released
         print(f"orchard: {self.entry.name}@{self.node_id} stopping: {reason}", file=sys.stderr, flush=True)
+        started = time.monotonic()
+        before = self.process_bytes()
         await self.engine.stop()
+        mx = sys.modules.get("mlx.core")  # imported with any engine (and a spare's warm-up)
+        if mx is not None:
+            mx.clear_cache()
+        released = self._released = Released(
+            resident_before_bytes=before,
+            resident_bytes=self.process_bytes(),
+            mlx_bytes=mx.get_active_memory() + mx.get_cache_memory() if mx is not None else 0,
+            seconds=time.monotonic() - started,
+        )
+        print(
+            f"orchard: {self.entry.name}@{self.node_id} released {released.freed_bytes / 2**20:.0f} MiB,"
+            f" {released.held_bytes / 2**20:.0f} MiB held until its process exits",
+            file=sys.stderr,
+            flush=True,
+        )
+        return released
 
     async def exit(self, reason: str = "stopped") -> None:
         """End this actor (after `stop`): its channels close, its log says why, and Ray records an

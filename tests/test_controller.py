@@ -674,12 +674,14 @@ def _kinds(c, *kinds):
     return [(e.kind, e.model) for e in c.events() if e.kind in kinds]
 
 
-def test_an_evicting_placement_loads_only_once_its_victim_has_exited_and_the_node_reports_the_room():
-    """Issue 25 item 10: before, b's load began with a's stop (a's process still held its 6 GiB)."""
+def test_an_evicting_placement_whose_victim_releases_nothing_loads_only_once_it_has_exited_and_the_node_reports_the_room():
+    """a's model server does not answer its stop (no release): b's load waits for a's process to
+    exit (it still holds its 6 GiB), then for a report that shows the room."""
 
     async def scenario():
         c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
         c.release((await c.acquire("a")).lease_id)
+        fx.releases = False
         fx.stop_gate = asyncio.Event()  # a's process exits only when the test says so
         waiting = asyncio.create_task(c.acquire("b"))
         await fx.run_for(0.1)
@@ -709,6 +711,7 @@ def test_a_load_after_an_unload_on_the_same_node_waits_for_that_process_to_exit(
     async def scenario():
         c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
         c.release((await c.acquire("a")).lease_id)
+        fx.releases = False
         fx.stop_gate = asyncio.Event()
         c.unload("a")  # gone from the state at once; its process is still exiting
         waiting = asyncio.create_task(c.acquire("b"))
@@ -730,6 +733,7 @@ def test_a_victim_that_never_exits_fails_the_placement_in_bounded_time_and_nothi
     async def scenario():
         c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
         c.release((await c.acquire("a")).lease_id)
+        fx.releases = False  # its model server does not answer: only its exit frees the memory
         fx.stop_gate = asyncio.Event()
         waiting = asyncio.create_task(c.acquire("b"))
         await fx.run_for(0.05)
@@ -755,6 +759,7 @@ def test_a_stop_that_cannot_confirm_the_exit_fails_the_placement_at_once():
     async def scenario():
         c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
         c.release((await c.acquire("a")).lease_id)
+        fx.releases = False
         fx.stops_exit = False
         waiting = asyncio.create_task(c.acquire("b"))
         for _ in range(100):
@@ -780,6 +785,7 @@ def test_a_node_report_short_of_the_room_holds_the_load_back_until_the_wait_fail
     async def scenario():
         c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
         c.release((await c.acquire("a")).lease_id)
+        fx.releases = False
         fx.stop_gate = asyncio.Event()
         waiting = asyncio.create_task(c.acquire("b"))
         await fx.run_for(0.1)  # a is evicted for b; its stop waits
@@ -797,6 +803,82 @@ def test_a_node_report_short_of_the_room_holds_the_load_back_until_the_wait_fail
     (failed,) = [e for e in c.events() if e.kind == "load_failed"]
     assert "did not show 6.0 GiB free" in failed.reason and "4.0 GiB free" in failed.reason
     assert error.code.startswith("model_")
+
+
+def test_an_evicting_placement_loads_once_its_victim_has_released_its_memory_while_its_process_exits():
+    """X1: a's model server stops its engine and measures what it gave back: b loads on that and a
+    report asked for after it, while a's process (still holding its residual) exits beside the load.
+    The residual is ours on the node until the exit: in what the node's agent is told we use, never
+    foreign."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=6), spec("b", gb=6)], nodes=(("n1", 8),))
+        c.release((await c.acquire("a")).lease_id)
+        fx.release_gate, fx.stop_gate = asyncio.Event(), asyncio.Event()  # a releases, then exits, when the test says
+        waiting = asyncio.create_task(c.acquire("b"))
+        await fx.run_for(0.1)
+        before = [p.model for p in fx.started]
+        fx.release_gate.set()
+        lease = await asyncio.wait_for(waiting, 2)
+        during = (list(fx.log), c.held_bytes("n1"), c.state.node("n1").foreign_bytes)
+        fx.stop_gate.set()
+        await fx.run_for(0.05)
+        return c, fx, before, lease, during
+
+    c, fx, before, lease, (log, held, foreign) = run(scenario())
+    assert before == ["a"] and lease.model == "b" and fx.overcommits == []
+    assert log == [("start", "a"), ("release", "a"), ("start", "b")]  # b loaded before a's process exited
+    assert held == 6 * GIB + fx.residual and foreign == 0  # a's residual: ours until it exits
+    assert fx.log[-1] == ("exit", "a") and c.held_bytes("n1") == 6 * GIB
+    assert _kinds(c, "evicted", "placed", "released", "stopped", "loading", "loaded")[-6:] == [
+        ("evicted", "a"),
+        ("placed", "b"),
+        ("released", "a"),
+        ("loading", "b"),
+        ("loaded", "b"),
+        ("stopped", "a"),
+    ]
+    released = next(e for e in c.events() if e.kind == "released")
+    assert released.bytes == 6 * GIB - fx.residual and "held by its process until it exits" in released.reason
+
+
+def test_a_released_process_is_counted_until_it_exits_so_a_load_it_leaves_no_room_for_waits_for_the_exit():
+    """a's process still holds 1.5 GiB after its release: the 8 GiB node shows 6.5 GiB free, b needs
+    7: b waits for a's exit, then loads."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=6), spec("b", gb=7)], nodes=(("n1", 8),))
+        c.release((await c.acquire("a")).lease_id)
+        fx.residual = 3 * GIB // 2
+        fx.stop_gate = asyncio.Event()
+        waiting = asyncio.create_task(c.acquire("b"))
+        await fx.run_for(0.1)
+        held_back = (list(fx.log), c.state.node("n1").instance("b").status)
+        fx.stop_gate.set()
+        await asyncio.wait_for(waiting, 2)
+        return fx, held_back
+
+    fx, held_back = run(scenario())
+    assert held_back == ([("start", "a"), ("release", "a")], "loading")  # placed, not started
+    assert fx.log == [("start", "a"), ("release", "a"), ("exit", "a"), ("start", "b")] and fx.overcommits == []
+
+
+def test_a_released_victim_whose_exit_is_not_confirmed_does_not_fail_the_placement_that_counted_on_its_release():
+    """The exit that follows a's release cannot be confirmed: b, which waited on a's stop, loads on
+    the release and a report that shows the room, and does not fail."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=6), spec("b", gb=1)], nodes=(("n1", 8),))
+        c.release((await c.acquire("a")).lease_id)
+        fx.stops_exit = False
+        c.unload("a")
+        lease = await asyncio.wait_for(c.acquire("b"), 2)
+        await fx.run_for(0.05)
+        return c, fx, lease
+
+    c, fx, lease = run(scenario())
+    assert lease.model == "b" and not any(e.kind == "load_failed" for e in c.events())
+    assert fx.log == [("start", "a"), ("release", "a"), ("start", "b")]
 
 
 def cached_node(c, fx, cache_gb: float, other_gb: float = 0.0) -> None:
@@ -1207,6 +1289,7 @@ def test_r1_a_spare_taken_by_a_placement_that_never_loads_is_stopped_and_the_res
         c.release(lease.lease_id)
         await _spares_ready(c, fx, ("n1",))
         spare = next(iter(fx.spares))
+        fx.releases = False
         fx.stop_gate = asyncio.Event()  # a's process does not exit yet
         ask = asyncio.ensure_future(c.acquire("b"))
         await fx.run_for(0.05)

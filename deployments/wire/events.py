@@ -12,6 +12,7 @@ EventKind = Literal[
     "retrying",
     "evicted",
     "draining",
+    "released",
     "stopped",
     "loading",
     "unloaded",

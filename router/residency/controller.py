@@ -38,6 +38,7 @@ from router.residency.events import (
     NodeLost,
     NodeReported,
     StopDone,
+    StopReleased,
 )
 from router.residency.interface import Effects
 from router.residency.leases import LeaseBook
@@ -85,7 +86,9 @@ class ResidencyController:
         self._timer: tuple[float, Timer] | None = None
 
     # ---- happenings in --------------------------------------------------------------------------
-    def apply(self, event: NodeReported | CachesReported | NodeLost | InstanceDied | LoadDone | LoadFailed | StopDone | FetchDone) -> None:
+    def apply(
+        self, event: NodeReported | CachesReported | NodeLost | InstanceDied | LoadDone | LoadFailed | StopReleased | StopDone | FetchDone
+    ) -> None:
         if isinstance(event, NodeReported):
             self._node_reported(event)
         elif isinstance(event, CachesReported):
@@ -98,6 +101,8 @@ class ResidencyController:
             self.placements.load_done(event)
         elif isinstance(event, LoadFailed):
             self.placements.load_failed(event)
+        elif isinstance(event, StopReleased):
+            self.placements.stop_released(event)
         elif isinstance(event, StopDone):
             self.placements.stop_done(event)
         else:
@@ -120,7 +125,8 @@ class ResidencyController:
         instances = old.instances if old is not None and old.alive else ()
         spare = old.spare_bytes if old is not None and old.alive else 0  # R1: ours, not foreign
         waiting = self.placements.awaiting_bytes(r.node_id)
-        ours = sum(held_bytes(i) for i in instances) + spare - waiting  # kept prompt prefixes included (X4): not foreign
+        exiting = self.placements.exiting_bytes(r.node_id)  # X1: released processes not yet exited
+        ours = sum(held_bytes(i) for i in instances) + spare + exiting - waiting  # kept prompt prefixes included (X4): not foreign
         self.sites.reported(r.node_id, r.ray_node_id, r.store, self.clock.now() if r.asked_at is None else r.asked_at, r.chip)
         room, copying = (self.sites.room(r.node_id), bool(r.store.fetching)) if r.store is not None else (None, False)
         self.placements.reported(r.node_id, self.clock.now() if r.asked_at is None else r.asked_at, r.free_bytes, room, copying)
@@ -315,9 +321,11 @@ class ResidencyController:
         return spec
 
     def held_bytes(self, node_id: str) -> int:
-        """What our instances on the node hold or are loading (those waiting for room hold nothing yet)."""
+        """What our instances on the node hold or are loading (those waiting for room hold nothing
+        yet), and the processes that released their model's memory but have not exited (X1)."""
         node = self.state.node(node_id)
-        return (ours_bytes(node) if node is not None else 0) - self.placements.awaiting_bytes(node_id)
+        placements = self.placements
+        return (ours_bytes(node) if node is not None else 0) - placements.awaiting_bytes(node_id) + placements.exiting_bytes(node_id)
 
     def restore(self, events: list[ClusterEvent], pins: dict[str, bool]) -> None:
         """What a previous controller left in the operator's store: its event log (numbering goes on

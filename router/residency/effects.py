@@ -21,7 +21,7 @@ from cluster.store import PREFIXES
 from deployments.failures import unwrap
 from deployments.manifest import ManifestEntry, model_location
 from deployments.wire.failure import OrchardError
-from deployments.wire.reports import MemoryReport
+from deployments.wire.reports import MemoryReport, Released
 from policy import InstanceRef
 from policy.cluster_state import LoadFailureReason
 from router.residency.events import ClusterEvent, LoadError, LoadResult, NodeUnreachable
@@ -246,6 +246,20 @@ class RayEffects:
         if not result["removed"] and result["reason"]:
             raise OrchardError("files_in_use", result["reason"], "node")
         return bool(result["removed"])
+
+    async def release_instance(self, instance: InstanceRef, actor: str | None, reason: str) -> Released | None:
+        """X1: drain the incarnation's requests (up to drain_timeout_s) and stop its engine, which
+        drops its model and caches in its process; what that gave back and what the process still
+        holds until it exits, as the model server measured them. None when it does not answer."""
+        if actor is None:
+            return None
+        try:
+            handle = await asyncio.to_thread(ray.get_actor, actor, NAMESPACE)
+            await asyncio.wait_for(handle.drain.remote(self.drain_timeout_s), self.drain_timeout_s + self.exit_timeout_s)
+            return Released.model_validate(await asyncio.wait_for(handle.stop.remote(reason), self.exit_timeout_s))
+        except Exception as e:  # gone, or no answer in time: its exit decides
+            log.info("%s (%s) did not release its memory: %s", instance, actor, type(e).__name__)
+            return None
 
     async def stop_instance(self, instance: InstanceRef, actor: str | None, reason: str) -> bool:
         """Stop the instance's incarnation `actor`; True once its process is gone (X1)."""

@@ -2,7 +2,7 @@
 
 In: typed happenings, each applied on the loop (`ResidencyController.apply`): a node's report, a
 node lost, an instance's death, and the outcomes of the effects it started (a load done or
-failed, a stop done, a copy of weights done). Out: `ClusterEvent`, one line of the log that
+failed, a stop's release or its end, a copy of weights done). Out: `ClusterEvent`, one line of the log that
 GET /v1/cluster/events, the metrics and the operator's store read."""
 
 from typing import Literal
@@ -12,6 +12,7 @@ from pydantic import Field
 from cluster.node_report import StoreReport
 from deployments.wire.events import ClusterEvent, EventKind
 from deployments.wire.measured import MeasuredMemory
+from deployments.wire.reports import Released
 from policy import InstanceRef, Place
 from policy._frozen import Frozen
 from policy.cluster_state import LoadFailureReason
@@ -81,6 +82,16 @@ class StopDone(Frozen):
     gone: bool  # its process exited (or none was started); False: the exit was not confirmed
     reason: str
     bytes: int | None = None  # what it released, when a process may have run
+
+
+class StopReleased(Frozen):
+    """A stopping instance's model server stopped its engine and gave its model's memory back in its
+    process (rule X1); its process still holds `released.held_bytes` until it exits (StopDone)."""
+
+    stop_id: int
+    instance: InstanceRef
+    released: Released
+    reason: str
 
 
 class FetchDone(Frozen):

@@ -8,6 +8,7 @@ from typing import Protocol
 from cluster.node_report import FetchResult, StoreReport
 from deployments.manifest import ManifestEntry
 from deployments.wire.events import ClusterEvent
+from deployments.wire.reports import Released
 from policy import InstanceRef, ModelSpec, Place
 from policy._frozen import Frozen
 from router.residency.events import LoadResult
@@ -67,6 +68,12 @@ class Effects(Protocol):
 
     async def stop_spare(self, node_id: str, actor: str, reason: str) -> None:
         """Stop the spare `actor` (it is gone when this returns, or it never started)."""
+        ...
+
+    async def release_instance(self, instance: InstanceRef, actor: str | None, reason: str) -> Released | None:
+        """Drain the incarnation `actor` and stop its engine, which gives its model's memory back in
+        its process (X1); what it gave back and still holds, measured there. None: no actor, or no
+        answer (its exit decides)."""
         ...
 
     async def stop_instance(self, instance: InstanceRef, actor: str | None, reason: str) -> bool:

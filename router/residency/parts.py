@@ -9,7 +9,18 @@ from typing import Any, Protocol
 
 from policy import ClusterState, InstanceRef, InstanceState, LoadFailure, Place, PolicyConfig
 from router.residency.clock import Clock
-from router.residency.events import CachesReported, EventKind, FetchDone, InstanceDied, LoadDone, LoadFailed, NodeLost, NodeReported, StopDone
+from router.residency.events import (
+    CachesReported,
+    EventKind,
+    FetchDone,
+    InstanceDied,
+    LoadDone,
+    LoadFailed,
+    NodeLost,
+    NodeReported,
+    StopDone,
+    StopReleased,
+)
 from router.residency.interface import Effects
 from router.residency.leases import LeaseBook
 from router.residency.sites import Sites
@@ -76,7 +87,9 @@ class Loop(Protocol):
     @property
     def spares(self) -> SparesPart: ...
 
-    def apply(self, event: NodeReported | CachesReported | NodeLost | InstanceDied | LoadDone | LoadFailed | StopDone | FetchDone) -> None: ...
+    def apply(
+        self, event: NodeReported | CachesReported | NodeLost | InstanceDied | LoadDone | LoadFailed | StopReleased | StopDone | FetchDone
+    ) -> None: ...
 
     def mark_failed(self, failure: LoadFailure) -> None: ...
 

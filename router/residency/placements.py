@@ -5,11 +5,14 @@ an event (LoadDone, LoadFailed, StopDone, FetchDone).
 Unload, then load (rule X1): placements wait for the room they were promised.
 
 A placement on a node where instances are stopping (its victims, unloads), or where a stop could
-not confirm its process gone, loads nothing until every such stop has confirmed its exit and a
-node report asked for after that measures the free memory for it and every other placement
-waiting there; at most `exit_wait_s`, then it fails (`no_room`) having loaded nothing. A Mac frees
-a process's memory only once it has exited, so this is what keeps an eviction from overcommitting
-a node. Part of the residency loop: it runs in the loop's steps and reads the loop's state."""
+not confirm its process gone, loads nothing until every such stop has released its model's memory
+in its process (the model server's own measure, `Released`) or confirmed its exit, and a node
+report asked for after that measures the free memory for it and every other placement waiting
+there; at most `exit_wait_s`, then it fails (`no_room`) having loaded nothing. A released process
+still holds what it measured until it exits: that is counted as ours on its node (what the node's
+agent is told Orchard uses) until the exit is confirmed, so the report's room leaves it out. This
+is what keeps an eviction from overcommitting a node while the victim's process exit runs beside
+the new load. Part of the residency loop: it runs in the loop's steps and reads the loop's state."""
 
 import asyncio
 import itertools
@@ -32,7 +35,7 @@ from policy import (
 from policy.memory import gib
 from policy.transitions import apply_place, learn_bandwidth, mark_loaded, mark_stored, remove_instance
 from router.residency.clock import Timer
-from router.residency.events import FetchDone, LoadDone, LoadError, LoadFailed, NodeLost, NodeUnreachable, StopDone
+from router.residency.events import FetchDone, LoadDone, LoadError, LoadFailed, NodeLost, NodeUnreachable, StopDone, StopReleased
 from router.residency.interface import FetchOrder
 from router.residency.measured import Measurements
 from router.residency.parts import Loop
@@ -44,7 +47,7 @@ class _Pending:
     attempt: int
     after: set[int]  # the stops it waits for
     deadline: Timer
-    ended_at: float | None = None  # when the last of them ended
+    ended_at: float | None = None  # when the last of them ended (released, or exited)
     asked_at: float = float("-inf")  # when it last asked for a report
     unconfirmed: int = 0  # its stops that ended without confirming the exit
     kept: int = 0  # the caches it counted on that were not given back (X4)
@@ -64,6 +67,7 @@ class Placements:
         self.for_requests: dict[tuple[str, str], asyncio.Task | None] = {}  # loads and fetches only requests wait for
         self._ids = itertools.count(1)
         self._stops: dict[int, InstanceRef] = {}  # stops under way
+        self._released: dict[int, int] = {}  # stops whose model server released its memory -> what its process holds until it exits
         self._pending: dict[InstanceRef, _Pending] = {}
         self._reports: dict[str, tuple[float, int]] = {}  # node -> (when its latest report was asked for, free bytes)
         # node -> when a stop there ended without confirming its process gone: until a report asked
@@ -74,7 +78,7 @@ class Placements:
         # (model, node) -> the spare its placement took (R1: its actor, and its start while that runs), until its load starts
         self.spare_for: dict[tuple[str, str], tuple[str, asyncio.Task | None]] = {}
         # (model, node) -> when its placement was decided, and the seconds its load's own copy took: a
-        # reload costs the span in between less the copy (E3), the victims' exits and the start included
+        # reload costs the span in between less the copy (E3), the victims' releases (X1) and the start included
         self._placed_at: dict[tuple[str, str], tuple[float, float]] = {}
 
     # ---- caches given back before evictions (X4) ----------------------------------------------------
@@ -125,6 +129,11 @@ class Placements:
         loop.effects.want_report(ref.node_id)
         self.check(ref.node_id)
         loop._wake()
+
+    def exiting_bytes(self, node_id: str) -> int:
+        """What the processes on the node that released their memory hold until they exit (X1):
+        ours, not foreign, and not free."""
+        return sum(n for i, n in self._released.items() if (ref := self._stops.get(i)) is not None and ref.node_id == node_id)
 
     def stopping(self, ref: InstanceRef) -> int:
         stop_id = next(self._ids)
@@ -277,8 +286,28 @@ class Placements:
         if order.entry is not None and order.entry.folder is not None:  # there now, before the next report says so
             self.loop.sites.added(order.node_id, order.entry.folder, result.total_bytes or result.bytes, self.loop.clock.now())
 
+    def stop_released(self, r: StopReleased) -> None:
+        """X1: the stopping instance gave its model's memory back in its process; what its process
+        still holds is ours until it exits, and placements waiting on the node need only a report
+        that shows the room now."""
+        if r.stop_id not in self._stops:
+            return
+        held, freed = r.released.held_bytes, r.released.freed_bytes
+        self._released[r.stop_id] = held
+        node_id = r.instance.node_id
+        self.loop._record(
+            "released",
+            model=r.instance.model,
+            node_id=node_id,
+            bytes=freed,
+            seconds=r.released.seconds,
+            reason=f"its engine stopped: {gib(freed)} given back, {gib(held)} held by its process until it exits ({r.reason})",
+        )
+        self.check(node_id)
+
     def stop_done(self, done: StopDone) -> None:
         self._stops.pop(done.stop_id, None)
+        had_released = self._released.pop(done.stop_id, None) is not None
         node_id = done.instance.node_id
         now = self.loop.clock.now()
         if done.gone:
@@ -290,7 +319,7 @@ class Placements:
             self._unsure[node_id] = now
             self.loop.effects.want_report(node_id)
             for p in self._pending.values():
-                if done.stop_id in p.after:
+                if done.stop_id in p.after and not had_released:  # a released one's room was measured already
                     p.unconfirmed += 1
         self.check(node_id)
 
@@ -312,7 +341,7 @@ class Placements:
         if p.kept:
             self._fail(ref, p, f"{p.kept} of the instances on {ref.node_id} asked to give back their kept prompt prefixes gave back nothing")
             return
-        if p.after & (self._stops.keys() | self._shrinking.keys()):
+        if p.after & ((self._stops.keys() - self._released.keys()) | self._shrinking.keys()):
             return
         if p.ended_at is None:
             p.ended_at = now
@@ -454,7 +483,7 @@ class Placements:
             return
         now = self.loop.clock.now()
         at, copied = self._placed_at.pop((ref.model, ref.node_id), (now, 0.0))
-        swap_s = max(done.load_seconds, now - at - copied)  # what bringing it back costs (E3): exits, start, load
+        swap_s = max(done.load_seconds, now - at - copied)  # what bringing it back costs (E3): releases, start, load
         self.loop.state = mark_loaded(self.loop.state, ref, now, swap_s, done.bytes)
         self.loop._record("loaded", model=ref.model, node_id=ref.node_id, bytes=done.bytes, seconds=done.load_seconds)
         self.loop.spares.plan()  # the next spare, where one was taken and there is room (R1)
@@ -511,6 +540,12 @@ class Placements:
         self.loop._spawn(self._run_stop(stop_id, ref, actor, reason, nbytes))
 
     async def _run_stop(self, stop_id: int, ref: InstanceRef, actor: str | None, reason: str, nbytes: int | None) -> None:
+        try:  # X1: its memory first, then its process
+            released = await self.loop.effects.release_instance(ref, actor, reason)
+        except Exception:  # an effect that broke released nothing: the exit decides
+            released = None
+        if released is not None:
+            self.loop.apply(StopReleased(stop_id=stop_id, instance=ref, released=released, reason=reason))
         try:
             gone = bool(await self.loop.effects.stop_instance(ref, actor, reason))
         except Exception as e:  # an effect that broke: the exit is not confirmed

@@ -7,6 +7,7 @@ import asyncio
 from cluster.node_report import CopyProgress, FetchResult, StoreReport
 from deployments.manifest import ManifestEntry
 from deployments.wire.measured import MeasuredMemory
+from deployments.wire.reports import Released
 from policy import InstanceRef, Place, PolicyConfig
 from policy.config import GIB
 from router.residency.clock import ManualClock, MonotonicClock
@@ -29,7 +30,8 @@ class FakeEffects:
     """A clock the tests drive (an autopilot moves it on while the loop runs, so waits time out
     without real sleeping; `run_for` lets a span of it pass), loads that take no
     time (or fail as told), and a log of every effect. Its nodes behave like Macs: a started
-    instance holds its bytes until its stop has ended (its process exited), a node report asked
+    instance holds its bytes until its model server released them (then `residual`) and what is
+    left until its stop has ended (its process exited), a node report asked
     for measures what those processes leave free (less `foreign` memory), and a start that would
     not fit beside the processes still there is logged in `overcommits`."""
 
@@ -40,6 +42,9 @@ class FakeEffects:
         self.overcommits: list[tuple[str, str, int]] = []  # (model, node, bytes short) at a start
         self.log: list[tuple[str, str]] = []  # ("start" | "exit", model) in order
         self.stop_gate: asyncio.Event | None = None  # stops end (processes exit) once it is set
+        self.releases = True  # a stopping model server gives its model's memory back before it exits (X1); False: no answer
+        self.release_gate: asyncio.Event | None = None  # releases end once it is set
+        self.residual = GIB // 4  # what a process that released its model holds until it exits
         self.stops_exit = True  # False: a stop that cannot confirm its exit
         self.auto_report = True  # a wanted report comes at once
         self.clock: ManualClock | MonotonicClock = ManualClock()
@@ -127,6 +132,22 @@ class FakeEffects:
         if reasons:
             raise LoadError(reasons.pop(0), "simulated")
         return LoadResult(bytes=place.bytes, load_seconds=0.5, measured=self.measured.get(place.model))
+
+    async def release_instance(self, instance, actor, reason):
+        """X1: the model server drops its model and caches; its process holds `residual` from then
+        until its exit, as a Mac's would."""
+        if actor is None or not self.releases:
+            return None
+        if self.release_gate is not None:
+            await self.release_gate.wait()
+        key = (instance.model, instance.node_id)
+        held = self.resident.get(key)
+        if held is None:
+            return None
+        held += self.caches.pop(key, 0)
+        self.resident[key] = min(held, self.residual)
+        self.log.append(("release", instance.model))
+        return Released(resident_before_bytes=held, resident_bytes=self.resident[key], mlx_bytes=0, seconds=0.0)
 
     async def stop_instance(self, instance, actor, reason):
         self.stopped.append((instance, reason))
