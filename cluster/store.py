@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cluster.receiving import IncomingFile, Receiving
-from cluster.stored import CHUNK_BYTES, MANIFEST, StoredFile, StoreError, StoreManifest, checked_file, checked_folder, sha256_of
+from cluster.stored import CHUNK_BYTES, MANIFEST, StoredFile, StoreError, StoreManifest, checked_files, checked_folder, sha256_of
 
 ENV_STORE = "ORCHARD_STORE"
 PARTIAL = ".partial"
@@ -253,6 +253,7 @@ class Store:
         caller resumes from another source). `progress(bytes)` after each write, counting resumed bytes
         as done."""
         folder = checked_folder(manifest.folder)
+        paths = checked_files([f.path for f in manifest.files])
         partial = self.root / PARTIAL / folder
         partial.mkdir(parents=True, exist_ok=True)
         need = manifest.total_bytes
@@ -261,7 +262,7 @@ class Store:
         if need - have > free:
             raise StoreError("disk_full", f"{folder} needs {need - have} more bytes; {free} free in {self.root}")
         with Receiving(folder, progress) as receiving:
-            files = [IncomingFile(f, partial / checked_file(f.path), receiving) for f in manifest.files]
+            files = [IncomingFile(f, partial / path, receiving) for f, path in zip(manifest.files, paths, strict=True)]
             receiving.start(sum(f.offset for f in files))
             transfer(files)
             for f in files:

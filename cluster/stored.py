@@ -60,6 +60,17 @@ def checked_file(path: str) -> str:
     return str(PurePosixPath(*parts))
 
 
+def checked_files(paths: list[str]) -> list[str]:
+    """A folder's file paths, each checked, none twice and none a folder of another (a peer's
+    manifest listing `a` and `a/b` could not be written)."""
+    checked = [checked_file(p) for p in paths]
+    folders = {str(parent) for p in checked for parent in PurePosixPath(p).parents}
+    clash = next((p for p in checked if p in folders), None) or next((p for p in checked if checked.count(p) > 1), None)
+    if clash is not None:
+        raise StoreError("bad_request", f"a manifest lists {clash!r} twice, or as a file and a folder")
+    return checked
+
+
 def sha256_of(path: Path, upto: int | None = None) -> str:
     h = hashlib.sha256()
     left = upto

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from cluster.store import PARTIAL, Store
-from cluster.stored import MANIFEST, StoreError
+from cluster.stored import MANIFEST, StoredFile, StoreError, StoreManifest
 
 
 def _folder(root, name="m", sizes=(5000, 123, 0)):
@@ -101,6 +101,14 @@ def test_store_folder_names_stay_inside_the_store(tmp_path, bad):
     with pytest.raises(StoreError) as e:
         Store(tmp_path).folder(bad)
     assert e.value.code == "bad_request"
+
+
+@pytest.mark.parametrize("paths", [["a", "a/b"], ["x/y", "x"], ["f", "f"], ["../f"]])
+def test_a_peer_manifest_that_cannot_be_written_is_refused_before_any_byte(tmp_path, paths):
+    manifest = StoreManifest(folder="m", files=tuple(StoredFile(path=p, size=1, sha256="0" * 64) for p in paths))
+    with pytest.raises(StoreError) as e:
+        Store(tmp_path).copy_in(manifest, lambda files: pytest.fail("nothing is fetched"))
+    assert e.value.code == "bad_request" and not (tmp_path / "m").exists()
 
 
 def test_only_listed_files_of_a_complete_folder_are_served(tmp_path):
