@@ -3,7 +3,8 @@ json`, Anthropic Messages) and Codex 0.171.0 (`codex exec --json`, the Responses
 folder with a throwaway home, pinned releases installed by `make clients` (npm, with Node 22) into
 .clients/. The model is llama-64k (random weights, a 64k context): Claude Code's prompt is ~20k of its
 tokens with max_tokens 32000, so the session runs only because a max_tokens past the room left is
-clamped. A recording proxy (support/capture.py) keeps every request each CLI sent and its status;
+clamped. Codex gets a model catalog (`model_catalog_json`) that marks llama-64k as taking `apply_patch`
+as a freeform (custom) tool, so its requests carry it as they do for OpenAI's models. A recording proxy (support/capture.py) keeps every request each CLI sent and its status;
 Orchard's events show the model loaded, the CLIs' own output the usage Orchard reported. ORCHARD_RECORD_AGENTS=1 writes the
 requests as tests/fixtures/agents/ (what test_agent_replay.py replays)."""
 
@@ -111,13 +112,39 @@ def test_claude_code_completes_a_headless_session(clis, orchard):
     assert _loaded(orchard["base"])
 
 
+def _codex_catalog(home: str) -> Path:
+    """A model catalog (Codex's `model_catalog_json`) naming llama-64k as a model that takes
+    `apply_patch` as a freeform tool, as Codex's own catalog marks its models: the fields its
+    ModelInfo requires, the context window, and as base instructions the ones Codex sends a model it
+    does not know (the recorded first request's first developer message)."""
+    recorded = json.loads((FIXTURES / f"codex-{CODEX_VERSION}" / "00-v1_responses.json").read_text())
+    entry = {
+        "slug": MODEL,
+        "display_name": MODEL,
+        "apply_patch_tool_type": "freeform",
+        "supported_reasoning_levels": [{"effort": "medium", "description": "the only level"}],
+        "shell_type": "shell_command",
+        "visibility": "list",
+        "supported_in_api": True,
+        "priority": 1,
+        "support_verbosity": False,
+        "truncation_policy": {"mode": "tokens", "limit": 10000},
+        "experimental_supported_tools": [],
+        "context_window": 65536,
+        "base_instructions": recorded["input"][0]["content"][0]["text"],
+    }
+    path = Path(home, "catalog.json")
+    path.write_text(json.dumps({"models": [entry]}))
+    return path
+
+
 def test_codex_completes_a_headless_session(clis, orchard):
     proxy: CaptureProxy = orchard["proxy"]
     start = len(proxy.requests)
     home, work = tempfile.mkdtemp(prefix="codex-home-"), tempfile.mkdtemp(prefix="codex-work-")
     Path(home, "config.toml").write_text(
-        f'model = "{MODEL}"\nmodel_provider = "orchard"\n\n[model_providers.orchard]\nname = "Orchard"\n'
-        f'base_url = "{proxy.base}/v1"\nwire_api = "responses"\nstream_idle_timeout_ms = 600000\n'
+        f'model = "{MODEL}"\nmodel_provider = "orchard"\nmodel_catalog_json = "{_codex_catalog(home)}"\n\n'
+        f'[model_providers.orchard]\nname = "Orchard"\nbase_url = "{proxy.base}/v1"\nwire_api = "responses"\nstream_idle_timeout_ms = 600000\n'
     )
     env = _env(clis, home, CODEX_HOME=home, OPENAI_API_KEY="unused")
     version = subprocess.run([str(clis / "codex"), "--version"], env=env, capture_output=True, text=True, timeout=60).stdout
@@ -148,6 +175,9 @@ def test_codex_completes_a_headless_session(clis, orchard):
     assert sent and all(c.status == 200 for c in sent)
     first = sent[0].body
     types = {t["type"] for t in first["tools"]}
-    assert {"namespace", "web_search"} <= types, types  # flattened and dropped, not refused
+    assert {"namespace", "web_search", "custom"} <= types, types  # flattened, dropped (not refused), offered as is
+    patch = next(t for t in first["tools"] if t["type"] == "custom")
+    assert patch["name"] == "apply_patch" and patch["format"]["syntax"] == "lark"  # the catalog's freeform apply_patch
+    assert all(c.headers.get("orchard-dropped-tools") == "web_search" for c in sent), [c.headers for c in sent]  # apply_patch kept
     assert first["prompt_cache_key"]
     assert _loaded(orchard["base"])

@@ -3,9 +3,10 @@ replayed through a real Orchard (the shared cluster, llama-64k), each answer che
 own models as the CLI parses it: Claude Code's ~20k-token first request with max_tokens 32000 is
 served, streamed and whole; its second turn, sent with another billing
 hash as Claude Code does, is served from the prefix cache; count_tokens gives the prompt's exact
-count (tools included). Codex's first request (a namespace tool, web_search) streams to
-response.completed, and the dropped tool is named in a header. max_tokens is lowered so a random
-model's answer stays short; every other field is as the CLI sent it. A long prefill's stream starts
+count (tools included). Codex's first request (a namespace tool, web_search, apply_patch as a custom
+tool) streams to response.completed, the dropped tool named in a header and apply_patch offered. max_tokens is lowered so a random
+model's answer stays short; every other field is as the CLI sent it (a tool round names its tool in
+`tool_choice`, so the forced-call grammar makes the random model call it). A long prefill's stream starts
 at once and keeps alive; a max_tokens past the room left ends with each protocol's length reason."""
 
 import json
@@ -109,6 +110,85 @@ def test_codex_request_streams_to_completion(orchard):
     assert r2.status_code == 200, r2.text
     usage = Response.model_validate(r2.json()).usage
     assert usage is not None and usage.input_tokens_details.cached_tokens >= 0.9 * usage.input_tokens
+
+
+def test_codex_s_freeform_apply_patch_is_offered(orchard):
+    """The recorded request carries `apply_patch` as a custom (freeform, lark grammar) tool, as Codex
+    sends it for a model its catalog marks so: Orchard offers it to the model (its description and
+    `input` parameter are in the prompt: the same request without it reads fewer tokens) and drops
+    only web_search."""
+    patch = next(t for t in CODEX["tools"] if t.get("name") == "apply_patch")
+    assert patch["type"] == "custom" and patch["format"]["syntax"] == "lark"
+    body = {**CODEX, "max_output_tokens": 1, "stream": False}
+    without = {**body, "tools": [t for t in CODEX["tools"] if t.get("name") != "apply_patch"]}
+    answers = [requests.post(orchard + "/v1/responses", json=b, headers={"Authorization": "Bearer unused"}, timeout=600) for b in (body, without)]
+    assert [a.status_code for a in answers] == [200, 200], [a.text[:300] for a in answers]
+    assert all(a.headers["Orchard-Dropped-Tools"] == "web_search" for a in answers)
+    used = [Response.model_validate(a.json()).usage for a in answers]
+    assert used[0] is not None and used[1] is not None
+    assert used[0].input_tokens > used[1].input_tokens + 50, (used[0].input_tokens, used[1].input_tokens)
+
+
+def test_claude_code_tool_use_turn_and_its_result(orchard):
+    """A whole tool round of Claude Code's conversation through the real engine: its recorded request
+    with `tool_choice` naming Read (the random model never calls a tool by itself; the forced-call
+    grammar makes llguidance hold its output to a Read call, every other field as recorded), answered
+    with a tool_use block. Sampled at the temperature Claude Code leaves to the server: a greedy random
+    model repeats itself inside a string until max_tokens, a sampled one closes it well before 1024
+    tokens. Then the next request as Claude Code sends it (the tool_use, a tool_result in a user turn,
+    no tool_choice, a new billing hash) streams to message_stop, its prompt read from the prefix
+    cache. Both answers read with the anthropic SDK's models."""
+    forced = {**CLAUDE, "tool_choice": {"type": "tool", "name": "Read"}, "max_tokens": 1024, "stream": False}
+    r = requests.post(orchard + "/v1/messages", json=forced, headers=HEADERS, timeout=600)
+    assert r.status_code == 200, r.text
+    message = Message.model_validate(r.json())
+    assert message.stop_reason == "tool_use", message
+    call = next(b for b in message.content if b.type == "tool_use")
+    assert call.name == "Read" and isinstance(call.input, dict) and isinstance(call.input.get("file_path"), str)
+    billing = CLAUDE["system"][0]["text"].replace("cc_version=", "cc_version=0.0.0.def; was=")
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "1\tREADME.md\n2\tsrc/\n"}]}
+    follow = {
+        **CLAUDE,
+        "system": [{"type": "text", "text": billing}, *CLAUDE["system"][1:]],
+        "messages": [
+            *CLAUDE["messages"],
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+            {"role": "user", "content": [result]},
+        ],
+        "max_tokens": 16,
+        "stream": True,
+    }
+    with requests.post(orchard + "/v1/messages", json=follow, headers=HEADERS, timeout=600, stream=True) as streamed:
+        assert streamed.status_code == 200, streamed.text
+        events = [TypeAdapter(RawMessageStreamEvent).validate_python(e) for e in _events(streamed) if e["type"] != "ping"]
+    assert events[0].type == "message_start" and events[-1].type == "message_stop"
+    usage = next(e for e in events if e.type == "message_delta").usage
+    assert usage.cache_read_input_tokens is not None and usage.input_tokens is not None
+    assert usage.cache_read_input_tokens >= 0.9 * (usage.cache_read_input_tokens + usage.input_tokens), usage
+
+
+def test_codex_apply_patch_call_and_its_output(orchard):
+    """A whole tool round of Codex's conversation: its recorded request with `tool_choice` naming the
+    custom apply_patch tool (the grammar of the function Orchard offers for it holds the random model
+    to calls), answered with `custom_tool_call` items; then the whole history resent with them and
+    their `custom_tool_call_output`s, as Codex does, streams to its end. Read with the openai SDK's models."""
+    forced = {**CODEX, "tool_choice": {"type": "custom", "name": "apply_patch"}, "max_output_tokens": 1024, "stream": False}
+    r = requests.post(orchard + "/v1/responses", json=forced, headers={"Authorization": "Bearer unused"}, timeout=600)
+    assert r.status_code == 200, r.text
+    response = Response.model_validate(r.json())
+    calls = [o for o in response.output if o.type == "custom_tool_call"]  # parallel_tool_calls is on: one or more
+    assert calls and all(c.name == "apply_patch" and isinstance(c.input, str) for c in calls), response.output
+    outputs = [
+        {"type": "custom_tool_call_output", "call_id": c.call_id, "output": "Success. Updated the following files:\nM README.md\n"} for c in calls
+    ]
+    follow = {**CODEX, "input": [*CODEX["input"], *[o.model_dump(exclude_none=True) for o in response.output], *outputs], "max_output_tokens": 16}
+    with requests.post(orchard + "/v1/responses", json=follow, headers={"Authorization": "Bearer unused"}, timeout=600, stream=True) as streamed:
+        assert streamed.status_code == 200, streamed.text
+        events = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in _events(streamed)]
+    last = events[-1]
+    assert last.type in ("response.completed", "response.incomplete"), [e.type for e in events]
+    done = Response.model_validate(last.response.model_dump())  # type: ignore[union-attr]
+    assert done.usage is not None and done.usage.input_tokens_details.cached_tokens >= 0.9 * done.usage.input_tokens
 
 
 def _long_prompt(tag: str) -> dict:

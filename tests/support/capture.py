@@ -1,6 +1,6 @@
 """A recording reverse proxy for the agent-CLI tests: every request a client sends goes on to an
 upstream (Orchard) unchanged, and its method, path and JSON body are kept in order (`requests`),
-with the status and the time until the response's head. What the real CLIs send is saved this way
+with the status, the response's headers and the time until its head. What the real CLIs send is saved this way
 as the replay fixtures (tests/fixtures/agents/)."""
 
 import asyncio
@@ -29,6 +29,7 @@ class Captured:
     status: int = 0
     head_s: float = 0.0
     error: str = ""  # the body of an error answer
+    headers: dict[str, str] = field(default_factory=dict)  # the answer's headers, names in lower case
 
 
 @dataclass
@@ -61,6 +62,7 @@ class CaptureProxy:
             return Response(json.dumps({"error": {"message": f"capture proxy: {e}"}}), status_code=502, media_type="application/json")
         seen.status, seen.head_s = upstream.status, time.monotonic() - started
         out = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP}
+        seen.headers = {k.lower(): v for k, v in out.items()}
         if upstream.status >= 400:
             raw_error = await upstream.read()
             seen.error = raw_error.decode("utf-8", "replace")
