@@ -517,6 +517,7 @@ def test_a_group_is_split_to_keep_prefill_within_max_prefill_tokens(models_dir, 
             admit_hold_steps=100_000,
             admit_quiet_steps=100_000,
             max_prefill_tokens=budget,
+            reserve_concurrency=4,  # KV for the busy one's 3,000 tokens beside the three (M4)
         )
         await e.load()
         try:

@@ -317,7 +317,8 @@ def test_a_group_whose_rows_have_cached_prefixes_of_different_lengths_prefills_u
     chunk stay ragged: there mlx-lm gives a shorter row its first token chunks earlier. The same
     with an 8-bit cache (a row's cut prefix is a slice of its blocks' quantized keys, scales and
     biases)."""
-    hold = {"prefill_batch": 4, "admit_hold_steps": 100_000, "admit_quiet_steps": 100_000, "kv_bits": kv_bits}
+    # reserve_concurrency: KV for the busy one's 3,000 tokens beside the four (M4)
+    hold = {"prefill_batch": 4, "admit_hold_steps": 100_000, "admit_quiet_steps": 100_000, "kv_bits": kv_bits, "reserve_concurrency": 8}
 
     async def scenario(e: LLMEngine) -> tuple[list, list, dict]:
         await e.complete(turn([{"role": "system", "content": system}, {"role": "user", "content": "Warm the cache."}]))
