@@ -59,7 +59,9 @@ async def through_engine(engine: LLMEngine, texts: list[str], max_tokens: int) -
 def measure(name: str, path: str, concurrencies: list[int], max_tokens: int, speculation: str = "prompt_lookup") -> list[dict]:
     rows = []
     # No prefix reuse: the direct side has none, and the prompts share a long prefix.
-    engine = LLMEngine(name, path, max_batch=64, prompt_cache_entries=0, speculation=speculation)
+    engine = LLMEngine(
+        name, path, max_batch=64, prompt_cache_entries=0, speculation=speculation, reserve_context_tokens=0
+    )  # no KV reservation held (M4 off), as BatchGenerator runs
     asyncio.run(engine.load())
     asyncio.run(through_engine(engine, prompts(2), 4))  # warm-up: compile, caches
     direct(path, prompts(2), 4)

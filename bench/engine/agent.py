@@ -180,7 +180,9 @@ def _settings(pairs: list[str]) -> dict[str, Any]:
 
 
 def run_variant(path: str, name: str, settings: dict, system: str, concurrency: int, a: argparse.Namespace) -> dict:
-    engine = LLMEngine(Path(path).name, path, max_batch=max(64, concurrency), **(settings | _settings(a.set)))
+    engine = LLMEngine(
+        Path(path).name, path, max_batch=max(64, concurrency), **({"reserve_context_tokens": 0} | settings | _settings(a.set))
+    )  # no KV reservation held (M4 off), as BatchGenerator runs
     asyncio.run(engine.load())
     try:
         asyncio.run(engine.complete(GenerationRequest(messages=[{"role": "user", "content": "warm up"}], max_tokens=4, temperature=0)))

@@ -195,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # greedy through the engine, each cache, rounds in turns (decode tok/s in the same run)
     tokens = templated(tokenizer, prompts(a.prompts))
-    engines = {b: LLMEngine(MODEL, path, max_batch=64, prompt_cache_entries=0, kv_bits=b, kv_group_size=group) for b in variants}
+    engines = {
+        b: LLMEngine(MODEL, path, max_batch=64, prompt_cache_entries=0, kv_bits=b, kv_group_size=group, reserve_context_tokens=0) for b in variants
+    }
     for e in engines.values():
         asyncio.run(e.load())
         asyncio.run(greedy_batch(e, tokens[:2], 4))  # warm-up

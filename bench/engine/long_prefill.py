@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> dict[tuple[int, ...], list[dict]]:
         engines = {}
         for v in variants:  # one engine per variant, all loaded at once; admission without holding
-            engines[v] = LLMEngine(Path(a.model).name, a.model, prefill_chunk_tokens=v[0], prefill_decode_steps=v[1], admit_hold_steps=0)
+            engines[v] = LLMEngine(
+                Path(a.model).name, a.model, prefill_chunk_tokens=v[0], prefill_decode_steps=v[1], admit_hold_steps=0, reserve_context_tokens=0
+            )
             await engines[v].load()
         cells: dict[tuple[int, ...], list[dict]] = {v: [] for v in variants}
         try:

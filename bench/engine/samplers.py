@@ -89,7 +89,7 @@ async def _round(engine: LLMEngine, requests: list[GenerationRequest]) -> dict[s
 
 
 async def measure(model: Path, streams: int, tokens: int, rounds: int) -> dict:
-    engine = LLMEngine(model.name, str(model), max_batch=streams)
+    engine = LLMEngine(model.name, str(model), max_batch=streams, reserve_context_tokens=0)  # no KV reservation held (M4 off), as BatchGenerator runs
     await engine.load()
     cells = [(mix, side, False) for mix in MIXES for side in SIDES] + [("mixed", "batched", True)]
     runs: dict[str, list[dict[str, float]]] = {}

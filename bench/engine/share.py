@@ -216,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     path = str(a.model)
     top = max(a.streams)
     bare = Bare(path, top, a.temperature)
-    engine = LLMEngine(a.model.name, path, max_batch=max(64, top), prompt_cache_entries=a.prompt_cache)
+    engine = LLMEngine(
+        a.model.name, path, max_batch=max(64, top), prompt_cache_entries=a.prompt_cache, reserve_context_tokens=0
+    )  # no KV reservation held (M4 off), as BatchGenerator runs
     asyncio.run(engine.load())
     bare.run(2, 4, 0.0)  # warm-up: compile, caches
     asyncio.run(through_engine(engine, 2, 4, 0.0, a.temperature))

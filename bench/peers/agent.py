@@ -280,7 +280,8 @@ def started(names: list[str], a: argparse.Namespace, path: Path, home: str, fail
     name = names[0]
     if name == "bare":
         # as served (with the KV reservation bench.serve gives the model, for the CLIs' long prompts)
-        reserve: dict[str, Any] = serve_bench.OVERRIDES.get(path.name, {}) if getattr(a, "shape", "chat") != "chat" else {}
+        # (none held otherwise: M4 off, as BatchGenerator runs)
+        reserve: dict[str, Any] = serve_bench.OVERRIDES.get(path.name, {}) if getattr(a, "shape", "chat") != "chat" else {"reserve_context_tokens": 0}
         engine = LLMEngine(path.name, str(path), max_batch=max(64, *a.concurrency), **VARIANTS["blocks"], **reserve)
         asyncio.run(engine.load())
         try:

@@ -55,7 +55,9 @@ def main() -> None:
         actor = create_model_server(entry, f"paths-{v}", ray_node_id=node, models_dir=str(models_dir), options=options)
         ray.get(actor.load.remote())
         variants[f"actor, GIL switch {v}"] = actor
-    engine = LLMEngine(args.model, str(models_dir / args.model), max_batch=64)
+    engine = LLMEngine(
+        args.model, str(models_dir / args.model), max_batch=64, reserve_context_tokens=0
+    )  # no KV reservation held (M4 off), as BatchGenerator runs
     concurrencies = [int(c) for c in args.concurrency.split(",")]
 
     async def measure() -> list[dict]:
