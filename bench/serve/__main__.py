@@ -406,7 +406,8 @@ def main() -> None:
     max_tokens_of = {"llama-10m": 128, "smollm2-135m-instruct": 48, "llama-1b-shape": 128, "llama-8b-shape": 128}
     for model in args.models.split(","):
         max_tokens = args.max_tokens or max_tokens_of[model]
-        engine = LLMEngine(model, str(models_dir / model), max_batch=64, **scheduling)  # as served: prefix reuse on
+        # as served: its reservation, prefix reuse on
+        engine = LLMEngine(model, str(models_dir / model), max_batch=64, **(OVERRIDES.get(model, {}) | scheduling))
         bare = Bare(str(models_dir / model), 64, TEMPERATURE) if args.bare else None
         load_started = time.perf_counter()
         asyncio.run(engine.load())
