@@ -126,3 +126,16 @@ def cache_shape(config: dict, dtype_bytes: int, kv_bits: int | None = None, kv_g
         state_bytes=counts.get("state", 0) * (plain * dtype_bytes + wide * STATE_BYTES),
         layers=counts,
     )
+
+
+def joined(target: CacheShape, draft: CacheShape) -> CacheShape:
+    """A target's cache and its draft model's (speculative decoding: the draft keeps its own cache of
+    every sequence beside the target's), as one sequence's: bytes added, the longer window."""
+    layers = {k: target.layers.get(k, 0) + draft.layers.get(k, 0) for k in sorted(set(target.layers) | set(draft.layers))}
+    return CacheShape(
+        full_bytes_per_token=target.full_bytes_per_token + draft.full_bytes_per_token,
+        window_bytes_per_token=target.window_bytes_per_token + draft.window_bytes_per_token,
+        window_tokens=max(target.window_tokens, draft.window_tokens),
+        state_bytes=target.state_bytes + draft.state_bytes,
+        layers=layers,
+    )

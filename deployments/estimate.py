@@ -14,7 +14,7 @@ import json
 import struct
 from pathlib import Path
 
-from deployments.cache_shape import cache_shape, quantized_kv_bytes
+from deployments.cache_shape import cache_shape, joined, quantized_kv_bytes
 from deployments.engine import Frozen
 from deployments.manifest import safetensors_bytes
 from deployments.wire.measured import CacheShape
@@ -70,10 +70,18 @@ def kv_bytes_quantized(kv_bytes: int, dtype_bytes: int, kv_bits: int | None, kv_
     return quantized_kv_bytes(kv_bytes // dtype_bytes, dtype_bytes, kv_bits, kv_group_size)
 
 
-def estimate(folder: str | Path, kind: str = "llm", kv_bits: int | None = None, kv_group_size: int = 64) -> FolderEstimate:
+def estimate(
+    folder: str | Path, kind: str = "llm", kv_bits: int | None = None, kv_group_size: int = 64, draft: str | Path | None = None
+) -> FolderEstimate:
     """Encoders (embedding, rerank) keep no KV cache; decoders do, LLM-based TTS included.
-    `kv_bits`: an LLM engine's quantized cache (its llm_engine options)."""
+    `kv_bits`: an LLM engine's quantized cache (its llm_engine options). `draft`: the folder of a
+    draft model loaded with it (speculative decoding), whose weights and cache (in its own dtype,
+    for every sequence) are the instance's too."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     cache = CacheShape() if kind in ("embedding", "rerank") else config_cache(config, weights_dtype(folder), kv_bits, kv_group_size)
-    return FolderEstimate(weight_bytes=safetensors_bytes(folder), kv_bytes_per_token=cache.full_bytes_per_token, cache=cache)
+    weights = safetensors_bytes(folder)
+    if draft is not None:
+        extra = estimate(draft)
+        weights, cache = weights + extra.weight_bytes, joined(cache, extra.cache)
+    return FolderEstimate(weight_bytes=weights, kv_bytes_per_token=cache.full_bytes_per_token, cache=cache)

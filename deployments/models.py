@@ -25,7 +25,7 @@ BUILDERS = (
     "llava_tiny",
 )
 # Built only when named (`--only`): real model shapes for accelerator benchmarks, gigabytes each.
-ON_REQUEST = ("llama_1b_shape", "llama_1b_shape_64k", "llama_8b_shape")
+ON_REQUEST = ("llama_1b_shape", "llama_1b_shape_64k", "llama_1b_shape_q4_draft", "llama_1b_shape_l2_draft", "llama_8b_shape")
 
 
 def builder(module: str) -> ModuleType:

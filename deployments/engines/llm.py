@@ -15,8 +15,8 @@ The engine's parts, each in its module:
   LRUPromptCache for models whose caches cannot be cut into blocks);
 - llm_output.py: a request's deltas (detokenizing, stop strings, logprobs, usage) and their hand-off
   to the event loop, one call per loop per step whatever the number of streams;
-- speculation.py: draft tokens (prompt_lookup.py) verified for every row in one forward, at a depth
-  that follows acceptance and the step's cost (spec_depth.py)."""
+- speculation.py: draft tokens (prompt_lookup.py, or a draft model's: draft.py) verified for every
+  row in one forward, at a depth that follows acceptance and the step's cost (spec_depth.py)."""
 
 import asyncio
 import itertools
@@ -40,6 +40,7 @@ from deployments.engine import Engine, MemoryReport, RequestError, RequestErrorC
 from deployments.engines import buffer_cache, measure
 from deployments.engines.chat_format import chat_inputs, template_kwargs_error, template_supports_tools
 from deployments.engines.constrained import GrammarCompiler, GrammarProcessor
+from deployments.engines.draft import Draft
 from deployments.engines.llm_cache import KeptPrefixes
 from deployments.engines.llm_loop import Arrival, MLXLoop
 from deployments.engines.llm_output import Delta, DeltaSink, Stream, TokenLogprob, Usage, failure, put
@@ -93,8 +94,10 @@ class LLMEngine(MLXLoop, Engine):
         prefill_cache_keep_mib: int | None = None,
         kv_bits: int | None = None,  # a quantized KV cache (quantized_cache.py): 8 or 4 bits, None: the model's dtype
         kv_group_size: int = 64,
-        speculation: str = "prompt_lookup",  # or "off" (speculation.py)
+        speculation: str = "prompt_lookup",  # "off", or "draft" with draft_model (speculation.py, draft.py)
         spec_max_drafts: int = 8,
+        draft_model: str | None = None,  # a folder (or hub id) of a smaller model of this one's tokenizer
+        draft_rows: int = 4,  # rows the draft proposes for at once; others take prompt lookup's
         spec_fixed_depth: int | None = None,  # verify this many drafts whenever a row has them, whatever it costs (comparisons, tests)
     ):
         """The scheduling and cache settings are options.py's fields of the same names (what each
@@ -156,9 +159,12 @@ class LLMEngine(MLXLoop, Engine):
         self._retired_counters: dict[str, float] = {}  # of generators replaced after a broken step
         # Every row's one sampler: the batch is sampled in one call whatever its rows' settings (MLX thread)
         self.sampling = BatchSampler()
-        if speculation not in ("off", "prompt_lookup"):
-            raise ValueError(f"speculation must be 'off' or 'prompt_lookup', not {speculation!r}")
+        if speculation not in ("off", "prompt_lookup", "draft"):
+            raise ValueError(f"speculation must be 'off', 'prompt_lookup' or 'draft', not {speculation!r}")
+        if (speculation == "draft") != bool(draft_model):
+            raise ValueError("speculation 'draft' takes a draft_model (a smaller model of the same tokenizer), and only it does")
         self.speculation, self.spec_max_drafts = speculation, spec_max_drafts
+        self.draft_model, self.draft_rows = draft_model, draft_rows
         # draft tokens verified in the batch (MLX thread)
         self.speculator = Speculator(self.sampling, max_drafts=spec_max_drafts, fixed_depth=spec_fixed_depth) if speculation != "off" else None
         self._arriving = 0  # started, not yet in the batch (being prepared or held); under _arriving_lock
@@ -216,6 +222,9 @@ class LLMEngine(MLXLoop, Engine):
         if self.speculator is not None and not sliceable(make_prompt_cache(self.model)):  # a window or an SSM state is not rewound by trimming
             logger.info("%s: its KV cache is not plain KV in every layer; no speculative decoding", self.name)
             self.speculator = None
+        if self.speculator is not None and self.draft_model:  # part of the instance: in its weights and its measured cache
+            self.speculator.draft = Draft.load(self.draft_model, self.name, self.tokenizer, self.vocab_size, self.draft_rows, self.prefill_chunk)
+            self.weight_bytes += self.speculator.draft.weight_bytes
         hf_tokenizer = self.tokenizer._tokenizer
         self.grammars = GrammarCompiler(hf_tokenizer, self.eos_ids, self.vocab_size)
         # mlx-lm's own renderers (a Python chat template) take tools; a Jinja one must name them

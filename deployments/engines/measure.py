@@ -294,6 +294,9 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
         estimated_weight_bytes=safetensors_bytes(engine.path) if Path(engine.path).is_dir() else 0,
         estimated_cache=config_cache(config, weights_dtype(Path(engine.path)) if Path(engine.path).is_dir() else None, bits, group),
     )
+    draft = getattr(getattr(engine, "speculator", None), "draft", None)
+    if draft is not None:  # a draft model's cache of every sequence is the instance's too (its weights are in `weights`)
+        measured = draft.counted(measured)
     if engine.reserve_context_tokens:  # 0: the operator reserves no KV, and nothing is held to it
         # a verify step runs every row's drafts into the batch cache before it trims the rejected
         # ones: a row's cache may reach its length + the drafts, which its share must hold too

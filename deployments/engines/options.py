@@ -3,7 +3,7 @@ Plain pydantic, no MLX: the app builder and the registry validate them before an
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class LLMEngineOptions(BaseModel):
@@ -95,6 +95,18 @@ class LLMEngineOptions(BaseModel):
     # up to `spec_max_drafts` tokens a row from its own prompt and output (n-gram matches, no draft
     # model), and one forward verifies every row's drafts; the depth follows each row's acceptance
     # and the step's measured cost, down to plain steps where it would not pay. "off": one token a
-    # row per step. docs/engines.md says when it pays.
-    speculation: Literal["off", "prompt_lookup"] = "prompt_lookup"
+    # row per step. "draft": a draft model (`draft_model`: a registry model's name, or a folder,
+    # absolute or under models_dir; a smaller model of the same tokenizer) proposes for up to
+    # `draft_rows` rows (deployments/engines/draft.py), prompt lookup for the others; it is loaded
+    # and evicted with the model, and its weights and KV cache are reserved with it.
+    # docs/engines.md says when each pays.
+    speculation: Literal["off", "prompt_lookup", "draft"] = "prompt_lookup"
     spec_max_drafts: int = Field(default=8, ge=1, le=32)
+    draft_model: str | None = Field(default=None, min_length=1, max_length=1000)
+    draft_rows: int = Field(default=4, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _draft_named(self) -> "LLMEngineOptions":
+        if (self.speculation == "draft") != (self.draft_model is not None):
+            raise ValueError("speculation 'draft' takes a draft_model (a smaller model of the same tokenizer), and only it does")
+        return self

@@ -8,8 +8,11 @@ step runs B. A row whose drafts are accepted at rate a (each draft independently
 makes 1 + a + a^2 + ... + a^k tokens per step with k drafts instead of 1. The step's time is
 modelled as `fixed + per_token x tokens in the forward`, fitted to the steps the engine measured
 (plain and verify, exponentially forgetting), starting from `prior_token_cost` (per_token / fixed).
-The depth K is the one whose expected tokens per second is highest, if it beats a plain step by
-`min_gain`; else 0."""
+With a draft model (draft.py) a row it drafts for costs its K draft forwards too: one draft forward's
+seconds (measured, starting from `prior_draft_cost` of a one-row plain step; until the fit has
+points enough, over the measured seconds of one unit of the prior's cost) is added to the step's
+cost per draft token. The depth K is the one whose expected tokens per second is highest,
+if it beats a plain step by `min_gain`; else 0."""
 
 import math
 from collections import Counter
@@ -64,6 +67,7 @@ class Depth:
         memory: float = 0.7,
         recovery: float = 0.02,
         fixed: int | None = None,
+        prior_draft_cost: float = 0.3,
     ):
         self.max_drafts = max_drafts
         self.prior_acceptance = prior_acceptance
@@ -74,6 +78,9 @@ class Depth:
         self.fixed = fixed  # a depth to use whenever a row has drafts, whatever it costs (comparisons, tests)
         self.acceptance: dict[int, float] = {}  # by row id
         self._fit = _Fit(decay=0.98)
+        self.prior_draft_cost = prior_draft_cost  # a draft forward as a share of a one-row plain step, until measured
+        self._unit_s: float | None = None  # seconds per unit of the step-cost model (decayed mean)
+        self._draft_s: float | None = None  # seconds of one draft forward (decayed mean)
 
     def forget(self, row: int) -> None:
         self.acceptance.pop(row, None)
@@ -81,7 +88,26 @@ class Depth:
     def observe_step(self, forward_tokens: int, seconds: float) -> None:
         """A decode step's wall time, plain (forward_tokens = rows) or verifying (rows x (K + 1))."""
         if forward_tokens > 0 and seconds > 0:
+            self._unit_s = _mean(self._unit_s, seconds / (1.0 + self.prior_token_cost * forward_tokens))  # the prior's units
             self._fit.add(forward_tokens, seconds)
+
+    def observe_draft(self, forwards: int, seconds: float) -> None:
+        """A step's draft forwards (one row, one token each) and their wall time."""
+        if forwards > 0 and seconds > 0:
+            self._draft_s = _mean(self._draft_s, seconds / forwards)
+
+    def _line(self) -> tuple[float, float]:
+        fit = self._fit.line()
+        return fit if fit is not None else (1.0, self.prior_token_cost)
+
+    def draft_cost(self) -> float:
+        """One draft forward in units of the step-cost model."""
+        fit = self._fit.line()
+        if fit is not None:  # the model's units are seconds
+            return self._draft_s if self._draft_s is not None else self.prior_draft_cost * sum(fit)
+        if self._draft_s is None or self._unit_s is None:
+            return self.prior_draft_cost * (1.0 + self.prior_token_cost)
+        return self._draft_s / self._unit_s
 
     def observe_row(self, row: int, proposed: int, accepted: int) -> None:
         if proposed <= 0:
@@ -90,16 +116,17 @@ class Depth:
         old = self.acceptance.get(row, self.prior_acceptance)
         self.acceptance[row] = self.memory * old + (1 - self.memory) * rate
 
-    def step_cost(self, rows: int, depth: int) -> float:
-        """A verify step's time with `depth` drafts a row, as a multiple of a plain step's."""
-        fit = self._fit.line()
-        fixed, per_token = fit if fit is not None else (1.0, self.prior_token_cost)
-        return (fixed + per_token * rows * (depth + 1)) / (fixed + per_token * rows)
+    def step_cost(self, rows: int, depth: int, draft_forwards: int = 0) -> float:
+        """A verify step's time with `depth` drafts a row (and `draft_forwards` of a draft model), as
+        a multiple of a plain step's."""
+        fixed, per_token = self._line()
+        drafting = draft_forwards * self.draft_cost() if draft_forwards else 0.0
+        return (fixed + per_token * rows * (depth + 1) + drafting) / (fixed + per_token * rows)
 
-    def hopeless(self, rows: list[int]) -> bool:
+    def hopeless(self, rows: list[int], drafted: int = 0) -> bool:
         """Whether no depth would pay for these rows even with every draft available (checked before
         proposing, every step of a full batch: rows of one acceptance are counted together, most
-        of them at the prior). A row's acceptance drifts back towards the prior at each such check,
+        of them at the prior; `drafted` of them by a draft model). A row's acceptance drifts back towards the prior at each such check,
         so a row that stopped speculating tries again later."""
         if self.fixed is not None:
             return False
@@ -112,12 +139,14 @@ class Depth:
         n = len(rows)
         for depth in range(1, self.max_drafts + 1):
             made = sum(count * _expected(a, depth) for a, count in alike.items())
-            if made / n / self.step_cost(n, depth) >= self.min_gain:
+            if made / n / self.step_cost(n, depth, drafted * depth) >= self.min_gain:
                 return False
         return True
 
-    def choose(self, rows: list[int], available: list[int]) -> Choice:
-        """The depth for a step of these rows (ids), each with `available` draft tokens."""
+    def choose(self, rows: list[int], available: list[int], by_draft: list[bool] | None = None) -> Choice:
+        """The depth for a step of these rows (ids), each with `available` draft tokens (`by_draft`:
+        whether a draft model makes them, one forward a token)."""
+        drafted = by_draft or [False] * len(rows)
         if not any(available):
             return Choice(0, [0] * len(rows), "no_drafts")
         n = len(rows)
@@ -127,7 +156,8 @@ class Depth:
         best, best_gain = 0, 1.0
         for depth in range(1, min(self.max_drafts, max(available)) + 1):
             made = sum(_expected(self.acceptance.get(r, self.prior_acceptance), min(a, depth)) for r, a in zip(rows, available, strict=True))
-            gain = made / n / self.step_cost(n, depth)
+            forwards = sum(min(a, depth) for a, d in zip(available, drafted, strict=True) if d)
+            gain = made / n / self.step_cost(n, depth, forwards)
             if gain > best_gain:
                 best, best_gain = depth, gain
         if best == 0 or best_gain < self.min_gain:
@@ -141,3 +171,7 @@ def _expected(acceptance: float, drafts: int) -> float:
     if a >= 1.0:
         return drafts + 1.0
     return (1 - math.pow(a, drafts + 1)) / (1 - a)
+
+
+def _mean(old: float | None, new: float, keep: float = 0.8) -> float:
+    return new if old is None else keep * old + (1 - keep) * new

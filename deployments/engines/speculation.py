@@ -21,7 +21,10 @@ After a plain step a row's next token is still being computed (mlx-lm runs a ste
 it before proposing would stall that pipeline on every step. The lookup then runs on the tokens before
 it and its proposal's first token is a guess of it: the drafts count only where the guess was right
 (compared on the device). After a verify step the token is on the host, and the lookup uses it.
-This reads and sets GenerationBatch's own fields (mlx-lm is pinned: 0.32.2).
+Rows a draft model drafts for (draft.py, up to its `max_rows`) are proposed for once the depth is
+chosen, the draft fed the token itself on the device: their drafts need no guess. The step's cost
+then counts the draft's forwards (spec_depth.py). This reads and sets GenerationBatch's own fields
+(mlx-lm is pinned: 0.32.2).
 
 Steps that do not speculate are mlx-lm's own (`Speculator.step` returns None): while a prompt is
 being prefilled, while any row carries logits processors (penalties, logit_bias, a grammar: they see
@@ -36,6 +39,7 @@ from typing import Any, Protocol, cast
 
 import mlx.core as mx
 
+from deployments.engines.draft import Draft, proposals
 from deployments.engines.prompt_lookup import PromptLookup
 from deployments.engines.sampling import BatchSampler, RowSampling, filtered
 from deployments.engines.spec_depth import Depth
@@ -50,6 +54,9 @@ COUNTERS = (
     "spec_off_rows",  # ... a row carried logits processors or a seed
     "spec_off_no_drafts",  # ... no row had a proposal
     "spec_off_cost",  # ... the depth controller found it would cost more than it saves
+    "spec_draft_rows",  # rows of verify steps whose drafts came from the draft model (draft.py)
+    "spec_draft_forwards",  # ... the draft's forwards for them (one a draft token)
+    "spec_draft_s",  # ... and their seconds
 )
 
 
@@ -67,6 +74,7 @@ class Speculator:
         self.sampling = sampling
         self.depth = Depth(max_drafts=max_drafts, fixed=fixed_depth)
         self.proposer: Callable[[], Proposer] = lambda: PromptLookup(ngram_max, ngram_min)  # a new row's
+        self.draft: Draft | None = None  # a draft model's proposals for up to its max_rows rows (draft.py)
         self._lookups: dict[int, Proposer] = {}  # by the generator's uid
         self.stats: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._plain_rows = 0  # rows of the last step, when it was a plain decode step (0: it was not)
@@ -86,7 +94,9 @@ class Speculator:
         if any(batch.logits_processors) or any(self._settings(uid).seed is not None for uid in batch.uids):
             self.stats["spec_off_rows"] += 1
             return None
-        if self.depth.hopeless(batch.uids):  # not even every row's best case would pay
+        drafted = self.draft.rows(batch.uids) if self.draft is not None else set()
+        by_draft = [uid in drafted for uid in batch.uids]
+        if self.depth.hopeless(batch.uids, len(drafted)):  # not even every row's best case would pay
             self.stats["spec_off_cost"] += 1
             return None
         started = time.perf_counter()
@@ -96,26 +106,47 @@ class Speculator:
         # and its drafts count only where the guess was right (checked on the device).
         # A draft past the row's max_tokens would be cut anyway (and past the context, not computed at all).
         room = [max(0, m - n - 1) for m, n in zip(batch.max_tokens, batch._num_tokens, strict=True)]
-        proposals = []
-        for uid, tokens, r in zip(batch.uids, batch.tokens, room, strict=True):
+        # A row the draft model drafts for is proposed for once the depth is chosen (its drafts follow
+        # the token it feeds next on the device: no guess), as deep as the room it has.
+        looked_up: list[list[int]] = []
+        for uid, tokens, r, mine in zip(batch.uids, batch.tokens, room, by_draft, strict=True):
             y = known.get(uid)
-            proposals.append([y, *self._propose(uid, [*tokens, y])][: r + 1] if y is not None else self._propose(uid, tokens)[: r + 1])
-        choice = self.depth.choose(batch.uids, [max(0, len(p) - 1) for p in proposals])
+            if mine:
+                looked_up.append([-1] * min(r + 1, self.depth.max_drafts + 1))
+            else:
+                looked_up.append([y, *self._propose(uid, [*tokens, y])][: r + 1] if y is not None else self._propose(uid, tokens)[: r + 1])
+        choice = self.depth.choose(batch.uids, [max(0, len(p) - 1) for p in looked_up], by_draft)
         if choice.depth == 0:
             self.stats["spec_off_no_drafts" if choice.why == "no_drafts" else "spec_off_cost"] += 1
             return None
-        guesses = [p[0] if p else 0 for p in proposals]  # (a row without drafts has none to count)
-        drafts = [p[1 : k + 1] for p, k in zip(proposals, choice.drafts, strict=True)]
+        guesses = [p[0] if p else 0 for p in looked_up]  # (a row without drafts has none to count)
+        drafts = [p[1 : k + 1] for p, k in zip(looked_up, choice.drafts, strict=True)]
+        draft_s = 0.0
         with mx.stream(generator.stream):
+            if self.draft is not None and any(by_draft):
+                depths = [k if mine else 0 for k, mine in zip(choice.drafts, by_draft, strict=True)]
+                made, draft_s = proposals(self.draft, batch.uids, batch.tokens, batch._next_tokens, depths)
+                for i, mine in enumerate(by_draft):
+                    if mine:
+                        drafts[i], guesses[i] = made[i], -1
+                self._draft_stats(depths, draft_s)
+            verify_started = time.perf_counter()
             responses, emitted = self._verify(batch, guesses, drafts, choice.depth)
         seconds = time.perf_counter() - started
         counters = generator._counters
         counters.decode_time += seconds
         counters.generation_tokens += emitted
         counters.generation_steps += 1
-        self.depth.observe_step(len(batch.uids) * (choice.depth + 1), seconds)
+        self.depth.observe_step(len(batch.uids) * (choice.depth + 1), time.perf_counter() - verify_started)
         self._plain_rows = 0
         return responses
+
+    def _draft_stats(self, depths: list[int], seconds: float) -> None:
+        forwards = sum(depths)
+        self.stats["spec_draft_rows"] += sum(1 for k in depths if k)
+        self.stats["spec_draft_forwards"] += forwards
+        self.stats["spec_draft_s"] += seconds
+        self.depth.observe_draft(forwards, seconds)
 
     def timed_plain_step(self, rows: int, seconds: float) -> None:
         """A plain decode step's wall time (none after a verify step: mlx-lm's next step then finds
@@ -132,11 +163,15 @@ class Speculator:
         """The batch was dropped (a broken step)."""
         for uid in list(self._lookups):
             self.forget(uid)
+        if self.draft is not None:
+            self.draft.clear()
 
     def forget(self, uid: int) -> None:
         """A row left the batch."""
         self._lookups.pop(uid, None)
         self.depth.forget(uid)
+        if self.draft is not None:
+            self.draft.forget(uid)
 
     # ---- inside a step -------------------------------------------------------------------------
     def _settings(self, uid: int) -> RowSampling:
@@ -150,7 +185,8 @@ class Speculator:
 
     def _verify(self, batch: Any, guesses: list[int], drafts: list[list[int]], depth: int) -> tuple[list[Any], int]:
         """Feed every row its last token and drafts, keep what the target accepts, fix the cache.
-        `guesses`: what each row's drafts take its last token to be (they count only where it is)."""
+        `guesses`: what each row's drafts take its last token to be (they count only where it is;
+        -1: the drafts followed the token itself)."""
         rows = len(guesses)
         y = batch._next_tokens
         padded = [d + [0] * (depth - len(d)) for d in drafts]  # padding is never accepted
@@ -158,7 +194,8 @@ class Speculator:
         logits = batch.model(inputs, cache=batch.prompt_cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         settings = [self._settings(uid) for uid in batch.uids]
-        lengths = mx.where(y == mx.array(guesses, dtype=y.dtype), mx.array([len(d) for d in drafts]), 0)
+        known = mx.array([g < 0 for g in guesses]) | (y == mx.array([max(g, 0) for g in guesses], dtype=y.dtype))
+        lengths = mx.where(known, mx.array([len(d) for d in drafts]), 0)
         accepted, following = accept(logprobs, inputs[:, 1:], lengths, settings)
         mx.eval(accepted, following, y)
         accepted_n = cast(list[int], accepted.tolist())

@@ -92,6 +92,22 @@ def hub_folder(repo_id: str) -> str:
     return "models--" + repo_id.replace("/", "--")
 
 
+def model_folder(model: RegistryModel, models_dir: Path) -> Path:
+    """A registry model's folder: its path (absolute, or under models_dir), else its name under models_dir."""
+    path = Path(model.path or "")
+    return path if model.path and path.is_absolute() else models_dir / (model.path or model.name)
+
+
+def draft_folder(name: str | None, models: list[RegistryModel], models_dir: Path) -> Path | None:
+    """A draft model's folder (llm_engine's draft_model): a registry model's, or a folder."""
+    if not name:
+        return None
+    listed = next((m for m in models if m.name == name and not m.hub_id), None)
+    if listed is not None:
+        return model_folder(listed, models_dir)
+    return Path(name) if Path(name).is_absolute() else models_dir / name
+
+
 def from_config(models: list[dict], models_dir: str | Path, llm_engine: dict | None = None) -> tuple[dict[str, ModelSpec], dict[str, ManifestEntry]]:
     """(catalog for policy/, manifest entries for the model servers). Sizes not given are measured
     from the model's folder. `llm_engine`: the app's LLM engine options, under each text model's
@@ -99,18 +115,23 @@ def from_config(models: list[dict], models_dir: str | Path, llm_engine: dict | N
     models_dir = Path(models_dir)
     catalog: dict[str, ModelSpec] = {}
     entries: dict[str, ManifestEntry] = {}
-    for model in parse_entries(models):
-        absolute = bool(model.path) and Path(model.path or "").is_absolute()
-        folder = Path(model.path or "") if absolute else models_dir / (model.path or model.name)
+    parsed = parse_entries(models)
+    for model in parsed:
+        folder, absolute = model_folder(model, models_dir), bool(model.path) and Path(model.path or "").is_absolute()
         weight: int | None = model.weight_bytes
         kv: int | None = model.kv_bytes_per_token
         engine = LLMEngineOptions.model_validate((llm_engine or {}) | (model.llm_engine or {})) if model.kind == "llm" else LLMEngineOptions()
         bits, group = engine.kv_bits, engine.kv_group_size
+        draft = draft_folder(engine.draft_model, parsed, models_dir) if engine.speculation == "draft" else None
+        if draft is not None:  # the engine loads it by this path; its memory is the instance's (estimate's draft)
+            if not (draft / "config.json").is_file():
+                raise ValueError(f"model {model.name}: no draft model at {draft}")
+            model = model.model_copy(update={"llm_engine": (model.llm_engine or {}) | {"draft_model": str(draft)}})
         if kv is not None and bits is not None:  # a given figure is the unquantized cache's (as a manifest's)
             kv = kv_bytes_quantized(kv, dtype_bytes(folder) if not model.hub_id and folder.is_dir() else 2, bits, group)
         layers: dict[str, int] = {}  # M1: sliding windows and fixed-size state, from the folder when its KV is not given
         if (weight is None or kv is None) and not model.hub_id and folder.is_dir():
-            size = estimate(folder, model.kind, bits, group)
+            size = estimate(folder, model.kind, bits, group, draft)
             weight = size.weight_bytes if weight is None else weight
             if kv is None:
                 kv, layers = size.kv_bytes_per_token, cache_fields(size.cache, engine.prefill_chunk_tokens)
