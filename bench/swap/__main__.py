@@ -556,7 +556,11 @@ def machine() -> str:
 def declared(model: str, weight_gib: float) -> str:
     """The page's words for what each name is."""
     if model == MODEL:
-        return f"the embedded {MODEL}, each declaring {weight_gib:g} GiB of weights so that the servers' own\naccounting decides what fits"
+        return (
+            f"the embedded {MODEL}, each declaring {weight_gib:g} GiB of weights so that the servers' own\naccounting decides what fits"
+            f" (Orchard's entries hold what {MODEL}'s real weights leave of the {weight_gib:g} GiB as instance\noverhead, which the"
+            " measurement its engine makes after a load does not replace)"
+        )
     return f"{model}, each declaring its real {weight_gib:.3g} GiB of weights (its safetensors), so that the\nroom the servers' accounting gives is real memory"
 
 
