@@ -120,6 +120,11 @@ def summarize(raw: list[dict], concurrency: list[int], servers: list[str]) -> tu
     return rows, ratios, longs
 
 
+def _count(n: int) -> str:
+    """A token count, or - where the server reported none (vllm-mlx's Messages stream says 0)."""
+    return f"{n:,}" if n else "-"
+
+
 def render(r: dict) -> str:
     lines = [
         "| server | at a time | tok/s | first token p50 / p95 ms, turn 1 | turns 2+ | turns 2+ prompt from cache | turn-1 prompt tokens |",
@@ -144,7 +149,7 @@ def render(r: dict) -> str:
         )
         for x in r["long"]:
             text += (
-                f"| {x['server']} | {x['requests']} | {max(x['prompt_tokens']):,} | {x['idle_timeout_s']:g} | {x['ttft_max_s']:,.1f} | "
+                f"| {x['server']} | {x['requests']} | {_count(max(x['prompt_tokens']))} | {x['idle_timeout_s']:g} | {x['ttft_max_s']:,.1f} | "
                 f"{'yes' if x['outlasted'] else 'no'} | {x['resends']} |\n"
             )
     failed = "".join(f"\n- {name}: {why.splitlines()[0][:400]}" for name, why in r.get("failed", {}).items())
@@ -226,7 +231,7 @@ def main(a: argparse.Namespace, argv: list[str]) -> int:
 
     device = agent._card(mx) if mx.default_device() == mx.gpu else "this machine, CPU"
     result = {
-        "command": "python -m bench.peers " + " ".join(argv),
+        "command": "python -m bench.peers --agent " + " ".join(x for x in argv if x != "--agent"),
         "section": a.section or f"{LABEL[a.shape]}-shaped conversations ({device}, {a.model})",
         "where": where[0].upper() + where[1:],
         "shape": a.shape,
