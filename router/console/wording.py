@@ -73,6 +73,8 @@ def event_sentence(e: ClusterEvent) -> str:
             return f"{m} was evicted from {e.node_id or '?'}{held} {e.reason}" if e.reason else f"{m} was evicted from {e.node_id or '?'}{held}"
         case "draining":
             return f"{m} is draining{on}{held} to make room{why}"
+        case "released":
+            return f"{m}{on} gave its memory back{held}; its process exits next{why}"
         case "stopped":
             return f"{m}'s process{on} exited{why}"
         case "unloaded":
