@@ -165,3 +165,17 @@ def test_the_drafts_memory_is_counted_with_its_targets(models_dir, q4_draft, tmp
     assert paired.measured.cache.full_bytes_per_token == alone.measured.cache.full_bytes_per_token + draft.kv_bytes_per_token
     assert paired.measured.kv_reserved_bytes > alone.measured.kv_reserved_bytes
     assert paired.measured.estimated_cache is not None and paired.measured.estimated_cache.full_bytes_per_token == both.kv_bytes_per_token
+
+
+def test_a_draft_measured_slow_is_tried_again_later():
+    depth = Depth(max_drafts=4)
+    for _ in range(20):
+        for tokens in (1, 3, 5):
+            depth.observe_step(tokens, 0.010 + 0.0005 * tokens)
+    depth.observe_draft(1, 0.5)  # a first forward that compiled kernels: 50 times a step
+    checks = 0
+    while depth.hopeless([1], drafted=1):
+        checks += 1
+        assert checks < 5000
+    assert checks > 100  # not at once: the slow figure stands for a while (a retry costs the draft a catch-up)
+    assert depth.choose([1], [4], [True]).depth >= 1  # then a verify step measures the draft again

@@ -178,12 +178,13 @@ class Draft:
 
 def proposals(draft: Draft, uids: list[int], tokens: list[list[int]], last: mx.array, depths: list[int]) -> tuple[list[list[int]], float]:
     """Each row's drafts (rows of `uids` at `depths`, 0: none) as host lists, and the seconds the
-    draft forwards took (the catch-up's prompt chunks and waiting for `last` left out)."""
+    draft took (its forwards, and the catch-up of rows it fell behind on: the steps it did not
+    draft are paid for when it drafts again; waiting for `last` left out)."""
+    mx.eval(last)
+    started = time.perf_counter()
     for uid, t, k in zip(uids, tokens, depths, strict=True):
         if k:
             draft.catch_up(uid, t)
-    mx.eval(last)
-    started = time.perf_counter()
     made = [draft.propose(uid, last[i : i + 1], k) if k else None for i, (uid, k) in enumerate(zip(uids, depths, strict=True))]
     mx.eval([m for m in made if m is not None])
     seconds = time.perf_counter() - started

@@ -126,10 +126,15 @@ class Depth:
     def hopeless(self, rows: list[int], drafted: int = 0) -> bool:
         """Whether no depth would pay for these rows even with every draft available (checked before
         proposing, every step of a full batch: rows of one acceptance are counted together, most
-        of them at the prior; `drafted` of them by a draft model). A row's acceptance drifts back towards the prior at each such check,
-        so a row that stopped speculating tries again later."""
+        of them at the prior; `drafted` of them by a draft model). A row's acceptance, and a draft
+        forward's measured time, drift back towards their priors at each such check, so a row
+        that stopped speculating tries again later."""
         if self.fixed is not None:
             return False
+        if drafted and self._draft_s is not None:  # ... and a draft once measured slow is tried again later
+            fit = self._fit.line()
+            one = sum(fit) if fit is not None else (1.0 + self.prior_token_cost) * (self._unit_s or 0.0)  # a one-row plain step, seconds
+            self._draft_s += self.recovery / 4 * (self.prior_draft_cost * one - self._draft_s)  # (its retry costs a catch-up)
         alike: Counter[float] = Counter()
         for r in rows:
             a = self.acceptance.get(r)
