@@ -5,6 +5,7 @@ quantize_model), 0.29x the bytes. Built only when named, after llama-1b-shape:
 
 from pathlib import Path
 
+from deployments.estimate import estimate
 from deployments.manifest import ManifestEntry, safetensors_bytes
 from deployments.model_prep import llama_1b_shape
 from deployments.model_prep.quantized_draft import build_draft
@@ -27,6 +28,7 @@ def build_of(dest: Path, name: str, bits: int | None, layers: int | None) -> Man
         kind=KIND,
         path=dest.name,
         weight_bytes=safetensors_bytes(dest),
+        kv_bytes_per_token=estimate(dest).kv_bytes_per_token,
         weights="random",
         architecture="llama",
         source=f"{llama_1b_shape.NAME}'s weights, {how} (deployments.model_prep.quantized_draft)",
