@@ -10,6 +10,7 @@ model's answer stays short; every other field is as the CLI sent it (a tool roun
 at once and keeps alive; a max_tokens past the room left ends with each protocol's length reason."""
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -210,8 +211,22 @@ def test_a_long_prefill_keeps_the_stream_alive(orchard):
     assert "content_block_start" not in kinds[: kinds.index("ping")]
 
 
-def _near_the_context(orchard: str, room: int) -> str:
-    """A user message whose prompt leaves `room` tokens of llama-10m's 4096 (count_tokens, exact)."""
+def _context(orchard: str) -> int:
+    """llama-10m's context as its engine serves it, from the refusal of a prompt of ~4093 tokens (within
+    its KV reservation's 4095): 4096 less the positions a speculative verify step may add
+    (deployments/engines/measure.py)."""
+    body = {"model": SMALL, "max_tokens": 1, "messages": [{"role": "user", "content": _near_the_context(orchard, 2, 4096)}]}
+    refused = requests.post(orchard + "/v1/messages", json=body, headers=HEADERS, timeout=300)
+    assert refused.status_code == 400, refused.text
+    found = re.search(r"context of (\d+) tokens", refused.json()["error"]["message"])
+    assert found is not None, refused.text
+    context = int(found.group(1))
+    assert 4000 <= context <= 4096
+    return context
+
+
+def _near_the_context(orchard: str, room: int, context: int) -> str:
+    """A user message whose prompt leaves `room` tokens of llama-10m's `context` (count_tokens, exact)."""
 
     def count(n: int) -> int:
         body = {"model": SMALL, "messages": [{"role": "user", "content": "a" + " b" * n}]}
@@ -219,15 +234,16 @@ def _near_the_context(orchard: str, room: int) -> str:
 
     base, per = count(0), count(100) - count(0)
     assert per > 0
-    n = (4096 - room - base) * 100 // per
-    while count(n) > 4096 - room:
+    n = (context - room - base) * 100 // per
+    while count(n) > context - room:
         n -= 1
-    assert 4096 - count(n) <= room + 2
+    assert context - count(n) <= room + 2
     return "a" + " b" * n
 
 
 def test_a_max_tokens_past_the_room_left_ends_with_each_protocol_s_length_reason(orchard):
-    text = _near_the_context(orchard, 8)
+    context = _context(orchard)
+    text = _near_the_context(orchard, 8, context)
     no_eos = {"temperature": 0}
     anth = requests.post(
         orchard + "/v1/messages",
@@ -251,12 +267,12 @@ def test_a_max_tokens_past_the_room_left_ends_with_each_protocol_s_length_reason
     response = Response.model_validate(resp.json())
     usage = chat.json()["usage"]
     # greedy, the same prompt: the same tokens on each protocol, up to the context (no EOS in 8 tokens here)
-    assert chat.json()["choices"][0]["finish_reason"] == "length" and usage["prompt_tokens"] + usage["completion_tokens"] == 4096
+    assert chat.json()["choices"][0]["finish_reason"] == "length" and usage["prompt_tokens"] + usage["completion_tokens"] == context
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == usage["completion_tokens"]
     assert response.status == "incomplete" and response.incomplete_details is not None
     assert response.incomplete_details.reason == "max_output_tokens"
     # a prompt that leaves no room at all is still a 400
-    full = _near_the_context(orchard, 0) + " b b b b"
+    full = _near_the_context(orchard, 0, context) + " b b b b"
     refused = requests.post(
         orchard + "/v1/messages",
         json={"model": SMALL, "max_tokens": 1, "messages": [{"role": "user", "content": full}]},
