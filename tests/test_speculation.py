@@ -8,12 +8,13 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import BatchKVCache
 
 from deployments.engines.llm import LLMEngine
 from deployments.engines.prompt_lookup import PromptLookup
 from deployments.engines.sampling import RowSampling
 from deployments.engines.spec_depth import Depth
-from deployments.engines.speculation import COUNTERS, accept
+from deployments.engines.speculation import COUNTERS, _rewind, accept
 from deployments.wire.generation import GenerationRequest
 
 REPEATING = "the cat sat on the mat and the dog sat on the log. " * 12
@@ -99,6 +100,27 @@ def test_rejection_sampling_keeps_the_target_distribution():
     kept = sum(second.values())
     for token, p in enumerate(probs):  # the token after an accepted draft: the target's again
         assert abs(second[token] / kept - p) < 0.02, (token, second[token] / kept, p)
+
+
+# ---- the rewind ------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [2, 8])
+def test_rewind_keeps_each_rows_positions_and_the_batch_at_its_longest_row(rows):
+    """Rows taking turns at accepting every draft (one row at a time, the turn passing every 50 verify
+    steps): each row's cache holds exactly its kept positions, in order, and the batch is no longer
+    than its longest row."""
+    depth, cache = 4, BatchKVCache([0] * rows)
+    written = [0] * rows  # the positions each row kept so far; row i's position j holds the value j
+    for step in range(400):
+        new = mx.array([[float(n + j) for j in range(depth + 1)] for n in written])
+        cache.update_and_fetch(new[:, None, :, None], new[:, None, :, None])
+        kept = [depth + 1 if (step // 50) % rows == i else 1 for i in range(rows)]
+        _rewind([cache], [depth + 1 - k for k in kept])
+        written = [n + k for n, k in zip(written, kept, strict=True)]
+    keys, _ = cache.keys_and_values()
+    padding = cache.left_padding.tolist()
+    for i in range(rows):
+        assert keys[i, 0, padding[i] :, 0].tolist() == [float(j) for j in range(written[i])]
+    assert cache._idx == max(written), (cache._idx, written)
 
 
 # ---- the engine ------------------------------------------------------------------------------
@@ -233,3 +255,61 @@ def test_metrics_carry_each_instances_speculation_counters():
     assert 'orchard_spec_plain_steps_total{model="smollm2",node="mac-1",why="cost"} 5' in lines
     assert not any("whisper" in line for line in lines)  # an engine that does not speculate has no lines
     assert speculation_lines([("whisper", "mac-1", {})]) == []
+
+
+class Taking:
+    """Drafts from the plain decode's known answers, each row's all right for `turn` tokens of its
+    output and all wrong (the first one spoiled) for the next `turn`, the rows out of step: at every
+    verify step one row accepts everything and another nothing."""
+
+    def __init__(self, answers: list[tuple[list[int], list[int]]], vocab: int, turn: int):
+        self.answers, self.vocab, self.turn = answers, vocab, turn
+
+    def propose(self, tokens, k, then=()):
+        tokens = [*tokens, *then]
+        for row, (prompt, answer) in enumerate(self.answers):
+            if tokens[: len(prompt)] == prompt:
+                at = len(tokens) - len(prompt)
+                drafts = list(answer[at : at + k])
+                if drafts and (at // self.turn + row) % 2:
+                    drafts[0] = (drafts[0] + 1) % self.vocab
+                return drafts
+        return []
+
+
+@pytest.mark.parametrize("kv_bits", [None, pytest.param(8, marks=pytest.mark.slow)])
+def test_rows_accepting_in_turns_keep_the_batch_cache_at_the_longest_rows_length(models_dir, kv_bits):
+    """A row that rejected more than another has its rejected tail rolled into its left padding; the
+    padding every row then has is dropped, so the batch holds rows x the longest row (rule M4), not
+    the sum of every step's best row."""
+    path = str(models_dir / "llama-10m")
+    prompts = [PROMPTS[0][:200], PROMPTS[2][:200], PROMPTS[1]]
+    requests = [GenerationRequest(prompt=p, max_tokens=160, temperature=0) for p in prompts]
+    plain, _ = _outputs(path, requests, speculation="off", kv_bits=kv_bits)
+
+    async def scenario():
+        engine = LLMEngine("llama-10m", path, prefix_disk_bytes=0, spec_fixed_depth=4, kv_bits=kv_bits)
+        await engine.load()
+        answers = [(engine.tokenize(r), out) for r, out in zip(requests, plain[0], strict=True)]
+        speculator = engine.speculator
+        speculator.proposer = lambda: Taking(answers, engine.vocab_size, turn=20)
+        verify, over = speculator.step, []
+
+        def step(generator):
+            responses = verify(generator)
+            batch = generator._generation_batch
+            if responses is not None and batch.uids:
+                over.append(batch.prompt_cache[0]._idx - max(len(t) for t in batch.tokens))
+            return responses
+
+        speculator.step = step
+        try:
+            outputs = await _complete_all(engine, requests, together=True)
+            return outputs, engine.counters(), over
+        finally:
+            await engine.stop()
+
+    outputs, counted, over = run(scenario())
+    assert outputs == plain[0]
+    assert counted["spec_steps"] > 20 and 0 < counted["spec_accepted"] < counted["spec_proposed"]
+    assert max(over) <= 0, f"the batch cache outgrew its longest row by up to {max(over)} positions"

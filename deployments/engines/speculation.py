@@ -15,7 +15,9 @@ drafts the target accepts, and samples the token after it from the target:
 The cache then holds K + 1 new positions a row, of which the rejected tail must go. Every layer
 cache is trimmed by the fewest rejected; a row that rejected more has its extra tail rolled to the
 front into its left padding (mlx-lm's `prepare(right_padding=...)` and `finalize()`, what it does
-after a right-padded prefill), where the mask hides it. With one row nothing is rolled.
+after a right-padded prefill), where the mask hides it; then the padding all rows have is cut from
+the front (as mlx-lm's `filter` does), so the batch stays as long as its longest row. With one row
+nothing is rolled.
 
 After a plain step a row's next token is still being computed (mlx-lm runs a step ahead); waiting for
 it before proposing would stall that pipeline on every step. The lookup then runs on the tokens before
@@ -286,7 +288,9 @@ def accept(logprobs: mx.array, drafts: mx.array, lengths: mx.array | list[int], 
 
 def _rewind(layer_caches: list[Any], rejected: list[int]) -> None:
     """Drop each row's `rejected` last positions: all rows' fewest by trimming, a row's extra rolled
-    into its left padding."""
+    into its left padding; then the padding every row has is dropped from the front, as mlx-lm's
+    `filter` does when a row leaves (without it the batch would grow by the most any row kept each
+    step, not by the longest row's growth)."""
     common = min(rejected)
     extra = [r - common for r in rejected]
     for cache in layer_caches:
@@ -295,3 +299,23 @@ def _rewind(layer_caches: list[Any], rejected: list[int]) -> None:
         if any(extra):
             cache.prepare(right_padding=extra)
             cache.finalize()
+    if any(extra) and layer_caches:  # every layer's padding is the same: read it once
+        shift = cast(int, layer_caches[0].left_padding.min().item())
+        if shift > 0:
+            for cache in layer_caches:
+                _drop_front(cache, shift)
+
+
+def _drop_front(cache: Any, shift: int) -> None:
+    """Drop the first `shift` positions of a batch cache (padding in every row): mlx-lm's
+    BatchKVCache (keys and values arrays) or BatchQuantizedKVCache (triples). A row's position
+    (`offset`) stays; its padding and the write index move by `shift`."""
+
+    def front(kv: Any) -> Any:
+        if kv is None:
+            return None
+        return tuple(x[..., shift:, :] for x in kv) if isinstance(kv, tuple) else kv[..., shift:, :]
+
+    cache.keys, cache.values = front(cache.keys), front(cache.values)
+    cache._idx -= shift
+    cache.left_padding = cache.left_padding - shift
