@@ -47,6 +47,28 @@ def test_prompt_lookup_grown_token_by_token_proposes_as_one_built_at_once():
         assert grown.propose(tokens[:end], 5) == PromptLookup().propose(tokens[:end], 5)
 
 
+def test_prompt_lookup_takes_the_token_fed_next_apart_as_part_of_the_sequence():
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5] * 3
+    apart = PromptLookup()
+    for end in range(2, len(tokens) + 1):
+        assert apart.propose(tokens[: end - 1], 5, tokens[end - 1 : end]) == PromptLookup().propose(tokens[:end], 5)
+
+
+def test_prompt_lookup_indexes_only_the_window_before_its_first_proposal_and_all_after():
+    prompt = [7, 8, 9, 1] + list(range(100, 130)) + [5, 6, 2] + list(range(200, 210))  # 47 tokens
+    lookup = PromptLookup(ngram_max=2, ngram_min=2, window=20)
+    assert lookup.propose(prompt, 3, [7]) == []  # nothing yet: a 1-gram is shorter than the sizes
+    assert lookup.propose([*prompt, 7], 3, [8]) == []  # "7 8" is 48 tokens back: past the window
+    assert PromptLookup(ngram_max=2, ngram_min=2).propose([*prompt, 7], 3, [8]) == [9, 1, 100]  # (unbounded: found)
+    assert lookup.propose([*prompt, 7, 8], 2, [5]) == []
+    assert lookup.propose([*prompt, 7, 8, 5], 2, [6]) == [2, 200]  # "5 6": 12 tokens back, inside it
+    assert lookup.propose([*prompt, 7, 8, 5, 6, 2, 200], 2, [7]) == []
+    assert lookup.propose([*prompt, 7, 8, 5, 6, 2, 200, 7], 2, [8]) == [5, 6]  # "7 8" after the first proposal: indexed
+    assert sum(map(len, lookup._index.values())) < 30  # the 20-token window and what followed, not the 47
+    with pytest.raises(ValueError):
+        PromptLookup(window=0)
+
+
 # ---- depth -----------------------------------------------------------------------------------
 def test_depth_speculates_where_drafts_are_accepted_and_cheap_and_not_otherwise():
     depth = Depth(max_drafts=8, prior_token_cost=0.01)
@@ -133,7 +155,8 @@ class Known:
     def __init__(self, answers: list[tuple[list[int], list[int]]], vocab: int):
         self.answers, self.vocab = answers, vocab
 
-    def propose(self, tokens, k):
+    def propose(self, tokens, k, then=()):
+        tokens = [*tokens, *then]
         for prompt, answer in self.answers:
             if list(tokens[: len(prompt)]) == prompt:
                 at = len(tokens) - len(prompt)  # the answer's tokens so far (the last is fed next)
@@ -150,8 +173,8 @@ class Known:
 class Repeat:
     """Drafts that repeat the last token: mostly rejected, sometimes not."""
 
-    def propose(self, tokens, k):
-        return [tokens[-1]] * k
+    def propose(self, tokens, k, then=()):
+        return [[*tokens, *then][-1]] * k
 
 
 async def _complete_all(engine: LLMEngine, requests: list[GenerationRequest], together: bool) -> list[list[int]]:

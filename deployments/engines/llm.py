@@ -96,6 +96,7 @@ class LLMEngine(MLXLoop, Engine):
         kv_group_size: int = 64,
         speculation: str = "prompt_lookup",  # "off", or "draft" with draft_model (speculation.py, draft.py)
         spec_max_drafts: int = 8,
+        spec_lookup_window: int = 16384,  # prompt lookup indexes a row's last this many prompt tokens (prompt_lookup.py)
         draft_model: str | None = None,  # a folder (or hub id) of a smaller model of this one's tokenizer
         draft_rows: int = 4,  # rows the draft proposes for at once; others take prompt lookup's
         spec_fixed_depth: int | None = None,  # verify this many drafts whenever a row has them, whatever it costs (comparisons, tests)
@@ -166,7 +167,11 @@ class LLMEngine(MLXLoop, Engine):
         self.speculation, self.spec_max_drafts = speculation, spec_max_drafts
         self.draft_model, self.draft_rows = draft_model, draft_rows
         # draft tokens verified in the batch (MLX thread)
-        self.speculator = Speculator(self.sampling, max_drafts=spec_max_drafts, fixed_depth=spec_fixed_depth) if speculation != "off" else None
+        self.speculator = (
+            Speculator(self.sampling, max_drafts=spec_max_drafts, fixed_depth=spec_fixed_depth, lookup_window=spec_lookup_window)
+            if speculation != "off"
+            else None
+        )
         self._arriving = 0  # started, not yet in the batch (being prepared or held); under _arriving_lock
         self._arriving_lock = threading.Lock()  # three threads change it: the caller's, preparation, MLX
 

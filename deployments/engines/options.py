@@ -102,6 +102,9 @@ class LLMEngineOptions(BaseModel):
     # docs/engines.md says when each pays.
     speculation: Literal["off", "prompt_lookup", "draft"] = "prompt_lookup"
     spec_max_drafts: int = Field(default=8, ge=1, le=32)
+    # prompt lookup indexes a row's last `spec_lookup_window` prompt tokens and all its output (host
+    # memory ~340 bytes a token a row, built on the MLX thread: deployments/engines/prompt_lookup.py)
+    spec_lookup_window: int = Field(default=16384, ge=64, le=1 << 20)
     draft_model: str | None = Field(default=None, min_length=1, max_length=1000)
     draft_rows: int = Field(default=4, ge=1, le=64)
 

@@ -42,7 +42,7 @@ from typing import Any, Protocol, cast
 import mlx.core as mx
 
 from deployments.engines.draft import Draft, proposals
-from deployments.engines.prompt_lookup import PromptLookup
+from deployments.engines.prompt_lookup import WINDOW, PromptLookup
 from deployments.engines.sampling import BatchSampler, RowSampling, filtered
 from deployments.engines.spec_depth import Depth
 
@@ -63,19 +63,29 @@ COUNTERS = (
 
 
 class Proposer(Protocol):
-    """Draft tokens for one row: up to `k` tokens to follow `tokens` (the row's whole sequence,
-    prompt and output, each call extending the last). PromptLookup is one."""
+    """Draft tokens for one row: up to `k` tokens to follow `tokens` and then `then` (together the
+    row's whole sequence, prompt and output, each call extending the last; `then`: the token the row
+    feeds next where it is known, passed apart so that the row's list is not copied). PromptLookup
+    is one."""
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]: ...
+    def propose(self, tokens: Sequence[int], k: int, then: Sequence[int] = ()) -> list[int]: ...
 
 
 class Speculator:
     """Proposals, depth and verification for one engine's BatchGenerator (module docstring)."""
 
-    def __init__(self, sampling: BatchSampler, max_drafts: int = 8, fixed_depth: int | None = None, ngram_max: int = 4, ngram_min: int = 2):
+    def __init__(
+        self,
+        sampling: BatchSampler,
+        max_drafts: int = 8,
+        fixed_depth: int | None = None,
+        ngram_max: int = 4,
+        ngram_min: int = 2,
+        lookup_window: int = WINDOW,
+    ):
         self.sampling = sampling
         self.depth = Depth(max_drafts=max_drafts, fixed=fixed_depth)
-        self.proposer: Callable[[], Proposer] = lambda: PromptLookup(ngram_max, ngram_min)  # a new row's
+        self.proposer: Callable[[], Proposer] = lambda: PromptLookup(ngram_max, ngram_min, lookup_window)  # a new row's
         self.draft: Draft | None = None  # a draft model's proposals for up to its max_rows rows (draft.py)
         self._lookups: dict[int, Proposer] = {}  # by the generator's uid
         self.stats: dict[str, float] = dict.fromkeys(COUNTERS, 0)
@@ -116,7 +126,7 @@ class Speculator:
             if mine:
                 looked_up.append([-1] * min(r + 1, self.depth.max_drafts + 1))
             else:
-                looked_up.append([y, *self._propose(uid, [*tokens, y])][: r + 1] if y is not None else self._propose(uid, tokens)[: r + 1])
+                looked_up.append([y, *self._propose(uid, tokens, (y,))][: r + 1] if y is not None else self._propose(uid, tokens)[: r + 1])
         choice = self.depth.choose(batch.uids, [max(0, len(p) - 1) for p in looked_up], by_draft)
         if choice.depth == 0:
             self.stats["spec_off_no_drafts" if choice.why == "no_drafts" else "spec_off_cost"] += 1
@@ -179,11 +189,11 @@ class Speculator:
     def _settings(self, uid: int) -> RowSampling:
         return self.sampling.settings(uid)
 
-    def _propose(self, uid: int, tokens: list[int]) -> list[int]:
+    def _propose(self, uid: int, tokens: list[int], then: Sequence[int] = ()) -> list[int]:
         lookup = self._lookups.get(uid)
         if lookup is None:
             lookup = self._lookups[uid] = self.proposer()
-        return lookup.propose(tokens, self.depth.max_drafts + 1)
+        return lookup.propose(tokens, self.depth.max_drafts + 1, then)
 
     def _verify(self, batch: Any, guesses: list[int], drafts: list[list[int]], depth: int) -> tuple[list[Any], int]:
         """Feed every row its last token and drafts, keep what the target accepts, fix the cache.
