@@ -36,6 +36,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from deployments.engines.llm_scheduler import KVBudget
 from deployments.engines.prefix_disk import model_identity
 from deployments.engines.quantized_cache import fresh_caches
+from deployments.engines.sampling import RowSampling
 from deployments.estimate import config_cache, weights_dtype
 from deployments.manifest import safetensors_bytes
 from deployments.wire.measured import KV_STEP, CacheShape, MeasuredMemory
@@ -88,21 +89,29 @@ def cache_shape(model: Any, caches: Callable[[], list[Any]]) -> CacheShape:
 
 def _step_activation(model: Any, layers: list[Any], rows: int, tokens: int, vocab: int, logits: bool = False) -> int:
     """MLX's peak over one step of `rows` x `tokens` (a prefill step as mlx-lm runs it: the caches
-    evaluated, the logits not; a decode step: the logits too, in float32 as the samplers take them),
-    less what is active after it (the caches grown by the step included)."""
+    evaluated, the logits not; a decode step: the logits too, in float32 as the samplers take them,
+    and where it verifies drafts (tokens > 1) the acceptance of sampled rows, whose filtering,
+    scores and draws hold arrays of every position's vocabulary at once), less what is active after
+    it (the caches grown by the step included)."""
     inputs = mx.random.randint(0, vocab, (rows, tokens))
     mx.eval(inputs)
     mx.synchronize()
     mx.reset_peak_memory()
     out = model(inputs, cache=layers)
-    if logits:  # every position's: a speculative step verifies each draft
-        out = mx.softmax(out.astype(mx.float32), axis=-1)
-        mx.eval(out, [c.state for c in layers])
+    if logits and tokens > 1:  # a speculative verify step: every position's logits, sampled rows' acceptance
+        from deployments.engines.speculation import accept  # (speculation's draft measures its own cache here)
+
+        sampled = [RowSampling(temperature=1.0, top_p=0.95, top_k=40)] * rows  # every filter: its sort and thresholds too
+        logprobs = out - mx.logsumexp(out, axis=-1, keepdims=True)  # as Speculator._verify holds them
+        held = [out, logprobs, *accept(logprobs, inputs[:, 1:], [tokens - 1] * rows, sampled)]
+    elif logits:
+        held = [mx.softmax(out.astype(mx.float32), axis=-1)]
     else:
-        mx.eval([c.state for c in layers])
+        held = []  # a prefill step: the logits are not computed
+    mx.eval(held, [c.state for c in layers])
     mx.synchronize()
     peak = mx.get_peak_memory()
-    del out
+    del out, held  # nothing of the step is held when what stays active is read
     return max(0, peak - mx.get_active_memory())
 
 
@@ -145,8 +154,9 @@ def prefill_line(model: Any, caches: Callable[[], list[Any]], chunk: int, vocab:
 
 def activation(model: Any, caches: Callable[[], list[Any]], rows: int, chunk: int, vocab: int, decode_rows: int, decode_tokens: int = 1) -> int:
     """The most of a prefill step of `rows` rows of a chunk at context 0 and a decode step of
-    `decode_rows` rows of `decode_tokens` each: one, or with speculative decoding the token and its
-    drafts, with every position's logits."""
+    `decode_rows` rows (the batch's most: short rows beyond reserve_concurrency fit the KV
+    reservation, M4) of `decode_tokens` each: one, or with speculative decoding the token and its
+    drafts, with every position's logits and their acceptance."""
     group = _step_activation(model, caches(), rows, chunk, vocab)  # one cache per layer holds the batch
     decode = _step_activation(model, caches(), decode_rows, decode_tokens, vocab, logits=True)
     return max(group, decode)
@@ -163,6 +173,7 @@ def measure(
     prefill_chunk: int,
     prefill_rows: int,
     decode_tokens: int = 1,
+    decode_rows: int = 0,
     prefix_cache_bytes: int = 0,
     weights_hash: str = "",
     estimated_weight_bytes: int = 0,
@@ -176,7 +187,7 @@ def measure(
     chunk = max(1, min(prefill_chunk, reserve_context_tokens or 1))
     # a prompt longer than the engine's max_prefill_tokens prefills alone; a group's rows are shorter
     most, base, per_token, start = prefill_line(model, caches, chunk, vocab, reserve_context_tokens, shape.window_tokens)
-    batched = activation(model, caches, rows, chunk, vocab, reserve_concurrency, decode_tokens)
+    batched = activation(model, caches, rows, chunk, vocab, max(decode_rows, reserve_concurrency), decode_tokens)
     mx.clear_cache()
     at_context = max(batched, most, base + int(per_token * max(0, reserve_context_tokens - chunk - start) + 0.5))
     return MeasuredMemory(
@@ -264,6 +275,7 @@ class LoadedEngine(Protocol):
     max_prefill_tokens: int
     prompt_cache_bytes: int
     spec_max_drafts: int
+    max_batch: int
 
     @property
     def prefill_chunk(self) -> int: ...
@@ -289,6 +301,7 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
         prefill_chunk=chunk,
         prefill_rows=max(1, engine.max_prefill_tokens // chunk),
         decode_tokens=1 + drafts(engine),
+        decode_rows=engine.max_batch,
         prefix_cache_bytes=engine.prompt_cache_bytes,
         weights_hash=model_identity(engine.path, bits, group, 0, "") if Path(engine.path).is_dir() else "",
         estimated_weight_bytes=safetensors_bytes(engine.path) if Path(engine.path).is_dir() else 0,
