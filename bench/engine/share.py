@@ -107,7 +107,8 @@ class Bare:
                     first_steps.append(steps - 1 - step)
                 produced += r.finish_reason != "stop"
                 first, made = first_at[r.uid]
-                first_at[r.uid] = (first, made + (r.finish_reason != "stop"))
+                made += r.finish_reason != "stop"
+                first_at[r.uid] = (first, made)
                 if r.finish_reason is not None:
                     if made > 1:
                         itl.append((time.perf_counter() - first) / (made - 1))
