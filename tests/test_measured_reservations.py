@@ -2,7 +2,6 @@
 once it has loaded, a reload included (the residency loop driven by tests/support/loop.py's
 in-memory effects; the engine's own measurement: tests/test_memory_matrix.py)."""
 
-import pytest
 from support.builders import spec
 from support.loop import PLAIN, make, run
 
@@ -122,29 +121,3 @@ def test_m2_one_request_holds_at_most_one_share_of_the_kv_reservation():
     windows_only = dense.model_copy(update={"cache": CacheShape(window_bytes_per_token=1024, window_tokens=512, state_bytes=MIB)})
     assert windows_only.longest_sequence() >= 2**31  # a sliding window and fixed state hold the same at any length
     assert refusal(dense.model_copy(update={"reserve_context_tokens": 0}), 10**6) is None  # no KV reserved: nothing held to it
-
-
-@pytest.mark.cluster
-def test_m1_measurements_outlive_the_controller_in_rays_key_value_store(shared_ray):
-    from router.residency.measured import Measurements, MeasurementStore
-
-    estimated = spec("a", gb=3, kv_bytes_per_token=6 * 1024, reserve_context_tokens=8192, reserve_concurrency=2)
-    measured = gemma_like().model_copy(
-        update={"weights_hash": "w1", "estimated_weight_bytes": 3 * GIB, "estimated_cache": CacheShape(full_bytes_per_token=6 * 1024)}
-    )
-    catalog = {"a": estimated, "b": spec("b", gb=1)}
-    first = Measurements()
-    assert first.attach(MeasurementStore(), catalog) == catalog  # nothing measured yet: the folders' figures
-    first.record(catalog, "a", measured)
-    first.flush()
-
-    # a restarted controller: what the last one measured, before any load
-    again = Measurements()
-    adopted = again.attach(MeasurementStore(), catalog)
-    assert adopted["a"] == measured_spec(estimated, measured) and adopted["b"] == catalog["b"]
-    assert again.get("a") == measured
-    # ... only while the registry describes the weights and reservation it was measured with
-    for changed in ({"weight_bytes": 4 * GIB}, {"kv_bytes_per_token": 8 * 1024}, {"reserve_context_tokens": 4096}, {"reserve_concurrency": 4}):
-        other = {"a": estimated.model_copy(update=changed)}
-        assert Measurements().attach(MeasurementStore(), other) == other, changed
-    assert Measurements().attach(MeasurementStore(app="another-app"), catalog) == catalog  # each app its own

@@ -180,8 +180,8 @@ def test_the_measured_activation_covers_a_verify_step_of_the_batchs_most_sampled
     at once (filtering, scores, draws): measured at the batch's most rows, not reserve_concurrency's."""
     from mlx_lm import load
 
+    from deployments.engines.acceptance import accept
     from deployments.engines.sampling import RowSampling
-    from deployments.engines.speculation import accept
 
     model, _ = load(str(models_dir / "llama-10m"))
     vocab = model.args.vocab_size

@@ -10,11 +10,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache
 
+from deployments.engines.acceptance import accept
 from deployments.engines.llm import LLMEngine
 from deployments.engines.prompt_lookup import PromptLookup
 from deployments.engines.sampling import RowSampling
 from deployments.engines.spec_depth import Depth
-from deployments.engines.speculation import COUNTERS, _rewind, accept
+from deployments.engines.speculation import COUNTERS, _rewind
 from deployments.wire.generation import GenerationRequest
 
 REPEATING = "the cat sat on the mat and the dog sat on the log. " * 12

@@ -164,7 +164,7 @@ class LLMEngine(MLXLoop, Engine):
             raise ValueError(f"speculation must be 'off', 'prompt_lookup' or 'draft', not {speculation!r}")
         if (speculation == "draft") != bool(draft_model):
             raise ValueError("speculation 'draft' takes a draft_model (a smaller model of the same tokenizer), and only it does")
-        self.speculation, self.spec_max_drafts = speculation, spec_max_drafts
+        self.speculation, self.spec_max_drafts, self.spec_lookup_window = speculation, spec_max_drafts, spec_lookup_window
         self.draft_model, self.draft_rows = draft_model, draft_rows
         # draft tokens verified in the batch (MLX thread)
         self.speculator = (

@@ -33,6 +33,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from deployments.engines.acceptance import accept
 from deployments.engines.llm_scheduler import KVBudget
 from deployments.engines.prefix_disk import model_identity
 from deployments.engines.quantized_cache import fresh_caches
@@ -99,8 +100,6 @@ def _step_activation(model: Any, layers: list[Any], rows: int, tokens: int, voca
     mx.reset_peak_memory()
     out = model(inputs, cache=layers)
     if logits and tokens > 1:  # a speculative verify step: every position's logits, sampled rows' acceptance
-        from deployments.engines.speculation import accept  # (speculation's draft measures its own cache here)
-
         sampled = [RowSampling(temperature=1.0, top_p=0.95, top_k=40)] * rows  # every filter: its sort and thresholds too
         logprobs = out - mx.logsumexp(out, axis=-1, keepdims=True)  # as Speculator._verify holds them
         held = [out, logprobs, *accept(logprobs, inputs[:, 1:], [tokens - 1] * rows, sampled)]
