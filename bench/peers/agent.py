@@ -121,25 +121,30 @@ def turn(sent: float, first: float | None, last: float | None, completion: int, 
     return Turn(first - sent, itl, completion, prompt, cached, text)
 
 
+async def engine_turn(engine: LLMEngine, request: GenerationRequest) -> Turn:
+    """One request through the engine's own request API, in this process, timed as a client would."""
+    sent = time.perf_counter()
+    first = last = None
+    text: list[str] = []
+    usage = None
+    async for d in engine.generate(request):
+        if d.error:
+            raise RuntimeError(f"the engine's generation failed: {d.error}")
+        if d.text:
+            last = time.perf_counter()
+            first = first or last
+            text.append(d.text)
+        usage = d.usage or usage
+    if usage is None:
+        raise RuntimeError("the engine's generation ended without usage")
+    return turn(sent, first, last, usage.completion_tokens, usage.prompt_tokens, usage.cached_tokens, "".join(text))
+
+
 def in_process(engine: LLMEngine, temperature: float) -> Chat:
     """The same turn through the engine's own request API, in this process."""
 
     async def chat(messages: list[dict], max_tokens: int) -> Turn:
-        sent = time.perf_counter()
-        first = last = None
-        text: list[str] = []
-        usage = None
-        async for d in engine.generate(GenerationRequest(messages=list(messages), max_tokens=max_tokens, temperature=temperature)):
-            if d.error:
-                raise RuntimeError(f"the engine's generation failed: {d.error}")
-            if d.text:
-                last = time.perf_counter()
-                first = first or last
-                text.append(d.text)
-            usage = d.usage or usage
-        if usage is None:
-            raise RuntimeError("the engine's generation ended without usage")
-        return turn(sent, first, last, usage.completion_tokens, usage.prompt_tokens, usage.cached_tokens, "".join(text))
+        return await engine_turn(engine, GenerationRequest(messages=list(messages), max_tokens=max_tokens, temperature=temperature))
 
     return chat
 

@@ -37,13 +37,14 @@ import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from bench.engine.agent import system_prompt, user_turn
+from bench.peers.agent import engine_turn, turn
 from bench.sse import Chunks
 from deployments.engines.llm import LLMEngine
 from deployments.wire.generation import GenerationRequest
@@ -163,9 +164,7 @@ class Idle(Exception):
 
 
 def reply(sent: float, first: float | None, last: float | None, completion: int, prompt: int, cached: int | None, text: str) -> Reply:
-    if first is None or last is None:  # an end of sequence first (temperature 1)
-        first = last = time.perf_counter()
-    return Reply(first - sent, (last - first) / (completion - 1) if completion > 1 else None, completion, prompt, cached, text)
+    return Reply(**asdict(turn(sent, first, last, completion, prompt, cached, text)))
 
 
 async def _anthropic(lines: Chunks, sent: float) -> Reply:
@@ -265,21 +264,7 @@ def in_process(engine: LLMEngine, shape: str) -> Callable[[dict[str, Any]], Awai
             chat = anthropic.to_chat_request(anthropic.parse_messages_request(body))
         else:
             chat = responses.to_chat_request(responses.parse_responses_request(body))
-        sent = time.perf_counter()
-        first = last = None
-        text: list[str] = []
-        usage = None
-        async for d in engine.generate(GenerationRequest(**openai.generation_fields(chat))):
-            if d.error:
-                raise RuntimeError(f"the engine's generation failed: {d.error}")
-            if d.text:
-                last = time.perf_counter()
-                first = first or last
-                text.append(d.text)
-            usage = d.usage or usage
-        if usage is None:
-            raise RuntimeError("the engine's generation ended without usage")
-        r = reply(sent, first, last, usage.completion_tokens, usage.prompt_tokens, usage.cached_tokens, "".join(text))
+        r = Reply(**asdict(await engine_turn(engine, GenerationRequest(**openai.generation_fields(chat)))))
         if shape == "codex":
             r.output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": r.text, "annotations": []}]}]
         return r
