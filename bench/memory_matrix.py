@@ -19,8 +19,9 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 
@@ -34,6 +35,27 @@ from deployments.wire.generation import GenerationRequest
 
 RESULTS = Path(__file__).parent / "results"
 MIB = 2**20
+
+
+T = TypeVar("T")
+
+
+async def gathered_with_kv_peak(engine: LLMEngine, awaitables: list[Awaitable[T]], every_s: float) -> tuple[list[T], int]:
+    """The awaitables' results, gathered, and the most KV cache the engine held while they ran
+    (`MemoryReport.kv_bytes_in_use`, sampled every `every_s`)."""
+    in_use = 0
+
+    async def sample() -> None:
+        nonlocal in_use
+        while True:
+            in_use = max(in_use, engine.memory().kv_bytes_in_use)
+            await asyncio.sleep(every_s)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        return list(await asyncio.gather(*awaitables)), in_use
+    finally:
+        sampler.cancel()
 
 
 async def run_one(folder: Path, context: int, concurrency: int, chunk: int = 128) -> dict[str, Any]:
@@ -74,17 +96,7 @@ async def run_one(folder: Path, context: int, concurrency: int, chunk: int = 128
         for i in range(concurrency)
     ]
     started = time.perf_counter()
-    in_use = 0
-
-    async def sample() -> None:
-        nonlocal in_use
-        while True:
-            in_use = max(in_use, engine.memory().kv_bytes_in_use)
-            await asyncio.sleep(0.005)
-
-    sampler = asyncio.create_task(sample())
-    done = await asyncio.gather(*(engine.complete(r) for r in requests))
-    sampler.cancel()
+    done, in_use = await gathered_with_kv_peak(engine, [engine.complete(r) for r in requests], 0.005)
     run_s = time.perf_counter() - started
     mx.synchronize()
     peak = mx.get_peak_memory() - before

@@ -19,7 +19,7 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from bench.memory_matrix import run_one
+from bench.memory_matrix import gathered_with_kv_peak, run_one
 from deployments.cache_shape import layer_kinds
 from deployments.engine import RequestError
 from deployments.engines import measure
@@ -98,7 +98,6 @@ def test_m4_a_request_past_the_reserved_concurrency_waits_for_room_then_complete
         await engine.load()
         no_eos = dict.fromkeys(engine.eos_ids, -1e9)  # random weights: every request runs to its max_tokens
         times: list[tuple[float, float]] = [(0.0, 0.0)] * 3
-        in_use = 0
 
         async def run(i: int) -> Any:
             request = GenerationRequest(
@@ -111,15 +110,7 @@ def test_m4_a_request_past_the_reserved_concurrency_waits_for_room_then_complete
             times[i] = (first, time.perf_counter())
             return last
 
-        async def sample() -> None:
-            nonlocal in_use
-            while True:
-                in_use = max(in_use, engine.memory().kv_bytes_in_use)
-                await asyncio.sleep(0.002)
-
-        sampler = asyncio.create_task(sample())
-        ends = await asyncio.gather(*(run(i) for i in range(3)))
-        sampler.cancel()
+        ends, in_use = await gathered_with_kv_peak(engine, [run(i) for i in range(3)], 0.002)
         mx.synchronize()
         peak = mx.get_peak_memory() - before
         kv_waits = int(engine.counters()["kv_waits"])
@@ -183,7 +174,7 @@ def test_the_measured_activation_covers_a_verify_step_of_the_batchs_most_sampled
     from deployments.engines.acceptance import accept
     from deployments.engines.sampling import RowSampling
 
-    model, _ = load(str(models_dir / "llama-10m"))
+    model = load(str(models_dir / "llama-10m"))[0]
     vocab = model.args.vocab_size
     rows, drafts = 32, 8
     caches = lambda: make_prompt_cache(model)  # noqa: E731
