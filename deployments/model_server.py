@@ -23,6 +23,7 @@ from deployments.manifest import ManifestEntry, model_location
 from deployments.spare import SPARE_ENTRY, NoModel, keep_kernels, warm_up
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import ChannelItem, GenerationRequest, VLMRequest, WholeReply, parse_request
+from deployments.wire.measured import MeasuredMemory
 from deployments.wire.reports import HealthReport, MemoryReport, Released
 from deployments.wire.results import EmbeddingResult, RerankResult, TranscribedSegment, TranscriptionResult
 
@@ -93,6 +94,7 @@ class ModelServer:
         coalesce_max_ms: float | None = None,
         gil_switch_ms: float | None = None,
         load_now: bool = False,
+        known_memory: MeasuredMemory | None = None,
     ):
         from deployments.models import open_engine
 
@@ -115,6 +117,7 @@ class ModelServer:
         # carries, and a stream's own token rate falls as the batch grows.
         self.coalesce_max_ms = max(coalesce_ms, coalesce_max_ms if coalesce_max_ms is not None else coalesce_ms)
         self.engine: Any = NoModel() if self.spare else open_engine(self.entry, Path(models_dir), **(engine_options or {}))
+        self._knows(known_memory)
         if self.spare:
             warm_up()
         self._in_flight = 0
@@ -195,7 +198,19 @@ class ModelServer:
                 raise load_error_for_caller(e) from None
             return self.memory()
 
-    async def take(self, entry: ManifestEntry | dict, models_dir: str, engine_options: dict[str, Any] | None = None) -> MemoryReport:
+    def _knows(self, known: MeasuredMemory | None) -> None:
+        """What an earlier load of the model measured (rule M1): the engine runs no measurement again
+        where it was of the same weights under the same settings."""
+        if known is not None and hasattr(self.engine, "known_memory"):
+            self.engine.known_memory = known
+
+    async def take(
+        self,
+        entry: ManifestEntry | dict,
+        models_dir: str,
+        engine_options: dict[str, Any] | None = None,
+        known_memory: MeasuredMemory | None = None,
+    ) -> MemoryReport:
         """A spare (rule R1) becomes `entry`'s model server and loads it, as `load` does: the process,
         its imports and the device are ready, so this costs the weights. Its actor keeps the
         spare's name (the residency service knows which model it holds), and its log says which."""
@@ -208,6 +223,7 @@ class ModelServer:
         self.models_dir = models_dir
         self.path = Path(model_location(self.entry, models_dir))
         self.engine = open_engine(self.entry, Path(models_dir), **(engine_options or {}))
+        self._knows(known_memory)
         # Ray's log monitor prefixes this actor's later log lines with the name after this token
         for stream in (sys.stdout, sys.stderr):
             print(f":actor_name:ModelServer({self.entry.name}@{self.node_id}, taken spare)", file=stream, flush=True)

@@ -196,3 +196,29 @@ def test_the_measured_activation_covers_a_verify_step_of_the_batchs_most_sampled
     # probe at 32 rows reads ~15% under this same-shape step here (19-20 MiB against 22.8; not yet
     # explained), hence the margin: within it, never an order of magnitude under.
     assert one_row * 10 < real <= bound * 1.25, (one_row / 2**20, real / 2**20, bound / 2**20)
+
+
+def test_m1_a_reload_of_the_same_weights_and_settings_reuses_their_measurement_and_others_measure_again(models_dir, monkeypatch):
+    """A swap reloads a model many times: its measurement (forward passes at the reserved context)
+    runs once per weights and settings; the figures given with a later load hold without them."""
+    folder = str(models_dir / "llama-10m")
+
+    async def loaded(known: Any = None, **options: Any) -> LLMEngine:
+        engine = LLMEngine("llama-10m", folder, prefix_disk_bytes=0, **options)
+        engine.known_memory = known
+        await engine.load()
+        await engine.stop()
+        return engine
+
+    first = asyncio.run(loaded(reserve_context_tokens=512))
+    runs: list[int] = []
+    real_measure = measure.measure
+    monkeypatch.setattr(measure, "measure", lambda *a, **k: runs.append(1) or real_measure(*a, **k))
+    again = asyncio.run(loaded(first.measured, reserve_context_tokens=512))
+    assert runs == [] and again.measured == first.measured
+    assert again.context_length == first.context_length  # the same KV budget and context as measured
+    other_settings = asyncio.run(loaded(first.measured, reserve_context_tokens=1024))
+    assert runs == [1] and other_settings.measured.reserve_context_tokens == 1024
+    other_weights = first.measured.model_copy(update={"weights_hash": "another model's"})
+    asyncio.run(loaded(other_weights, reserve_context_tokens=512))
+    assert runs == [1, 1]

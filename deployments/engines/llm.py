@@ -54,6 +54,7 @@ from deployments.engines.speculation import Speculator
 from deployments.estimate import kv_bytes_per_token
 from deployments.manifest import safetensors_bytes
 from deployments.wire.generation import GenerationRequest
+from deployments.wire.measured import MeasuredMemory
 from deployments.worker import MLXWorker
 
 __all__ = ["Delta", "DeltaSink", "LLMEngine", "TokenLogprob", "Usage"]
@@ -63,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine(MLXLoop, Engine):
     kind = "llm"
+    known_memory: MeasuredMemory | None = None  # what an earlier load of these weights measured (M1): set before `load`
 
     def __init__(
         self,

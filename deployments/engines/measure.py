@@ -198,6 +198,8 @@ def measure(
         activation_bytes_per_token=per_token,
         prefill_rows=rows,
         prefill_chunk=chunk,
+        decode_rows=max(decode_rows, reserve_concurrency),
+        decode_tokens=decode_tokens,
         reserve_context_tokens=reserve_context_tokens,
         reserve_concurrency=reserve_concurrency,
         prefix_cache_bytes=prefix_cache_bytes,
@@ -275,6 +277,7 @@ class LoadedEngine(Protocol):
     prompt_cache_bytes: int
     spec_max_drafts: int
     max_batch: int
+    known_memory: MeasuredMemory | None
 
     @property
     def prefill_chunk(self) -> int: ...
@@ -289,24 +292,16 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
     unlimited()  # measured as it will run (set_limit below sets the process's limit again)
     bits, group = engine.kv_bits, engine.kv_group_size
     quantized = (lambda layers: list(fresh_caches(layers, bits, group))) if bits is not None else None
-    chunk = engine.prefill_chunk
-    measured = measure(
-        engine.model,
-        caches_of(engine.model, make_prompt_cache, quantized),
-        weight_bytes=weights,
-        vocab=engine.vocab_size,
-        reserve_context_tokens=engine.reserve_context_tokens,
-        reserve_concurrency=engine.reserve_concurrency,
-        prefill_chunk=chunk,
-        prefill_rows=max(1, engine.max_prefill_tokens // chunk),
-        decode_tokens=1 + drafts(engine),
-        decode_rows=engine.max_batch,
-        prefix_cache_bytes=engine.prompt_cache_bytes,
-        weights_hash=model_identity(engine.path, bits, group, 0, "") if Path(engine.path).is_dir() else "",
-        estimated_weight_bytes=safetensors_bytes(engine.path) if Path(engine.path).is_dir() else 0,
-        estimated_cache=config_cache(config, weights_dtype(Path(engine.path)) if Path(engine.path).is_dir() else None, bits, group),
-    )
+    identity = model_identity(engine.path, bits, group, 0, "") if Path(engine.path).is_dir() else ""
     draft = getattr(getattr(engine, "speculator", None), "draft", None)
+    known = engine.known_memory
+    if draft is None and known is not None and measured_as(known, engine, identity):
+        measured = known.model_copy(
+            update={"weight_bytes": weights}
+        )  # M1: these weights measured under these settings before: the figures hold, no passes run again
+        logger.info("%s: the measurement of these weights and settings from an earlier load holds", engine.name)
+    else:
+        measured = _measure_loaded(engine, config, weights, identity, quantized)
     if draft is not None:  # a draft model's cache of every sequence is the instance's too (its weights are in `weights`)
         measured = draft.counted(measured)
     if engine.reserve_context_tokens:  # 0: the operator reserves no KV, and nothing is held to it
@@ -321,6 +316,44 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
         measured.activation_bytes / MIB, measured.seconds, limit / MIB,
     )  # fmt: skip
     return measured
+
+
+def measured_as(known: MeasuredMemory, engine: LoadedEngine, identity: str) -> bool:
+    """Whether `known` was measured of the weights `engine` just loaded (their identity:
+    prefix_disk.model_identity) under the settings it runs with: then every figure of a new
+    measurement would be the same, so a reload runs none of its forward passes again."""
+    chunk = engine.prefill_chunk
+    return (
+        bool(identity)
+        and known.weights_hash == identity
+        and known.reserve_context_tokens == engine.reserve_context_tokens
+        and known.reserve_concurrency == engine.reserve_concurrency
+        and known.prefill_chunk == max(1, min(chunk, engine.reserve_context_tokens or 1))
+        and known.prefill_rows == max(1, min(engine.max_prefill_tokens // chunk, engine.reserve_concurrency))
+        and known.decode_rows == max(engine.max_batch, engine.reserve_concurrency)
+        and known.decode_tokens == 1 + drafts(engine)
+        and known.prefix_cache_bytes == engine.prompt_cache_bytes
+    )
+
+
+def _measure_loaded(engine: LoadedEngine, config: dict, weights: int, identity: str, quantized: Callable[[int], list[Any]] | None) -> MeasuredMemory:
+    chunk, bits, group = engine.prefill_chunk, engine.kv_bits, engine.kv_group_size
+    return measure(
+        engine.model,
+        caches_of(engine.model, make_prompt_cache, quantized),
+        weight_bytes=weights,
+        vocab=engine.vocab_size,
+        reserve_context_tokens=engine.reserve_context_tokens,
+        reserve_concurrency=engine.reserve_concurrency,
+        prefill_chunk=chunk,
+        prefill_rows=max(1, engine.max_prefill_tokens // chunk),
+        decode_tokens=1 + drafts(engine),
+        decode_rows=engine.max_batch,
+        prefix_cache_bytes=engine.prompt_cache_bytes,
+        weights_hash=identity,
+        estimated_weight_bytes=safetensors_bytes(engine.path) if Path(engine.path).is_dir() else 0,
+        estimated_cache=config_cache(config, weights_dtype(Path(engine.path)) if Path(engine.path).is_dir() else None, bits, group),
+    )
 
 
 def drafts(engine: Any) -> int:

@@ -44,6 +44,8 @@ class MeasuredMemory(Frozen):
     activation_bytes_per_token: float = Field(default=0.0, ge=0)  # ... its growth per token of context
     prefill_rows: int = Field(default=1, ge=1)
     prefill_chunk: int = Field(default=1, ge=1)
+    decode_rows: int = Field(default=0, ge=0)  # a decode step's rows and tokens a row (1 + drafts) as measured; 0: not said
+    decode_tokens: int = Field(default=0, ge=0)
     reserve_context_tokens: int = Field(ge=0)
     reserve_concurrency: int = Field(ge=1)
     prefix_cache_bytes: int = Field(default=0, ge=0)  # the kept prefixes' budget (X4 counts them apart)

@@ -85,7 +85,7 @@ class RayEffects:
             raise NodeUnreachable(place.node_id, f"node {place.node_id} is not known to Ray")
         if entry is None:
             raise LoadError("not_found", f"model {place.model} has no registry entry")
-        options = dict(self.server_options, load_now=True)
+        options = dict(self.server_options, load_now=True, known_memory=order.measured)
         scheduling = options.pop("llm_engine", None) or {}  # the LLM engines' own, not the server's
         if spec.kind == "llm":
             options["engine_options"] = {
@@ -101,7 +101,7 @@ class RayEffects:
         handle = await self._spare(order) if order.spare else None
         if handle is not None:  # R1: the spare's process loads the weights; its log says which model
             # the task's name is what the dashboard shows of the model (the actor's row is the spare's)
-            load = handle.take.options(name=f"take {entry.name}").remote(entry, models_dir, options.get("engine_options"))
+            load = handle.take.options(name=f"take {entry.name}").remote(entry, models_dir, options.get("engine_options"), order.measured)
         else:  # a new process, named as the loop said (a spare that died meanwhile: under its name)
             named = parse_actor_name(order.actor)
             handle = create_model_server(

@@ -8,6 +8,7 @@ from typing import Protocol
 from cluster.node_report import FetchResult, StoreReport
 from deployments.manifest import ManifestEntry
 from deployments.wire.events import ClusterEvent
+from deployments.wire.measured import MeasuredMemory
 from deployments.wire.reports import Released
 from policy import InstanceRef, ModelSpec, Place
 from policy._frozen import Frozen
@@ -26,6 +27,7 @@ class StartOrder(Frozen):
     root: str | None = None
     spare: bool = False  # `actor` is a spare that takes the model (R1), not a server to start
     store_root: str | None = None  # the node's model store (its agent's report): the prefix disk tier lives beside it
+    measured: MeasuredMemory | None = None  # what the model's last load measured (M1): its engine measures again only for other weights or settings
 
 
 class FetchOrder(Frozen):

@@ -453,7 +453,9 @@ class Placements:
                 self._placed_at[(place.model, place.node_id)] = (at, copied + loop.clock.now() - copying)
                 if failed is not None:
                     raise LoadError("error", failed)
-            result = await loop.effects.start_instance(loop.sites.start_order(place, loop.state.catalog[place.model], actor, spare is not None))
+            known = self.measurements.get(place.model)
+            order = loop.sites.start_order(place, loop.state.catalog[place.model], actor, spare is not None, known)
+            result = await loop.effects.start_instance(order)
         except asyncio.CancelledError:  # nobody waits for it (the event is recorded)
             self.loop.apply(LoadFailed(place=place, attempt=attempt, reason="cancelled", message="nobody waits for it"))
             return

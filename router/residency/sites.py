@@ -6,6 +6,7 @@ need from it in an order (`StartOrder`, `FetchOrder`: interface.py) and keep not
 
 from cluster.node_report import StoreReport
 from deployments.manifest import ManifestEntry
+from deployments.wire.measured import MeasuredMemory
 from policy import InstanceRef, ModelSpec, Place, StoreRoom
 from router.residency.interface import FetchOrder, StartOrder
 
@@ -117,7 +118,7 @@ class Sites:
         hub = not sources and entry.hub and background is None
         return FetchOrder(model=model, node_id=node_id, entry=entry, root=store.root, sources=sources, hub=hub, keep=keep, background=background)
 
-    def start_order(self, place: Place, spec: ModelSpec, actor: str, spare: bool = False) -> StartOrder:
+    def start_order(self, place: Place, spec: ModelSpec, actor: str, spare: bool = False, measured: MeasuredMemory | None = None) -> StartOrder:
         """Load from the node's store when it holds the folder (a hub model then loads as a local
         folder), else from the registry's own path (every node has it at the same path, as before
         stores; hub models by repo id)."""
@@ -135,4 +136,5 @@ class Sites:
             root=root,
             spare=spare,
             store_root=store.root if store is not None else None,
+            measured=measured,
         )
