@@ -17,6 +17,7 @@ import threading
 import time
 from fnmatch import fnmatch
 from pathlib import Path
+from typing import Any
 
 import psutil
 import ray
@@ -27,6 +28,7 @@ from cluster.node_report import NodeReport, StoreReport, gib_to_bytes, read_repo
 from cluster.store import ENV_STORE, Store, default_root
 from cluster.stored import CHUNK_BYTES as CHUNK, StoreError, StoreManifest
 from cluster.stream import StreamBroken, StreamOffer, StreamServer, copy_folder
+from deployments.wire.counting import CountOrder
 from policy._frozen import Frozen
 from policy.specs import DEVICE_KINDS, DeviceKind
 
@@ -148,6 +150,7 @@ class NodeAgent:
         self._address = ray.util.get_node_ip_address()  # the node's address as Ray knows it: streams listen there
         self._lock = threading.Lock()
         self._fetches: dict[str, _Fetch] = {}
+        self._tokenizers: Any = None  # deployments.engines.prompt_tokens.Tokenizers, made at the first count
 
     def identity(self) -> dict:
         return self._ident.model_dump()
@@ -180,6 +183,20 @@ class NodeAgent:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
+
+    def count_tokens(self, order: CountOrder) -> int:
+        """The prompt tokens of `order`'s request by the tokenizer in its folder on this node, with
+        no weights loaded (Anthropic's count_tokens for a model no instance of which is ready). Here
+        because the agent runs on every node and next to the node's store, where the folder is; it
+        keeps the few tokenizers last used (prompt_tokens.Tokenizers). OrchardError:
+        files_not_stored when the folder holds no tokenizer here, invalid_request for what the chat
+        template refuses."""
+        from deployments.engines.prompt_tokens import Tokenizers  # MLX and mlx-lm only in an agent that counts
+
+        with self._lock:
+            if self._tokenizers is None:
+                self._tokenizers = Tokenizers()
+        return self._tokenizers.count(order.model, order.folder, order.request)
 
     # ---- the source side -------------------------------------------------------------------------
     def manifest(self, folder: str) -> dict:

@@ -47,6 +47,7 @@ WEATHER = {
 }
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+COUNTED = "smollm2-135m-instruct"  # a real chat template; counted before this module's first generation loads it
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +207,62 @@ def test_reasoning_is_split_into_reasoning_content(orchard):
     chunks = list(orchard["openai"].chat.completions.create(model="llama-think", messages=USER, max_tokens=12, temperature=0, stream=True))
     streamed = "".join(c.choices[0].delta.model_dump().get("reasoning_content") or "" for c in chunks if c.choices)
     assert streamed == message["reasoning_content"]
+
+
+def _counted_request(billing_hash: str) -> dict:
+    """A Claude-Code-shaped request: its billing line (a hash per request), a system prompt, a tool,
+    a past tool call and its result."""
+    tool = {"name": "get_weather", "description": "Current weather", "input_schema": WEATHER["function"]["parameters"]}
+    return {
+        "model": COUNTED,
+        "system": [
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.40.{billing_hash}; cc_entrypoint=sdk-cli;"},
+            {"type": "text", "text": "You answer questions about the weather."},
+        ],
+        "tools": [tool],
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "unit": "c"}}]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C, clear"}, {"type": "text", "text": "And now?"}],
+            },
+        ],
+    }
+
+
+def test_count_tokens_loads_nothing_and_equals_the_generations_prompt_tokens(orchard):
+    """A model no instance of which is loaded is counted from its folder's tokenizer (a node agent)
+    and nothing is placed or loaded; the count is the prompt a generation of the same request feeds
+    (tools, system, a past tool call, the billing line left out), and the loaded model's engine,
+    which counts once it is ready, says the same. Bad input is Anthropic's error."""
+    base, client = orchard["base"], orchard["anthropic"]
+    requests.post(base + f"/v1/models/{COUNTED}/unload", timeout=60)  # not loaded by an earlier test in any order
+    since = max((e["seq"] for e in requests.get(base + "/v1/cluster/events", timeout=30).json()["data"]), default=0)
+    counted = client.messages.count_tokens(**_counted_request("a1b2c"))
+    assert counted.input_tokens > 100
+    assert client.messages.count_tokens(**_counted_request("f9e8d")).input_tokens == counted.input_tokens  # the hash changes nothing
+    instances = [i["model"] for n in requests.get(base + "/v1/cluster", timeout=30).json()["nodes"] for i in n["instances"]]
+    assert COUNTED not in instances
+    events = requests.get(base + f"/v1/cluster/events?since={since}", timeout=30).json()["data"]
+    assert not [e for e in events if e["kind"] in ("placed", "loading", "loaded", "evicted", "waiting", "fetching")], events
+
+    message = client.messages.create(max_tokens=1, **_counted_request("0c0c0"))
+    usage = message.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0) == counted.input_tokens
+    assert client.messages.count_tokens(**_counted_request("77777")).input_tokens == counted.input_tokens  # now by its engine
+
+    malformed = requests.post(base + "/v1/messages/count_tokens", json={"model": COUNTED, "messages": "hi"}, timeout=30)
+    assert malformed.status_code == 400 and malformed.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.count_tokens(model=COUNTED, messages=[])
+    assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError) as info:  # an embedding model has no prompt to count
+        client.messages.count_tokens(model="all-minilm-l6-v2", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body["error"]["type"] == "invalid_request_error" and "all-minilm-l6-v2" in info.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as info:
+        client.messages.count_tokens(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body["error"]["type"] == "not_found_error"
 
 
 # ---- Anthropic Messages --------------------------------------------------------------------------

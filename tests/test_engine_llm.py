@@ -541,3 +541,35 @@ def test_a_group_is_split_to_keep_prefill_within_max_prefill_tokens(models_dir, 
     assert delta["first_tokens"] == 3
     assert 0 < delta["admit_wait_s"] < delta["first_token_s"] < 3 * elapsed
     assert 0 < delta["admit_prep_s"] < delta["admit_wait_s"]  # preparing is the first part of the wait; the hold is the rest
+
+
+def test_a_count_from_the_folders_tokenizer_equals_the_engines_prompt(engine, models_dir, tmp_path):
+    """What a node agent counts without the weights (prompt_tokens.Tokenizers) is the prompt the
+    engine feeds: chat template, tools, past tool calls; the cache keeps `capacity` tokenizers; a
+    folder without a tokenizer and a refused request are the caller's errors."""
+    from deployments.engines.prompt_tokens import Tokenizers
+    from deployments.wire.failure import OrchardError
+
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    chat = GenerationRequest(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What time is it?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+        ],
+        tools=[tool],
+    )
+    tokenizers = Tokenizers(capacity=1)
+    folder = str(models_dir / "llama-10m")
+    for request in (chat, greedy("Hello there", 1)):
+        assert tokenizers.count("llama-10m", folder, request) == len(engine.tokenize(request)) > 0
+    tokenizers.count("smollm2-135m-instruct", str(models_dir / "smollm2-135m-instruct"), chat)
+    assert len(tokenizers) == 1
+    with pytest.raises(OrchardError) as info:
+        tokenizers.count("nothing", str(tmp_path), chat)
+    assert info.value.code == "files_not_stored" and str(tmp_path) not in info.value.message
+    with pytest.raises(OrchardError) as info:
+        tokenizers.count("llama-10m", folder, GenerationRequest(messages=[]))
+    assert info.value.code == "invalid_request"

@@ -38,7 +38,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from deployments.engine import Engine, MemoryReport, RequestError, RequestErrorCode
 from deployments.engines import buffer_cache, measure
-from deployments.engines.chat_format import chat_inputs, template_kwargs_error, template_supports_tools
+from deployments.engines.chat_format import template_kwargs_error
 from deployments.engines.constrained import GrammarCompiler, GrammarProcessor
 from deployments.engines.draft import Draft
 from deployments.engines.llm_cache import KeptPrefixes
@@ -48,6 +48,7 @@ from deployments.engines.llm_scheduler import Scheduler
 from deployments.engines.options import LLMEngineOptions
 from deployments.engines.prefix_cache import PrefixCache, sliceable
 from deployments.engines.prefix_disk import DiskTier
+from deployments.engines.prompt_tokens import knows_tools, prompt_tokens
 from deployments.engines.quantized_cache import KV_BITS, KV_GROUP_SIZES, quantizable
 from deployments.engines.sampling import BatchSampler
 from deployments.engines.speculation import Speculator
@@ -234,10 +235,7 @@ class LLMEngine(MLXLoop, Engine):
             self.weight_bytes += self.speculator.draft.weight_bytes
         hf_tokenizer = self.tokenizer._tokenizer
         self.grammars = GrammarCompiler(hf_tokenizer, self.eos_ids, self.vocab_size)
-        # mlx-lm's own renderers (a Python chat template) take tools; a Jinja one must name them
-        self.template_knows_tools = getattr(self.tokenizer, "_chat_template", None) is not None or template_supports_tools(
-            getattr(hf_tokenizer, "chat_template", None)
-        )
+        self.template_knows_tools = knows_tools(self.tokenizer)
         self.measured = measure.loaded(self, config, active)  # what it holds; the process's MLX limit
         self.scheduler.kv = measure.kv_budget(self.measured, self.context_length, measure.drafts(self))  # the batch within its KV reservation (M4)
         self.generator = self._new_generator()
@@ -480,20 +478,7 @@ class LLMEngine(MLXLoop, Engine):
         return job.result()
 
     def _tokenize(self, request: GenerationRequest) -> list[int]:
-        if request.prompt_tokens is not None:
-            return list(request.prompt_tokens)
-        if request.messages is not None:
-            if not request.messages:
-                raise RequestError("invalid_request", "messages is empty")
-            messages, extra = chat_inputs(request.messages, request.tools, self.template_knows_tools)
-            if template_kwargs_error(request.chat_template_kwargs) is not None:  # start() refused it already
-                raise RequestError("invalid_request", "chat_template_kwargs holds more than template variables", "chat_template_kwargs")
-            try:
-                tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra, **request.chat_template_kwargs)
-            except Exception as e:
-                raise RequestError("invalid_request", f"the chat template rejected the messages: {e}") from e
-            return list(tokens["input_ids"] if isinstance(tokens, dict) else tokens)
-        return self.tokenizer.encode(request.prompt, add_special_tokens=False) if request.prompt else []
+        return prompt_tokens(self.tokenizer, request, self.template_knows_tools)  # as a count without the weights (prompt_tokens.py)
 
 
 def _logits_width(model: Any, tokenizer: Any) -> int:

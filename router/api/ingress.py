@@ -6,12 +6,14 @@ import contextlib
 import logging
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from deployments.wire.failure import OrchardError
 from router.api.errors import for_principal
 from router.api.keys import Principal
+from router.protocols.openai import ChatCompletionRequest
+from router.serving.counting import Counter
 from router.serving.lease import Lease, Leases
 from router.serving.stream_mux import StreamMux
 
@@ -42,6 +44,7 @@ class Ingress:
             residency, holder=f"ingress-{uuid.uuid4().hex[:8]}", linger_s=route_linger_s, max_extra_in_flight=prefix_affinity_max_extra_in_flight
         )
         self.mux = StreamMux()
+        self.counter = Counter(residency)
         self.chunk_timeout_s = chunk_timeout_s
         self.principals = list(principals or [])
         if not self.principals:
@@ -58,16 +61,15 @@ class Ingress:
         what the request really used); `prefix`: the request's prefix keys (router.serving.affinity),
         so it goes where its prompt's beginning went before; a model the key may not use is a 404. Whatever fails while
         it is held reaches the client as `who` may read it (router.api.errors.for_principal)."""
-        if not who.may_use(model):
-            raise OrchardError("model_not_found", f"model {model!r} is not in the registry", "model")
-        try:
+        with seen_by(who, model):
             async with self.leases.hold(model, who.tenant(), reserve_tokens, prefix) as lease:
                 yield lease
-        except OrchardError as e:
-            shown = for_principal(e, who.admin, model)
-            if shown is e:
-                raise
-            raise shown from None
+
+    async def count_tokens(self, who: Principal, chat: ChatCompletionRequest) -> int:
+        """`chat`'s prompt tokens on its model, without a lease (router/serving/counting.py): nothing
+        is loaded for a count. A model the key may not use is a 404, as for a lease."""
+        with seen_by(who, chat.model):
+            return await self.counter.count(chat, who.tenant(), allow_remote_images=self.allow_remote_images)
 
     def close(self) -> None:
         """The replica is shutting down: close every channel (each actor cancels what was open)."""
@@ -76,6 +78,21 @@ class Ingress:
         if self.leases.standing is not None:
             with contextlib.suppress(Exception):
                 self.leases.standing.close()
+
+
+@contextlib.contextmanager
+def seen_by(who: Principal, model: str) -> Iterator[None]:
+    """Refuse a model the key may not use (404); whatever fails inside reaches the client as `who`
+    may read it (router.api.errors.for_principal)."""
+    if not who.may_use(model):
+        raise OrchardError("model_not_found", f"model {model!r} is not in the registry", "model")
+    try:
+        yield
+    except OrchardError as e:
+        shown = for_principal(e, who.admin, model)
+        if shown is e:
+            raise
+        raise shown from None
 
 
 _CURRENT: list[Ingress] = []

@@ -5,8 +5,8 @@ call, never per token), so the count lives in one place whatever the number of i
 Tokens are reserved when a request is admitted, the prompt's estimate (router/serving/token_estimate.py) plus
 max_tokens for a generation, and corrected to what it used (the usage the model reports: prompt +
 completion, an embedding's or a rerank's input tokens) when its lease ends. Every route that runs a
-model counts: generations, embeddings, rerank, count_tokens, audio (router/api). The windows slide
-over the last 60 s."""
+model counts: generations, embeddings, rerank, audio (router/api); count_tokens, which runs none,
+counts as a request and holds no tokens. The windows slide over the last 60 s."""
 
 from collections import deque
 from dataclasses import dataclass, field

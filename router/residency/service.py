@@ -15,12 +15,14 @@ from typing import Any
 from ray import serve
 
 from cluster.ray_api import on_head
+from deployments.wire.counting import CountSite
 from deployments.wire.failure import OrchardError
 from deployments.wire.leases import Grant, Refusal, RoutesView, UsageReport
 from policy import Decision, InstanceRef, PolicyConfig
 from router import metrics
 from router.residency import views
 from router.residency.controller import ResidencyController
+from router.residency.counting import count_site
 from router.residency.effects import RayEffects
 from router.residency.events import ClusterEvent
 from router.residency.limits import Limiter, RateLimited, Tenant
@@ -148,6 +150,23 @@ class ResidencyService:
             epoch=self.controller.epoch,
             ratelimit=self.limiter.headers(who, clock.now()) if who else {},
         )
+
+    async def count_site(self, model: str, tenant: dict[str, Any] | None = None) -> CountSite | Refusal:
+        """Where `model`'s prompts can be counted now (router/residency/counting.py), asking the
+        loop for nothing: a count never places, loads or evicts. A key's count is one request of its
+        rpm (and is refused past its max_concurrent) but holds no tokens: it runs no model."""
+        who = Tenant.model_validate(tenant) if tenant else None
+        now = self.controller.clock.now()
+        try:
+            if who is not None:
+                ticket = uuid.uuid4().hex
+                self.limiter.admit(who, ticket, 0, now)
+                self.limiter.finish(ticket, 0, now)
+            return count_site(model, self.effects.entries, self.controller.state, self.sites, self.effects.models_dir)
+        except OrchardError as e:
+            if isinstance(e, RateLimited):
+                metrics.on_limit(e.limit, who.name if who else "")
+            return Refusal.of(e, self.limiter.headers(who, now) if who else None)
 
     async def release(self, lease_id: str, used_tokens: int | None = None) -> None:
         ticket = self._tickets.pop(lease_id, None)

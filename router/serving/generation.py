@@ -19,7 +19,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 
@@ -45,12 +45,25 @@ def crash_error(lease: Lease, e: BaseException) -> OrchardError:
     )
 
 
-def require_kind(lease: Lease, kinds: tuple[str, ...], what: str) -> None:
+class ModelFacts(Protocol):
+    """What building a model's request reads of the model: a lease, or a count's site (counting.py)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def tool_parser(self) -> str | None: ...
+    @property
+    def reasoning(self) -> Any: ...
+
+
+def require_kind(lease: ModelFacts, kinds: tuple[str, ...], what: str) -> None:
     if lease.kind not in kinds:
         raise OrchardError("model_not_supported", f"model {lease.model} is a {lease.kind} model, not {what}", "model")
 
 
-def prepare(lease: Lease, body: ChatOrCompletion, *, allow_remote_images: bool) -> tuple[GenerationRequest | VLMRequest, OutputParser | None]:
+def prepare(lease: ModelFacts, body: ChatOrCompletion, *, allow_remote_images: bool) -> tuple[GenerationRequest | VLMRequest, OutputParser | None]:
     """The model server's request for this lease's model kind (checked here, so a field the
     engine refuses is an invalid_request before anything is sent), and the output parser a chat
     protocol runs over its deltas. Raises OrchardError for what this model cannot do."""

@@ -30,7 +30,7 @@ log = logging.getLogger("orchard.ingress")
 RATE_LIMIT_HEADERS: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("orchard_rate_limit_headers", default=None)
 
 
-def _note_rate_limit(headers: dict[str, str] | None) -> None:
+def note_rate_limit(headers: dict[str, str] | None) -> None:
     holder = RATE_LIMIT_HEADERS.get()
     if holder is not None and headers:
         holder.update(headers)
@@ -141,7 +141,7 @@ class Leases:
             self.affinity.note(standing.instance, prefix)
             return Lease(self, standing.grant, standing, prefix=prefix)
         answer = await self.residency.acquire.remote(model, tenant, reserve_tokens, None, avoid)
-        _note_rate_limit(answer.ratelimit)
+        note_rate_limit(answer.ratelimit)
         if isinstance(answer, Refusal):
             raise answer.error()
         self.affinity.note(instance_of(answer), prefix)

@@ -4,11 +4,10 @@ Errors under these paths are Anthropic's (router/api/errors.py)."""
 from fastapi import APIRouter, Depends
 
 from router.api.auth import principal
-from router.api.generate import generate, prompt_estimate
+from router.api.generate import generate
 from router.api.ingress import Ingress, current
 from router.api.keys import Principal
 from router.protocols import anthropic as anth
-from router.serving.generation import call, prepare
 from router.serving.renderers import AnthropicRenderer
 
 router = APIRouter(tags=["anthropic"])
@@ -22,11 +21,8 @@ async def messages(body: anth.MessagesRequest, ingress: Ingress = Depends(curren
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: anth.CountTokensRequest, ingress: Ingress = Depends(current), who: Principal = Depends(principal)):
-    """The prompt's tokens, by the model's own tokenizer: counted against the key's tpm like a
-    prompt (the estimate at admission, the count at the end), since it runs the model's tokenizer."""
-    chat = anth.to_chat_request(body)
-    async with ingress.hold(who, chat.model, prompt_estimate(chat)) as lease:
-        request, _ = prepare(lease, chat, allow_remote_images=ingress.allow_remote_images)
-        count = await call(lease, lambda actor: actor.count_tokens.remote(request))
-        lease.release(count)
+    """The prompt's tokens, by the model's own tokenizer and chat template, without a lease: nothing
+    is loaded, placed or evicted for a count (router/serving/counting.py). A key's count is one
+    request of its rpm and holds no tokens."""
+    count = await ingress.count_tokens(who, anth.to_chat_request(body))
     return anth.count_tokens_response(count)
