@@ -102,6 +102,20 @@ def model(orchard, name: str) -> dict:
     return orchard["http"].get(f"/v1/models/{name}").json()["orchard"]
 
 
+def test_count_tokens_reads_a_stores_tokenizer_and_fetches_nothing(orchard):
+    """count_tokens of a model that is not loaded: the head's agent counts with the tokenizer of the
+    folder in its store (models_dir holds nothing here), nothing is loaded or copied; a hub model no
+    store holds yet is Anthropic's 404, not a download."""
+    http = orchard["http"]
+    body = {"messages": [{"role": "user", "content": "Once upon a time"}], "system": "Tell a story."}
+    r = http.post("/v1/messages/count_tokens", json=body | {"model": "llama-10m"})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 5, r.text
+    r = http.post("/v1/messages/count_tokens", json=body | {"model": "llama-hub"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error" and "loads nothing" in r.json()["error"]["message"], r.text
+    assert model(orchard, "llama-10m")["status"] == "available" and model(orchard, "llama-10m")["stored_on"] == ["head"]
+    assert not [e for name in ("llama-10m", "llama-hub") for e in events(orchard, name) if e["kind"] in ("placed", "loading", "fetching")]
+
+
 def test_a_pull_copies_to_a_store_without_loading_and_a_copy_can_be_removed(orchard):
     http = orchard["http"]
     r = http.post("/v1/models/llama-10m/pull", json={"nodes": ["mac-1", "head"]})  # not mac-2: its store stays as it is
