@@ -10,7 +10,9 @@ module stays light (no MLX): cluster/model_servers.py creates the actor from her
 import asyncio
 import contextlib
 import errno
+import gc
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -78,6 +80,10 @@ def remote_model_server():
     return _REMOTE
 
 
+RECYCLE_MLX_BYTES = 16 * 2**20  # MLX arrays a stopped engine may leave behind in a process that becomes a spare again
+LOOP_THREADS = ("asyncio_", "uvloop_")  # the names of an event loop's default executor's threads
+
+
 class ModelServer:
     """One engine (built by deployments.models.open_engine) behind a Ray actor. Methods valid only
     for another kind raise OrchardError("unsupported"); engine RequestErrors keep their code."""
@@ -120,6 +126,8 @@ class ModelServer:
         self._knows(known_memory)
         if self.spare:
             warm_up()
+        self.models_held = 0 if self.spare else 1  # models this process has held in turn (R1: a spare again after each)
+        self._idle_threads: set[int | None] = set()  # threads running before its last `take` (R1: a spare again only with no more)
         self._in_flight = 0
         self._load_lock = asyncio.Lock()
         self._load_error: BaseException | None = None
@@ -157,7 +165,6 @@ class ModelServer:
         """Load during actor creation, on a thread with an event loop of its own (__init__ may run
         where the actor's loop already runs; engines keep no loop-bound state from loading). A
         failure is kept for `load` to report: the actor stays up, its repr says why."""
-        import threading
 
         def run() -> None:
             try:
@@ -219,6 +226,8 @@ class ModelServer:
         if not self.spare:
             raise OrchardError("invalid_request", f"this model server already holds {self.entry.name}")
         self.spare = False
+        self.models_held += 1
+        self._idle_threads = {t.ident for t in threading.enumerate()}
         self.entry = entry if isinstance(entry, ManifestEntry) else ManifestEntry.model_validate(entry)
         self.models_dir = models_dir
         self.path = Path(model_location(self.entry, models_dir))
@@ -311,6 +320,41 @@ class ModelServer:
             flush=True,
         )
         return released
+
+    async def recycle(self, max_models: int) -> int | None:
+        """After `stop`, become a spare again (rule R1) instead of exiting, and return this process's
+        resident memory: only a process started as a spare (its actor's name says no model), that
+        has held fewer than `max_models` models, whose stopped engine left no MLX memory and no
+        thread behind. None (it stays stopped; the caller ends it) otherwise."""
+        mx = sys.modules.get("mlx.core")
+        if not self._spare_started or self._released is None or self.models_held >= max_models or self._exiting:
+            return None
+        self.engine = NoModel()
+        gc.collect()  # the stopped engine's model and caches, cycles included
+        if mx is not None:
+            mx.clear_cache()
+            if mx.get_active_memory() > RECYCLE_MLX_BYTES:
+                print(
+                    f"orchard: {self.entry.name}@{self.node_id} still holds {mx.get_active_memory() / 2**20:.0f} MiB of MLX arrays: it exits",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return None
+        # the event loop's own executor (asyncio.to_thread's threads: "asyncio_N", under Ray's uvloop "uvloop_N") is the process's, not the engine's
+        left = sorted(t.name for t in threading.enumerate() if t.ident not in self._idle_threads and not t.name.startswith(LOOP_THREADS))
+        if left:
+            print(f"orchard: {self.entry.name}@{self.node_id} left threads running ({', '.join(left)}): it exits", file=sys.stderr, flush=True)
+            return None
+        print(
+            f"orchard: {self.entry.name}@{self.node_id} is the spare of {self.node_id} again ({self.models_held} models held)",
+            file=sys.stderr,
+            flush=True,
+        )
+        for stream in (sys.stdout, sys.stderr):
+            print(f":actor_name:ModelServer(@{self.node_id}, spare again)", file=stream, flush=True)
+        self.spare, self.entry, self._released = True, SPARE_ENTRY, None
+        self.path = Path(model_location(self.entry, self.models_dir))
+        return self.process_bytes()
 
     async def exit(self, reason: str = "stopped") -> None:
         """End this actor (after `stop`): its channels close, its log says why, and Ray records an

@@ -68,6 +68,10 @@ class PolicyConfig(Frozen):
     # runs (spare_bytes until then), is ours and becomes the next instance's overhead there.
     spares_per_node: int = Field(default=1, ge=0, le=1)
     spare_bytes: ByteSize = ByteSize(256 * MIB)
+    # A process started as a spare holds this many models in turn at most: after an eviction it
+    # becomes its node's spare again where the node wants one (R1), instead of exiting. 1: every
+    # process exits with its model.
+    process_models_max: int = Field(default=8, ge=1)
 
     # When only busy, loading or young instances stand in the way: fail at once, or wait up to
     # wait_timeout_s (asking again every retry_poll_s) and then fail.

@@ -10,7 +10,7 @@ beyond the margin keeps one: a node short of memory runs without."""
 
 from policy.cluster_state import ClusterState, NodeState
 from policy.config import PolicyConfig
-from policy.memory import free_bytes, margin_bytes
+from policy.memory import free_bytes, margin_bytes, ours_bytes
 
 
 def spare_wanted(node: NodeState, config: PolicyConfig, starting: bool = False) -> bool:
@@ -27,6 +27,16 @@ def spare_short(node: NodeState, config: PolicyConfig) -> bool:
     if not node.spare_bytes:
         return False
     return config.spares_per_node < 1 or not node.alive or node.draining or free_bytes(node) < margin_bytes(node, config)
+
+
+def spare_again(node: NodeState, config: PolicyConfig, held_bytes: int) -> bool:
+    """R1: whether a model server that gave back its model's memory (X1) and still holds `held_bytes`
+    becomes the node's spare instead of exiting: spares are on, more than one model per process is
+    allowed, the node is alive, not draining and has no spare (none starting either), and our
+    accounting has room for that process beyond the margin."""
+    if config.spares_per_node < 1 or config.process_models_max < 2 or not node.alive or node.draining or node.spare_bytes:
+        return False
+    return node.usable_bytes - node.foreign_bytes - ours_bytes(node) - held_bytes >= margin_bytes(node, config)
 
 
 def plan_spares(state: ClusterState, config: PolicyConfig, starting: frozenset[str] = frozenset()) -> tuple[tuple[str, ...], tuple[str, ...]]:

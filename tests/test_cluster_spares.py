@@ -1,7 +1,8 @@
 """Rule R1 on a running cluster (the shared one-node cluster, real models, HTTP): the node keeps a
 spare model-server process; a load runs in it (the instance's actor is the spare's, and its log
-says which model it took), a new spare starts after, a spare that dies is replaced, and the spare's
-memory is in the node's accounting and on the console's memory bar."""
+says which model it took), a new spare starts after, a spare that dies is replaced, an evicted
+model's process is the node's next spare, and the spare's memory is in the node's accounting and on
+the console's memory bar."""
 
 import time
 
@@ -24,7 +25,8 @@ NODE = "head"
 
 @pytest.fixture(scope="module")
 def orchard(models_dir, shared_ray):
-    policy = {"instance_overhead_bytes": 384 * MIB}  # spares on (the default); an overhead that covers a process
+    # spares on (the default); an overhead that covers a process; one LLM at a time: a second evicts the first
+    policy = {"instance_overhead_bytes": 384 * MIB, "max_per_kind_per_node": {"llm": 1}}
     base = serve_orchard({"models_dir": str(models_dir), "models": from_manifest(models_dir), "policy": policy, "watch_period_s": 0.5})
     yield Http(base)
     serve.shutdown()
@@ -92,3 +94,33 @@ def test_the_console_shows_the_spare_on_the_nodes_memory_bar(orchard):
     node = next(n for n in page.json()["nodes"] if n["node_id"] == NODE)
     segments = [s for s in node["segments"] if s["kind"] == "spare"]
     assert segments and segments[0]["bytes"] == spare["bytes"]
+
+
+def _complete(http: Http, model: str) -> None:
+    r = requests.post(
+        http.base + "/v1/completions", json={"model": model, "prompt": "Once upon a time", "max_tokens": 4}, headers=http.headers, timeout=120
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_an_evicted_models_process_is_the_nodes_next_spare_and_takes_the_next_model(orchard):
+    """One LLM at a time here: smollm2 evicts llama-10m, whose process (born a spare) gives its
+    model's memory back and becomes the node's spare instead of exiting; llama-10m, asked again,
+    loads into that same process, its second model, and answers."""
+    _complete(orchard, "llama-10m")
+    first = next(i["actor"] for i in node_view(orchard)["instances"] if i["model"] == "llama-10m")
+    wait_for(lambda: (s := spare_of(orchard)) is not None and s["actor"] != first, 60, "a spare beside llama-10m")
+    _complete(orchard, "smollm2-135m-instruct")
+    spare = wait_for(lambda: (s := spare_of(orchard)) is not None and s["actor"] == first and s, 60, "llama-10m's process as the spare")
+    assert spare["bytes"] > 20 * MIB and [i["model"] for i in node_view(orchard)["instances"]] == ["smollm2-135m-instruct"]
+    health = ray.get(ray.get_actor(first, namespace=NAMESPACE).health.remote(), timeout=30)
+    assert health.status == "spare" and health.model == ""
+    events = orchard.get("/v1/cluster/events").json()["data"]
+    stopped = [e for e in events if e["kind"] == "stopped" and e["model"] == "llama-10m"]
+    assert stopped and "spare" in stopped[-1]["reason"]
+
+    _complete(orchard, "llama-10m")  # smollm2 goes; llama-10m loads into the process it left
+    again = next(i for i in node_view(orchard)["instances"] if i["model"] == "llama-10m")
+    assert again["actor"] == first
+    health = ray.get(ray.get_actor(first, namespace=NAMESPACE).health.remote(), timeout=30)
+    assert health.model == "llama-10m" and health.status == "ready"

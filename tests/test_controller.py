@@ -1325,3 +1325,52 @@ def test_r1_a_placement_takes_a_spare_still_starting_and_its_load_waits_for_it()
     assert counted == SPARES.spare_bytes and before == []  # no process of its own while the spare starts
     assert lease.node_id == "n1" and len(fx.spare_starts) == 1 and fx.log.count(("spare", "n1")) >= 1
     assert fx.log.index(("spare", "n1")) < fx.log.index(("start", "a"))
+
+
+def _swap_on_one_node(config, refuse: bool = False):
+    """a and b loaded on one 8 GiB node with spares on, then c, which needs one of them gone
+    (`refuse`: the victim's process will not be a spare again)."""
+
+    async def scenario():
+        c, fx = make([spec("a", gb=3), spec("b", gb=3), spec("c", gb=3)], nodes=(("n1", 8),), config=config)
+        await _spares_ready(c, fx, ("n1",))
+        for model in ("a", "b"):
+            c.release((await c.acquire(model)).lease_id)
+            await _spares_ready(c, fx, ("n1",))
+        starts = fx.log.count(("spare", "n1"))
+        actors = dict(fx.actors)
+        fx.no_spare_again = refuse
+        lease = await c.acquire("c")
+        for _ in range(300):
+            if "n1" in c.spares.ready and any(e.kind == "stopped" for e in c.events()):
+                break
+            await fx.run_for(0.01)
+        return c, fx, starts, actors, lease
+
+    return run(scenario())
+
+
+def test_r1_an_evicted_models_process_started_as_a_spare_is_the_nodes_next_spare():
+    """A swap's victim gives its model's memory back (X1) and its process, started as a spare,
+    becomes the node's spare instead of exiting: the next swap loads into a process that is ready
+    at once, and no process is started for it."""
+    c, fx, starts, actors, lease = _swap_on_one_node(SPARES)
+    victim = next(e.model for e in c.events() if e.kind == "evicted")
+    actor = actors[(victim, "n1")]
+    assert lease.node_id == "n1" and ("spare_again", actor) in fx.log
+    assert c.spares.ready["n1"].actor == actor and c.state.node("n1").spare_bytes == fx.residual
+    assert fx.log.count(("spare", "n1")) == starts  # no process started after the swap
+    assert ("exit", victim) not in fx.log and not fx.overcommits
+    stopped = [e for e in c.events() if e.kind == "stopped" and e.model == victim]
+    assert len(stopped) == 1 and "spare" in stopped[0].reason
+
+
+@pytest.mark.parametrize("why", ["one model a process", "the process will not"])
+def test_r1_a_process_that_held_its_most_models_or_will_not_be_a_spare_exits_and_a_new_spare_starts(why):
+    once = SPARES.model_copy(update={"process_models_max": 1})
+    c, fx, starts, actors, _ = _swap_on_one_node(once) if why == "one model a process" else _swap_on_one_node(SPARES, refuse=True)
+    victim = next(e.model for e in c.events() if e.kind == "evicted")
+    asked = [a for k, a in fx.log if k == "spare_again"]
+    assert asked == ([] if why == "one model a process" else [actors[(victim, "n1")]])  # the policy asks no process to stay at 1
+    assert ("exit", victim) in fx.log and fx.log.count(("spare", "n1")) == starts + 1
+    assert c.spares.ready["n1"].actor != actors[(victim, "n1")] and c.state.node("n1").spare_bytes == SPARES.spare_bytes

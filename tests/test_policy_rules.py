@@ -893,3 +893,19 @@ def test_r1_a_spare_runs_only_where_there_is_room_for_it_beyond_the_margin():
     assert plan_spares(state, config, starting=frozenset({"roomy"}))[0] == ()  # one at a time
     off = config.model_copy(update={"spares_per_node": 0})
     assert plan_spares(state, off) == ((), ("has-one", "over"))
+
+
+def test_r1_an_evicted_models_process_is_a_spare_again_only_where_the_node_wants_one_and_has_room():
+    from policy.spares import spare_again
+
+    config = PLAIN.model_copy(update={"spare_bytes": GIB // 4, "safety_margin_bytes": GIB // 2})
+    held = GIB // 4
+    roomy = node("roomy", 4, inst("b", 3))  # 1 GiB beside b: room for the process beyond the margin
+    assert spare_again(roomy, config, held)
+    assert not spare_again(roomy, config, GIB)  # a process that holds more than the room
+    assert not spare_again(node("full", 4, inst("b", 3.4)), config, held)
+    assert not spare_again(node("has-one", 8, spare_bytes=GIB // 4), config, held)  # one spare a node
+    assert not spare_again(node("draining", 8, draining=True), config, held)
+    assert not spare_again(node("dead", 8, alive=False), config, held)
+    assert not spare_again(roomy, config.model_copy(update={"spares_per_node": 0}), held)
+    assert not spare_again(roomy, config.model_copy(update={"process_models_max": 1}), held)

@@ -261,6 +261,17 @@ class RayEffects:
             log.info("%s (%s) did not release its memory: %s", instance, actor, type(e).__name__)
             return None
 
+    async def spare_again(self, actor: str, max_models: int) -> int | None:
+        """R1: the stopped model server `actor` becomes a spare again (ModelServer.recycle); what its
+        process holds then, or None when it will not (or does not answer): the caller ends it."""
+        try:
+            handle = await asyncio.to_thread(ray.get_actor, actor, NAMESPACE)
+            held: int | None = await asyncio.wait_for(handle.recycle.remote(max_models), self.exit_timeout_s)
+        except Exception as e:
+            log.info("%s did not become a spare again: %s", actor, type(e).__name__)
+            return None
+        return None if held is None else int(held)
+
     async def stop_instance(self, instance: InstanceRef, actor: str | None, reason: str) -> bool:
         """Stop the instance's incarnation `actor`; True once its process is gone (X1)."""
         if actor is None:

@@ -82,6 +82,7 @@ class StopDone(Frozen):
     gone: bool  # its process exited (or none was started); False: the exit was not confirmed
     reason: str
     bytes: int | None = None  # what it released, when a process may have run
+    spare: bool = False  # its process did not exit: it is its node's spare now (R1)
 
 
 class StopReleased(Frozen):

@@ -78,6 +78,12 @@ class Effects(Protocol):
         answer (its exit decides)."""
         ...
 
+    async def spare_again(self, actor: str, max_models: int) -> int | None:
+        """R1: the model server `actor`, its engine stopped, becomes a spare again if it has held
+        fewer than `max_models` models and its engine left nothing behind; what its process holds
+        then, or None (the caller ends it)."""
+        ...
+
     async def stop_instance(self, instance: InstanceRef, actor: str | None, reason: str) -> bool:
         """Stop the incarnation `actor`; True once no process of it runs any more."""
         ...

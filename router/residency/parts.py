@@ -52,6 +52,10 @@ class SparesPart(Protocol):
 
     def take(self, node_id: str) -> tuple[str, asyncio.Task | None] | None: ...
 
+    def wanted_again(self, node_id: str, actor: str | None, held_bytes: int) -> bool: ...
+
+    def again(self, node_id: str, actor: str, nbytes: int) -> bool: ...
+
 
 class Loop(Protocol):
     """What the parts use of the residency loop: its state (which they change in the loop's steps),

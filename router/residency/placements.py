@@ -312,9 +312,8 @@ class Placements:
         now = self.loop.clock.now()
         if done.gone:
             released = f"{gib(done.bytes)} released" if done.bytes is not None else "its memory released"
-            self.loop._record(
-                "stopped", model=done.instance.model, node_id=node_id, bytes=done.bytes, reason=f"its process exited, {released} ({done.reason})"
-            )
+            ended = "its process is its node's spare now (R1)" if done.spare else "its process exited"
+            self.loop._record("stopped", model=done.instance.model, node_id=node_id, bytes=done.bytes, reason=f"{ended}, {released} ({done.reason})")
         else:  # its memory may still be held: loads there wait for a report that shows the room
             self._unsure[node_id] = now
             self.loop.effects.want_report(node_id)
@@ -548,6 +547,11 @@ class Placements:
             released = None
         if released is not None:
             self.loop.apply(StopReleased(stop_id=stop_id, instance=ref, released=released, reason=reason))
+            if actor is not None and self.loop.spares.wanted_again(ref.node_id, actor, released.held_bytes):  # R1: its process is the next spare
+                held = await self.loop.effects.spare_again(actor, self.loop.config.process_models_max)
+                if held is not None and self.loop.spares.again(ref.node_id, actor, held):
+                    self.loop.apply(StopDone(stop_id=stop_id, instance=ref, gone=True, reason=reason, bytes=nbytes, spare=True))
+                    return
         try:
             gone = bool(await self.loop.effects.stop_instance(ref, actor, reason))
         except Exception as e:  # an effect that broke: the exit is not confirmed

@@ -14,8 +14,9 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from cluster.model_servers import parse_spare_name
 from policy import plan_spares
-from policy.spares import spare_short
+from policy.spares import spare_again, spare_short
 from policy.transitions import set_spare
 from router.residency.parts import Loop
 
@@ -93,6 +94,31 @@ class Spares:
         if starting is not None and starting.started is not None:
             starting.started.cancel()
         self.ready.pop(node_id, None)
+
+    def wanted_again(self, node_id: str, actor: str | None, held_bytes: int) -> bool:
+        """R1: whether the stopped model server `actor` (its model's memory given back, `held_bytes`
+        still held) should become the node's spare instead of exiting: one started as a spare (its
+        name says no model), on a node that wants a spare (`spare_again`), none starting there."""
+        node = self.loop.state.node(node_id)
+        return (
+            actor is not None
+            and parse_spare_name(actor) == node_id
+            and node is not None
+            and node_id not in self._starting
+            and node_id not in self.ready
+            and spare_again(node, self.loop.config, held_bytes)
+        )
+
+    def again(self, node_id: str, actor: str, nbytes: int) -> bool:
+        """The stopped model server `actor` became a spare again, holding `nbytes`: the node's ready
+        spare from now on if the node still wants one (else False: the caller ends the process)."""
+        if not self.wanted_again(node_id, actor, nbytes):
+            return False
+        self.ready[node_id] = Spare(actor=actor, bytes=nbytes)
+        self.loop.state = set_spare(self.loop.state, node_id, nbytes)
+        log.info("%s is the spare of %s again (%.0f MiB)", actor, node_id, nbytes / 2**20)
+        self.loop._wake()
+        return True
 
     def died(self, actor: str) -> None:
         """A ready spare's actor is gone (the watcher): it leaves the state; another starts later."""

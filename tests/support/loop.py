@@ -4,6 +4,7 @@ clock the tests drive."""
 
 import asyncio
 
+from cluster.model_servers import spare_name
 from cluster.node_report import CopyProgress, FetchResult, StoreReport
 from deployments.manifest import ManifestEntry
 from deployments.wire.measured import MeasuredMemory
@@ -68,6 +69,8 @@ class FakeEffects:
         self.spare_size = GIB // 4
         self.spare_gate: asyncio.Event | None = None  # spares start once it is set
         self.spare_starts: list[str] = []  # the spares whose start_instance took them
+        self.no_spare_again = False  # spare_again answers None (R1: the process will not be a spare again)
+        self.actors: dict[tuple[str, str], str] = {}  # (model, node) -> the actor its start_instance ran in
 
     def now(self) -> float:
         return self.clock.now()
@@ -92,7 +95,20 @@ class FakeEffects:
 
     def new_spare_name(self, node_id):
         self._incarnations += 1
-        return f"@{node_id}#{self._incarnations}"
+        return spare_name(node_id, str(self._incarnations))
+
+    async def spare_again(self, actor, max_models):
+        """R1: a stopped model server started as a spare is one again, holding what it kept after
+        its release (`residual`), unless `no_spare_again`."""
+        self.log.append(("spare_again", actor))
+        if self.no_spare_again:
+            return None
+        for (model, node_id), held in list(self.resident.items()):
+            if self.actors.get((model, node_id)) == actor:
+                del self.resident[(model, node_id)]
+                self.spares[actor] = (node_id, held)
+                return held
+        return None
 
     async def start_spare(self, node_id, ray_node_id, actor):
         """A spare process (R1): it holds `spare_size` bytes from its start until its stop, or until
@@ -118,6 +134,7 @@ class FakeEffects:
             assert self.spares.pop(order.actor, None) is not None, f"{order.actor} is no spare"
             self.spare_starts.append(order.actor)
         self.started.append(place)
+        self.actors[(place.model, place.node_id)] = order.actor
         self.log.append(("start", place.model))
         node = self.controller.state.node(place.node_id) if self.controller else None
         if node is not None:
