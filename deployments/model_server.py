@@ -81,7 +81,8 @@ def remote_model_server():
 
 
 RECYCLE_MLX_BYTES = 16 * 2**20  # MLX arrays a stopped engine may leave behind in a process that becomes a spare again
-LOOP_THREADS = ("asyncio_", "uvloop_")  # the names of an event loop's default executor's threads
+# the names engines give their threads (deployments/worker.py, engines/llm.py, engines/prefix_disk.py)
+ENGINE_THREADS = ("mlx-", "prep-", "prefix-disk-")
 
 
 class ModelServer:
@@ -127,7 +128,6 @@ class ModelServer:
         if self.spare:
             warm_up()
         self.models_held = 0 if self.spare else 1  # models this process has held in turn (R1: a spare again after each)
-        self._idle_threads: set[int | None] = set()  # threads running before its last `take` (R1: a spare again only with no more)
         self._in_flight = 0
         self._load_lock = asyncio.Lock()
         self._load_error: BaseException | None = None
@@ -227,7 +227,6 @@ class ModelServer:
             raise OrchardError("invalid_request", f"this model server already holds {self.entry.name}")
         self.spare = False
         self.models_held += 1
-        self._idle_threads = {t.ident for t in threading.enumerate()}
         self.entry = entry if isinstance(entry, ManifestEntry) else ManifestEntry.model_validate(entry)
         self.models_dir = models_dir
         self.path = Path(model_location(self.entry, models_dir))
@@ -340,8 +339,7 @@ class ModelServer:
                     flush=True,
                 )
                 return None
-        # the event loop's own executor (asyncio.to_thread's threads: "asyncio_N", under Ray's uvloop "uvloop_N") is the process's, not the engine's
-        left = sorted(t.name for t in threading.enumerate() if t.ident not in self._idle_threads and not t.name.startswith(LOOP_THREADS))
+        left = sorted(t.name for t in threading.enumerate() if t.name.startswith(ENGINE_THREADS))
         if left:
             print(f"orchard: {self.entry.name}@{self.node_id} left threads running ({', '.join(left)}): it exits", file=sys.stderr, flush=True)
             return None

@@ -47,7 +47,7 @@ def test_a_process_not_born_a_spare_or_with_a_thread_left_behind_is_not_a_spare_
         spare = ModelServer(None, str(models_dir), "n1")
         await spare.take(manifest.entry("llama-10m"), str(models_dir), OPTIONS)
         gate = threading.Event()
-        stray = threading.Thread(target=gate.wait, name="left-behind")
+        stray = threading.Thread(target=gate.wait, name="mlx-left-behind")  # as an engine names its threads
         stray.start()
         await spare.stop("evicted")
         try:
