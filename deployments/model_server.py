@@ -10,7 +10,6 @@ module stays light (no MLX): cluster/model_servers.py creates the actor from her
 import asyncio
 import contextlib
 import errno
-import gc
 import sys
 import threading
 import time
@@ -22,7 +21,7 @@ from deployments.channels import PATH_COUNTERS, Channel, Delivery, Whole
 from deployments.engine import RequestError
 from deployments.failures import RETRY_S, engine_error, internal_error, load_error_for_caller, unwrap
 from deployments.manifest import ManifestEntry, model_location
-from deployments.spare import SPARE_ENTRY, NoModel, keep_kernels, warm_up
+from deployments.spare import SPARE_ENTRY, NoModel, keep_kernels, left_behind, warm_up
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import ChannelItem, GenerationRequest, VLMRequest, WholeReply, parse_request
 from deployments.wire.measured import MeasuredMemory
@@ -78,11 +77,6 @@ def remote_model_server():
 
         _REMOTE = ray.remote(ModelServer)
     return _REMOTE
-
-
-RECYCLE_MLX_BYTES = 16 * 2**20  # MLX arrays a stopped engine may leave behind in a process that becomes a spare again
-# the names engines give their threads (deployments/worker.py, engines/llm.py, engines/prefix_disk.py)
-ENGINE_THREADS = ("mlx-", "prep-", "prefix-disk-")
 
 
 class ModelServer:
@@ -325,23 +319,11 @@ class ModelServer:
         resident memory: only a process started as a spare (its actor's name says no model), that
         has held fewer than `max_models` models, whose stopped engine left no MLX memory and no
         thread behind. None (it stays stopped; the caller ends it) otherwise."""
-        mx = sys.modules.get("mlx.core")
         if not self._spare_started or self._released is None or self.models_held >= max_models or self._exiting:
             return None
         self.engine = NoModel()
-        gc.collect()  # the stopped engine's model and caches, cycles included
-        if mx is not None:
-            mx.clear_cache()
-            if mx.get_active_memory() > RECYCLE_MLX_BYTES:
-                print(
-                    f"orchard: {self.entry.name}@{self.node_id} still holds {mx.get_active_memory() / 2**20:.0f} MiB of MLX arrays: it exits",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return None
-        left = sorted(t.name for t in threading.enumerate() if t.name.startswith(ENGINE_THREADS))
-        if left:
-            print(f"orchard: {self.entry.name}@{self.node_id} left threads running ({', '.join(left)}): it exits", file=sys.stderr, flush=True)
+        if (left := left_behind()) is not None:
+            print(f"orchard: {self.entry.name}@{self.node_id} {left}: it exits", file=sys.stderr, flush=True)
             return None
         print(
             f"orchard: {self.entry.name}@{self.node_id} is the spare of {self.node_id} again ({self.models_held} models held)",

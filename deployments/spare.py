@@ -3,7 +3,10 @@ ModelServer started ahead of demand, with the engines' imports done and the devi
 `take` turns into a model's server. What it reads as its entry and engine until then, and what its
 start does."""
 
+import gc
 import os
+import sys
+import threading
 from pathlib import Path
 
 from deployments.manifest import ManifestEntry
@@ -49,3 +52,22 @@ def warm_up() -> None:
     import mlx.core as mx
 
     mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
+
+
+RECYCLE_MLX_BYTES = 16 * 2**20  # MLX arrays a stopped engine may leave behind in a process that becomes a spare again
+# the names engines give their threads (deployments/worker.py, engines/llm.py, engines/prefix_disk.py)
+ENGINE_THREADS = ("mlx-", "prep-", "prefix-disk-")
+
+
+def left_behind() -> str | None:
+    """What a stopped engine left in this process that keeps it from being a spare again (R1): MLX
+    arrays past RECYCLE_MLX_BYTES once collected, or a thread of an engine's still running; None
+    when nothing."""
+    gc.collect()  # the stopped engine's model and caches, cycles included
+    mx = sys.modules.get("mlx.core")
+    if mx is not None:
+        mx.clear_cache()
+        if mx.get_active_memory() > RECYCLE_MLX_BYTES:
+            return f"still holds {mx.get_active_memory() / 2**20:.0f} MiB of MLX arrays"
+    left = sorted(t.name for t in threading.enumerate() if t.name.startswith(ENGINE_THREADS))
+    return f"left threads running ({', '.join(left)})" if left else None

@@ -34,6 +34,8 @@ class PlacementsPart(Protocol):
 
     def begin(self, place: Place, *, for_requests: bool = False) -> bool: ...
 
+    def offer_spare(self, node_id: str) -> bool: ...
+
 
 class RemovalsPart(Protocol):
     """What the other parts use of the store folders leaving (removals.py)."""
@@ -49,6 +51,8 @@ class SparesPart(Protocol):
     """What the placements use of the spare processes (spares.py)."""
 
     def plan(self) -> None: ...
+
+    ready: dict[str, Any]  # node -> its ready spare
 
     def take(self, node_id: str) -> tuple[str, asyncio.Task | None] | None: ...
 

@@ -33,7 +33,7 @@ from policy import (
     retry_after_failure,
 )
 from policy.memory import gib
-from policy.transitions import apply_place, learn_bandwidth, mark_loaded, mark_stored, remove_instance
+from policy.transitions import apply_place, learn_bandwidth, mark_loaded, mark_stored, remove_instance, set_spare
 from router.residency.clock import Timer
 from router.residency.events import FetchDone, LoadDone, LoadError, LoadFailed, NodeLost, NodeUnreachable, StopDone, StopReleased
 from router.residency.interface import FetchOrder
@@ -51,6 +51,7 @@ class _Pending:
     asked_at: float = float("-inf")  # when it last asked for a report
     unconfirmed: int = 0  # its stops that ended without confirming the exit
     kept: int = 0  # the caches it counted on that were not given back (X4)
+    credit: int = 0  # a spare it took while it waited (R1): its process is counted in the reports already
     timers: list[Timer] = field(default_factory=list)
 
 
@@ -191,7 +192,26 @@ class Placements:
                     loop._wake()
 
     def awaiting_bytes(self, node_id: str) -> int:
-        return sum(p.place.bytes for ref, p in self._pending.items() if ref.node_id == node_id)
+        return sum(p.place.bytes - p.credit for ref, p in self._pending.items() if ref.node_id == node_id)
+
+    def offer_spare(self, node_id: str) -> bool:
+        """R1: the node's spare became ready while a placement there waits for room without one (it
+        was decided when the node had none): that placement takes it, so its load runs in a ready
+        process instead of starting one, and it needs the spare's bytes less of a report (they are
+        counted there already, as the process it becomes). True when one took it."""
+        for ref, p in self._pending.items():
+            if ref.node_id != node_id or (ref.model, node_id) in self.spare_for:
+                continue
+            node = self.loop.state.node(node_id)
+            spare = self.loop.spares.take(node_id)
+            if node is None or spare is None:
+                return False
+            self.spare_for[(ref.model, node_id)] = spare
+            p.credit = node.spare_bytes
+            self.loop.state = set_spare(self.loop.state, node_id, 0)  # its process is the instance's from now on
+            self.check(node_id)
+            return True
+        return False
 
     def reported(self, node_id: str, asked_at: float, free_bytes: int, room: StoreRoom | None = None, copying: bool = False) -> None:
         self._reports[node_id] = (asked_at, free_bytes)
@@ -436,6 +456,9 @@ class Placements:
     async def _run_load(self, place: Place, attempt: int) -> None:
         loop = self.loop
         spare, started = self.spare_for.pop((place.model, place.node_id), (None, None))
+        if spare is None and place.node_id in loop.spares.ready:  # R1: ready since the placement was decided
+            spare, started = loop.spares.take(place.node_id) or (None, None)
+            loop.state = set_spare(loop.state, place.node_id, 0)
         actor = spare or loop.effects.new_actor_name(place.model, place.node_id)
         loop.sites.actors[(place.model, place.node_id)] = actor
         try:

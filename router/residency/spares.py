@@ -117,6 +117,7 @@ class Spares:
         self.ready[node_id] = Spare(actor=actor, bytes=nbytes)
         self.loop.state = set_spare(self.loop.state, node_id, nbytes)
         log.info("%s is the spare of %s again (%.0f MiB)", actor, node_id, nbytes / 2**20)
+        self.loop.placements.offer_spare(node_id)  # a placement there that waits without one takes it
         self.loop._wake()
         return True
 
@@ -160,4 +161,6 @@ class Spares:
         log.info("a spare is ready on %s (%s, %.0f MiB)", node_id, actor, nbytes / 2**20)
         if spare_short(loop.state.node(node_id) or node, loop.config):  # measured larger than the room: R1 stops it
             self.plan()
+        else:
+            loop.placements.offer_spare(node_id)  # a placement there that waits without one takes it
         loop._wake()  # a request waiting for room may fit now
