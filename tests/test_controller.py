@@ -1374,3 +1374,25 @@ def test_r1_a_process_that_held_its_most_models_or_will_not_be_a_spare_exits_and
     assert asked == ([] if why == "one model a process" else [actors[(victim, "n1")]])  # the policy asks no process to stay at 1
     assert ("exit", victim) in fx.log and fx.log.count(("spare", "n1")) == starts + 1
     assert c.spares.ready["n1"].actor != actors[(victim, "n1")] and c.state.node("n1").spare_bytes == SPARES.spare_bytes
+
+
+def test_r1_a_placement_decided_without_a_spare_takes_the_victims_process_once_it_is_a_spare_again():
+    """Two swaps at once on one node: c takes the node's spare, d finds none; the process of the
+    model d evicts gives its memory back, is a spare again, and d loads into it: no process starts."""
+
+    async def scenario():
+        c, fx = make([spec(m, gb=3) for m in "abcd"], nodes=(("n1", 8),), config=SPARES)
+        await _spares_ready(c, fx, ("n1",))
+        for model in ("a", "b"):
+            c.release((await c.acquire(model)).lease_id)
+            await _spares_ready(c, fx, ("n1",))
+        before = dict(fx.actors)
+        starts = fx.log.count(("spare", "n1"))
+        leases = await asyncio.gather(c.acquire("c"), c.acquire("d"))
+        return c, fx, before, starts, leases
+
+    c, fx, before, starts, leases = run(scenario())
+    assert [lease.model for lease in leases] == ["c", "d"] and not fx.overcommits
+    assert fx.actors[("c", "n1")] not in before.values()  # the node's spare when c was placed
+    assert fx.actors[("d", "n1")] in before.values()  # the process of a victim, a spare again
+    assert fx.log.count(("spare", "n1")) == starts  # no process started for either

@@ -33,7 +33,7 @@ from policy import (
     retry_after_failure,
 )
 from policy.memory import gib
-from policy.transitions import apply_place, learn_bandwidth, mark_loaded, mark_stored, remove_instance, set_spare
+from policy.transitions import apply_place, learn_bandwidth, mark_loaded, mark_stored, remove_instance
 from router.residency.clock import Timer
 from router.residency.events import FetchDone, LoadDone, LoadError, LoadFailed, NodeLost, NodeUnreachable, StopDone, StopReleased
 from router.residency.interface import FetchOrder
@@ -200,17 +200,10 @@ class Placements:
         process instead of starting one, and it needs the spare's bytes less of a report (they are
         counted there already, as the process it becomes). True when one took it."""
         for ref, p in self._pending.items():
-            if ref.node_id != node_id or (ref.model, node_id) in self.spare_for:
-                continue
-            node = self.loop.state.node(node_id)
-            spare = self.loop.spares.take(node_id)
-            if node is None or spare is None:
-                return False
-            self.spare_for[(ref.model, node_id)] = spare
-            p.credit = node.spare_bytes
-            self.loop.state = set_spare(self.loop.state, node_id, 0)  # its process is the instance's from now on
-            self.check(node_id)
-            return True
+            if ref.node_id == node_id and (ref.model, node_id) not in self.spare_for and (claimed := self.loop.spares.claim(node_id)):
+                self.spare_for[(ref.model, node_id)], p.credit = (claimed[0], None), claimed[1]
+                self.check(node_id)
+                return True
         return False
 
     def reported(self, node_id: str, asked_at: float, free_bytes: int, room: StoreRoom | None = None, copying: bool = False) -> None:
@@ -456,9 +449,8 @@ class Placements:
     async def _run_load(self, place: Place, attempt: int) -> None:
         loop = self.loop
         spare, started = self.spare_for.pop((place.model, place.node_id), (None, None))
-        if spare is None and place.node_id in loop.spares.ready:  # R1: ready since the placement was decided
-            spare, started = loop.spares.take(place.node_id) or (None, None)
-            loop.state = set_spare(loop.state, place.node_id, 0)
+        if spare is None and (claimed := loop.spares.claim(place.node_id)):  # R1: ready since the placement was decided
+            spare = claimed[0]
         actor = spare or loop.effects.new_actor_name(place.model, place.node_id)
         loop.sites.actors[(place.model, place.node_id)] = actor
         try:

@@ -77,6 +77,15 @@ class Spares:
         self._promised[spare.actor] = spare
         return spare.actor, spare.started
 
+    def claim(self, node_id: str) -> tuple[str, int] | None:
+        """The node's ready spare (not one still starting) for a placement decided without it: its
+        actor and bytes, which leave the state (its process is the instance's from now on)."""
+        spare = self.ready.pop(node_id, None)
+        if spare is None:
+            return None
+        self.loop.state = set_spare(self.loop.state, node_id, 0)
+        return spare.actor, spare.bytes
+
     def stop(self, node_id: str, reason: str) -> None:
         """Stop the node's spare (or the one starting there): it leaves the state at once."""
         starting = self._starting.pop(node_id, None)
