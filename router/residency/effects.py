@@ -13,7 +13,16 @@ from typing import Any
 
 import ray
 
-from cluster.model_servers import actor_name, create_model_server, create_spare, kill_model_server, new_incarnation, parse_actor_name, spare_name
+from cluster.model_servers import (
+    actor_name,
+    create_model_server,
+    create_spare,
+    kill_model_server,
+    new_incarnation,
+    parse_actor_name,
+    parse_spare_name,
+    spare_name,
+)
 from cluster.node_agent import get_agent
 from cluster.node_report import FetchResult, StoreReport
 from cluster.ray_api import NAMESPACE, actor_id, actor_record
@@ -99,10 +108,19 @@ class RayEffects:
         models_dir = order.root or self.models_dir
         started = time.monotonic()
         handle = await self._spare(order) if order.spare else None
+        if handle is None and parse_spare_name(order.actor) == place.node_id:  # R1: a new process started as a spare, taking the model at once
+            spare_options = {k: v for k, v in self.server_options.items() if k != "llm_engine"}
+            handle = create_spare(
+                place.node_id,
+                ray_node_id=order.ray_node_id,
+                incarnation=order.actor.rpartition("#")[2],
+                models_dir=self.models_dir,
+                options=spare_options,
+            )
         if handle is not None:  # R1: the spare's process loads the weights; its log says which model
             # the task's name is what the dashboard shows of the model (the actor's row is the spare's)
             load = handle.take.options(name=f"take {entry.name}").remote(entry, models_dir, options.get("engine_options"), order.measured)
-        else:  # a new process, named as the loop said (a spare that died meanwhile: under its name)
+        else:  # a new process, named as the loop said
             named = parse_actor_name(order.actor)
             handle = create_model_server(
                 entry,

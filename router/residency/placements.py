@@ -451,7 +451,9 @@ class Placements:
         spare, started = self.spare_for.pop((place.model, place.node_id), (None, None))
         if spare is None and (claimed := loop.spares.claim(place.node_id)):  # R1: ready since the placement was decided
             spare = claimed[0]
-        actor = spare or loop.effects.new_actor_name(place.model, place.node_id)
+        # R1: with spares on, a new process is named as a spare too, so it may be one after its model
+        new = loop.effects.new_spare_name(place.node_id) if loop.config.spares_per_node else loop.effects.new_actor_name(place.model, place.node_id)
+        actor = spare or new
         loop.sites.actors[(place.model, place.node_id)] = actor
         try:
             if started is not None:  # a spare still starting: sooner ready than a process started now

@@ -107,22 +107,22 @@ class Spares:
     def wanted_again(self, node_id: str, actor: str | None, held_bytes: int) -> bool:
         """R1: whether the stopped model server `actor` (its model's memory given back, `held_bytes`
         still held) should become the node's spare instead of exiting: one started as a spare (its
-        name says no model), on a node that wants a spare (`spare_again`), none starting there."""
+        name says no model), on a node that wants a spare (`spare_again`) and has none ready (one
+        still starting there is stopped for it: this process is up now)."""
         node = self.loop.state.node(node_id)
-        return (
-            actor is not None
-            and parse_spare_name(actor) == node_id
-            and node is not None
-            and node_id not in self._starting
-            and node_id not in self.ready
-            and spare_again(node, self.loop.config, held_bytes)
-        )
+        if actor is None or parse_spare_name(actor) != node_id or node is None or node_id in self.ready:
+            return False
+        starting = self._starting.get(node_id)  # not yet up: the process that is up now replaces it
+        return spare_again(node.model_copy(update={"spare_bytes": 0}) if starting else node, self.loop.config, held_bytes)
 
     def again(self, node_id: str, actor: str, nbytes: int) -> bool:
         """The stopped model server `actor` became a spare again, holding `nbytes`: the node's ready
         spare from now on if the node still wants one (else False: the caller ends the process)."""
         if not self.wanted_again(node_id, actor, nbytes):
             return False
+        starting = self._starting.pop(node_id, None)
+        if starting is not None and starting.started is not None:
+            starting.started.cancel()  # its start stops what it started
         self.ready[node_id] = Spare(actor=actor, bytes=nbytes)
         self.loop.state = set_spare(self.loop.state, node_id, nbytes)
         log.info("%s is the spare of %s again (%.0f MiB)", actor, node_id, nbytes / 2**20)
