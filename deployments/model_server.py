@@ -21,7 +21,7 @@ from deployments.channels import PATH_COUNTERS, Channel, Delivery, Whole
 from deployments.engine import RequestError
 from deployments.failures import RETRY_S, engine_error, internal_error, load_error_for_caller, unwrap
 from deployments.manifest import ManifestEntry, model_location
-from deployments.spare import SPARE_ENTRY, NoModel, keep_kernels, left_behind, warm_up
+from deployments.spare import SPARE_ENTRY, NoModel, give_back_heap, keep_kernels, left_behind, warm_up
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import ChannelItem, GenerationRequest, VLMRequest, WholeReply, parse_request
 from deployments.wire.measured import MeasuredMemory
@@ -300,6 +300,7 @@ class ModelServer:
         mx = sys.modules.get("mlx.core")  # imported with any engine (and a spare's warm-up)
         if mx is not None:
             mx.clear_cache()
+        give_back_heap()
         released = self._released = Released(
             resident_before_bytes=before,
             resident_bytes=self.process_bytes(),

@@ -3,6 +3,8 @@ ModelServer started ahead of demand, with the engines' imports done and the devi
 `take` turns into a model's server. What it reads as its entry and engine until then, and what its
 start does."""
 
+import ctypes
+import ctypes.util
 import gc
 import os
 import sys
@@ -71,3 +73,16 @@ def left_behind() -> str | None:
             return f"still holds {mx.get_active_memory() / 2**20:.0f} MiB of MLX arrays"
     left = sorted(t.name for t in threading.enumerate() if t.name.startswith(ENGINE_THREADS))
     return f"left threads running ({', '.join(left)})" if left else None
+
+
+def give_back_heap() -> None:
+    """Return the C heap's free pages to the system after an engine stopped: a model's load and
+    its requests leave freed memory in the allocator's arenas, which the process's resident size
+    still counts (on Linux glibc's malloc_trim; on macOS libmalloc's pressure relief of every zone)."""
+    try:
+        if sys.platform == "darwin":
+            ctypes.CDLL(ctypes.util.find_library("System")).malloc_zone_pressure_relief(None, 0)
+        elif (libc := ctypes.util.find_library("c")) is not None and hasattr(lib := ctypes.CDLL(libc), "malloc_trim"):
+            lib.malloc_trim(0)
+    except OSError:  # no such library here: the pages go back when the process exits
+        pass
