@@ -1396,3 +1396,35 @@ def test_r1_a_placement_decided_without_a_spare_takes_the_victims_process_once_i
     assert fx.actors[("c", "n1")] not in before.values()  # the node's spare when c was placed
     assert fx.actors[("d", "n1")] in before.values()  # the process of a victim, a spare again
     assert fx.log.count(("spare", "n1")) == starts  # no process started for either
+
+
+@pytest.mark.parametrize("with_snapshot", [True, False])
+def test_a_report_asked_before_a_swap_and_read_after_counts_no_instance_as_foreign(with_snapshot):
+    """The watcher asks for a report, then a placement evicts a and waits to load c before the
+    report comes back: what the node measured is held against what was ours when it was asked, so
+    the evicted instance's bytes do not turn into foreign memory (they did, one instance's worth)."""
+
+    async def scenario():
+        c, fx = make([spec(m, gb=3) for m in "abc"], nodes=(("n1", 8),))
+        for model in ("a", "b"):
+            c.release((await c.acquire(model)).lease_id)
+        used = c.held_bytes("n1")
+        free = 8 * GIB - fx.held("n1")
+        fx.stop_gate, fx.releases, fx.auto_report = asyncio.Event(), False, False  # a's stop and c's load wait
+        ask = asyncio.ensure_future(c.acquire("c"))
+        await fx.run_for(0.05)
+        node = c.state.node("n1")
+        c.report_node(
+            "n1",
+            devices=node.devices,
+            total_bytes=node.total_bytes,
+            usable_bytes=node.usable_bytes,
+            free_bytes=free,
+            ours_bytes=used if with_snapshot else None,
+        )
+        foreign = c.state.node("n1").foreign_bytes
+        ask.cancel()
+        return foreign
+
+    foreign = run(scenario())
+    assert foreign == 0 if with_snapshot else foreign == 3 * GIB  # without the snapshot, a's bytes read as someone else's

@@ -127,6 +127,8 @@ class ResidencyController:
         waiting = self.placements.awaiting_bytes(r.node_id)
         exiting = self.placements.exiting_bytes(r.node_id)  # X1: released processes not yet exited
         ours = sum(held_bytes(i) for i in instances) + spare + exiting - waiting  # kept prompt prefixes included (X4): not foreign
+        if r.ours_bytes is not None and instances:  # what was ours when the report was asked for: what it measured beside
+            ours = r.ours_bytes
         self.sites.reported(r.node_id, r.ray_node_id, r.store, self.clock.now() if r.asked_at is None else r.asked_at, r.chip)
         room, copying = (self.sites.room(r.node_id), bool(r.store.fetching)) if r.store is not None else (None, False)
         self.placements.reported(r.node_id, self.clock.now() if r.asked_at is None else r.asked_at, r.free_bytes, room, copying)

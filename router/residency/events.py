@@ -37,6 +37,9 @@ class NodeReported(Frozen):
     ray_node_id: str | None = None
     chip: str | None = None
     store: StoreReport | None = None  # its model store, when it has one
+    # what the state counted as ours on the node when the report was asked for (controller.held_bytes):
+    # foreign memory is what the measurement shows beside that, not beside what changed since
+    ours_bytes: int | None = None
 
 
 class CachesReported(Frozen):

@@ -89,6 +89,7 @@ class ClusterWatcher:
                 ray_node_id=report.ray_node_id,
                 chip=report.chip,
                 store=report.store,
+                ours_bytes=used.get(node_id),
             )
         alive = {n.node_id for n in await asyncio.to_thread(alive_nodes)}
         for node in self.controller.state.nodes:
