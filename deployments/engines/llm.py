@@ -210,7 +210,7 @@ class LLMEngine(MLXLoop, Engine):
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def _load(self) -> None:
-        self._worker = MLXWorker(self.name)
+        self._worker = MLXWorker(self.name, interrupt=self._end_loop)  # ends the loop at exit, if never stopped
         await self._worker.run(self._load_on_worker)
         self._prep = ThreadPoolExecutor(1, thread_name_prefix=f"prep-{self.name}")
         self._loop_done = self._worker.submit(self._run_loop)
@@ -259,11 +259,15 @@ class LLMEngine(MLXLoop, Engine):
         tokens, seconds = counted.get("prompt_tokens", 0), counted.get("prompt_time", 0.0)
         return tokens / seconds if tokens > 0 and seconds > 0 else 0.0
 
+    def _end_loop(self) -> None:
+        """Tell the MLX thread's loop to end after its current step (stop(), or interpreter exit)."""
+        self._stopping.set()
+        self._commands.put(("wake", None))
+
     async def _stop(self) -> None:
         if self._prep is not None:  # what it is preparing reaches the loop, which answers it
             await asyncio.to_thread(self._prep.shutdown, True)
-        self._stopping.set()
-        self._commands.put(("wake", None))
+        self._end_loop()
         if self._loop_done is not None:
             await asyncio.wrap_future(self._loop_done)
         if self._worker is not None:

@@ -172,7 +172,7 @@ class VLMEngine(Engine):
         }
 
     async def _load(self) -> None:
-        self._worker = MLXWorker(self.name)
+        self._worker = MLXWorker(self.name, interrupt=self._end_loop)  # ends the loop at exit, if never stopped
         self._model, self._processor = await self._worker.run(self._load_on_worker)
         size = estimate(self.path, self.kind)
         self._kv_per_token = size.kv_bytes_per_token
@@ -206,9 +206,13 @@ class VLMEngine(Engine):
             stream=mx.default_stream(mx.default_device()),
         )
 
-    async def _stop(self) -> None:
+    def _end_loop(self) -> None:
+        """Tell the MLX thread's loop to end after its current step (stop(), or interpreter exit)."""
         self._stopping.set()
         self._commands.put(("wake", None))
+
+    async def _stop(self) -> None:
+        self._end_loop()
         if self._loop_done is not None:
             await asyncio.wrap_future(self._loop_done)
         if self._worker is not None:
