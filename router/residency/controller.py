@@ -372,8 +372,11 @@ class ResidencyController:
             self.state = clear_failed(self.state, model)
             self._record("retrying", model=model, reason="its files changed since it failed to load")
 
-    def _drop(self, ref: InstanceRef, kind: EventKind | None, reason: str, stop_reason: str, cause: str | None = None) -> None:
-        """Remove an instance and its leases from the state, record why (`kind`), and stop it."""
+    def _drop(
+        self, ref: InstanceRef, kind: EventKind | None, reason: str, stop_reason: str, cause: str | None = None, for_room: bool = False
+    ) -> None:
+        """Remove an instance and its leases from the state, record why (`kind`), and stop it
+        (`for_room`: evicted for a placement, so its process may be the node's next spare, R1)."""
         inst = self._instance(ref)
         if inst is None:
             return
@@ -383,7 +386,7 @@ class ResidencyController:
         if kind is not None:
             self._record(kind, model=ref.model, node_id=ref.node_id, bytes=inst.bytes, reason=reason, cause=cause)
         if not self.placements.cancel(ref):  # one still waiting for room runs nothing
-            self.placements.stop(ref, stop_reason, inst.bytes)
+            self.placements.stop(ref, stop_reason, inst.bytes, for_room)
         self._wake()
 
     # ---- plumbing -------------------------------------------------------------------------------

@@ -425,7 +425,7 @@ class Placements:
             inst = self.loop._instance(victim)
             cause = "retry" if attempt > 1 else "placement"
             self.loop._record("evicted", model=victim.model, node_id=victim.node_id, bytes=inst.bytes if inst else None, reason=evicted, cause=cause)
-            self.loop._drop(victim, None, evicted, stop_reason)
+            self.loop._drop(victim, None, evicted, stop_reason, for_room=True)
         self.shrink(place)  # before apply_place counts the caches given back
         node = self.loop.state.node(place.node_id)
         spared = node is not None and node.spare_bytes > 0  # R1: the policy counted it as this placement's process
@@ -549,22 +549,22 @@ class Placements:
             if node is not None and done.model not in node.stored:
                 self.loop.state = mark_stored(self.loop.state, done.node_id, done.model)
 
-    def stop(self, ref: InstanceRef, reason: str, nbytes: int | None) -> None:
-        """Stop the instance's process, tracked as stopping on its node until it has exited (X1). Its
-        actor is taken now, not when the stop runs: by then the model may be placed there again, as a
-        new incarnation."""
+    def stop(self, ref: InstanceRef, reason: str, nbytes: int | None, for_room: bool = False) -> None:
+        """Stop the instance's process, tracked as stopping on its node until it has exited (X1), or
+        (`for_room`: a placement's victim) until it is the node's spare (R1). Its actor is taken now,
+        not when the stop runs: by then the model may be placed there again, as a new incarnation."""
         stop_id = self.stopping(ref)
         actor = self.loop.sites.actors.pop((ref.model, ref.node_id), None)
-        self.loop._spawn(self._run_stop(stop_id, ref, actor, reason, nbytes))
+        self.loop._spawn(self._run_stop(stop_id, ref, actor, reason, nbytes, for_room))
 
-    async def _run_stop(self, stop_id: int, ref: InstanceRef, actor: str | None, reason: str, nbytes: int | None) -> None:
+    async def _run_stop(self, stop_id: int, ref: InstanceRef, actor: str | None, reason: str, nbytes: int | None, for_room: bool) -> None:
         try:  # X1: its memory first, then its process
             released = await self.loop.effects.release_instance(ref, actor, reason)
         except Exception:  # an effect that broke released nothing: the exit decides
             released = None
         if released is not None:
             self.loop.apply(StopReleased(stop_id=stop_id, instance=ref, released=released, reason=reason))
-            if actor is not None and self.loop.spares.wanted_again(ref.node_id, actor, released.held_bytes):  # R1: its process is the next spare
+            if for_room and actor is not None and self.loop.spares.wanted_again(ref.node_id, actor, released.held_bytes):  # R1: the next spare
                 held = await self.loop.effects.spare_again(actor, self.loop.config.process_models_max)
                 if held is not None and self.loop.spares.again(ref.node_id, actor, held):
                     self.loop.apply(StopDone(stop_id=stop_id, instance=ref, gone=True, reason=reason, bytes=nbytes, spare=True))
