@@ -72,6 +72,9 @@ class PolicyConfig(Frozen):
     # becomes its node's spare again where the node wants one (R1), instead of exiting. 1: every
     # process exits with its model.
     process_models_max: int = Field(default=8, ge=1)
+    # ... and only while it holds at most this much more than a new spare measured on its node
+    # (a process grows with the models it held; an instance's overhead estimates a new one's size).
+    spare_growth_max: float = Field(default=1.5, ge=1.0)
 
     # When only busy, loading or young instances stand in the way: fail at once, or wait up to
     # wait_timeout_s (asking again every retry_poll_s) and then fail.

@@ -29,12 +29,15 @@ def spare_short(node: NodeState, config: PolicyConfig) -> bool:
     return config.spares_per_node < 1 or not node.alive or node.draining or free_bytes(node) < margin_bytes(node, config)
 
 
-def spare_again(node: NodeState, config: PolicyConfig, held_bytes: int) -> bool:
+def spare_again(node: NodeState, config: PolicyConfig, held_bytes: int, new_spare_bytes: int = 0) -> bool:
     """R1: whether a model server that gave back its model's memory (X1) and still holds `held_bytes`
     becomes the node's spare instead of exiting: spares are on, more than one model per process is
-    allowed, the node is alive, not draining and has no spare (none starting either), and our
-    accounting has room for that process beyond the margin."""
+    allowed, the node is alive, not draining and has no spare (none starting either), the process
+    holds at most `spare_growth_max` x what a new spare measured there (`new_spare_bytes`; the
+    estimate `spare_bytes` before one has), and our accounting has room for it beyond the margin."""
     if config.spares_per_node < 1 or config.process_models_max < 2 or not node.alive or node.draining or node.spare_bytes:
+        return False
+    if held_bytes > config.spare_growth_max * (new_spare_bytes or config.spare_bytes):
         return False
     return node.usable_bytes - node.foreign_bytes - ours_bytes(node) - held_bytes >= margin_bytes(node, config)
 

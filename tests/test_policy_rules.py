@@ -909,3 +909,5 @@ def test_r1_an_evicted_models_process_is_a_spare_again_only_where_the_node_wants
     assert not spare_again(node("dead", 8, alive=False), config, held)
     assert not spare_again(roomy, config.model_copy(update={"spares_per_node": 0}), held)
     assert not spare_again(roomy, config.model_copy(update={"process_models_max": 1}), held)
+    assert spare_again(roomy, config, int(1.2 * held), new_spare_bytes=held)  # grown 20% over a new spare
+    assert not spare_again(roomy, config, int(1.6 * held), new_spare_bytes=held)  # past spare_growth_max

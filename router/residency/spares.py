@@ -37,6 +37,7 @@ class Spares:
         self._starting: dict[str, Spare] = {}  # node -> the spare starting there
         self._promised: dict[str, Spare] = {}  # actor -> a starting spare a placement took
         self._failed: dict[str, float] = {}  # node -> when its last spare failed to start
+        self.new_bytes: dict[str, int] = {}  # node -> what its last new spare measured (a process that held models grows)
         self.retry_s = retry_s  # a node whose spare failed to start gets none for this long
 
     def plan(self) -> None:
@@ -113,7 +114,8 @@ class Spares:
         if actor is None or parse_spare_name(actor) != node_id or node is None or node_id in self.ready:
             return False
         starting = self._starting.get(node_id)  # not yet up: the process that is up now replaces it
-        return spare_again(node.model_copy(update={"spare_bytes": 0}) if starting else node, self.loop.config, held_bytes)
+        counted = node.model_copy(update={"spare_bytes": 0}) if starting else node
+        return spare_again(counted, self.loop.config, held_bytes, self.new_bytes.get(node_id, 0))
 
     def again(self, node_id: str, actor: str, nbytes: int) -> bool:
         """The stopped model server `actor` became a spare again, holding `nbytes`: the node's ready
@@ -165,6 +167,7 @@ class Spares:
             loop._spawn(loop.effects.stop_spare(node_id, actor, "its node left or is draining"))
             return
         spare.bytes, spare.started = nbytes, None
+        self.new_bytes[node_id] = nbytes
         self.ready[node_id] = spare
         loop.state = set_spare(loop.state, node_id, nbytes)
         log.info("a spare is ready on %s (%s, %.0f MiB)", node_id, actor, nbytes / 2**20)
