@@ -32,7 +32,6 @@ ENV_STORE = "ORCHARD_STORE"
 PARTIAL = ".partial"
 KERNELS = ".kernels"  # MLX's compiled CUDA kernels, kept across model servers (deployments/spare.py keep_kernels)
 PREFIXES = ".prefixes"  # the block prefix cache's disk tier (deployments/engines/prefix_disk.py's DIR_NAME), with its own budget
-MEASURED = ".measured"  # what loads measured (deployments/engines/measure.py's MEASURED_DIR): small files, kept with the store
 
 
 def default_root() -> Path:
@@ -69,9 +68,7 @@ class Store:
         """What the store's folders hold (.partial included); the prefix tier beside them has its own budget."""
         if not self.root.is_dir():
             return 0
-        return sum(
-            p.stat().st_size for p in self.root.rglob("*") if p.is_file() and p.relative_to(self.root).parts[0] not in (PREFIXES, KERNELS, MEASURED)
-        )
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file() and p.relative_to(self.root).parts[0] not in (PREFIXES, KERNELS))
 
     def prefix_bytes(self) -> int:
         """What the block prefix cache's disk tier holds beside the store (its model servers keep it

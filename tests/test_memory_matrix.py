@@ -222,27 +222,3 @@ def test_m1_a_reload_of_the_same_weights_and_settings_reuses_their_measurement_a
     other_weights = first.measured.model_copy(update={"weights_hash": "another model's"})
     asyncio.run(loaded(other_weights, reserve_context_tokens=512))
     assert runs == [1, 1]
-
-
-def test_m1_a_measurement_is_kept_beside_the_store_for_the_next_process_and_a_torn_one_is_measured_again(models_dir, tmp_path, monkeypatch):
-    """A restarted cluster or another process on the node loads weights it measured before: the
-    figures kept beside the store (`<store>/.measured`) hold, and no passes run; a torn file is
-    never used."""
-    folder = str(models_dir / "llama-10m")
-    tier = str(tmp_path / "store" / ".prefixes")
-
-    async def loaded() -> LLMEngine:
-        engine = LLMEngine("llama-10m", folder, prefix_disk_bytes=0, prefix_disk_dir=tier, reserve_context_tokens=512)
-        await engine.load()
-        await engine.stop()
-        return engine
-
-    first = asyncio.run(loaded())
-    kept = list((tmp_path / "store" / measure.MEASURED_DIR).glob("*.json"))
-    assert len(kept) == 1 and kept[0].name.startswith(first.measured.weights_hash)
-    runs: list[int] = []
-    real_measure = measure.measure
-    monkeypatch.setattr(measure, "measure", lambda *a, **k: runs.append(1) or real_measure(*a, **k))
-    assert asyncio.run(loaded()).measured == first.measured and runs == []
-    kept[0].write_text(kept[0].read_text()[:40])  # torn
-    assert asyncio.run(loaded()).measured.activation_bytes == first.measured.activation_bytes and runs == [1]

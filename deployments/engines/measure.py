@@ -20,16 +20,12 @@ it has loaded (the folder's estimate, deployments/estimate.py, is only for befor
 budget. The engine sets MLX's memory limit (and on Metal its wired limit) to it, and refuses a
 request whose own cache could never fit the reservation (`refusal`)."""
 
-import hashlib
-import json
 import logging
 import math
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -47,7 +43,6 @@ from deployments.manifest import safetensors_bytes
 from deployments.wire.measured import KV_STEP, CacheShape, MeasuredMemory
 
 MIB = 2**20
-MEASURED_DIR = ".measured"  # beside the model store's folders: what loads measured (cluster/store.py's MEASURED)
 
 logger = logging.getLogger(__name__)
 
@@ -299,16 +294,14 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
     quantized = (lambda layers: list(fresh_caches(layers, bits, group))) if bits is not None else None
     identity = model_identity(engine.path, bits, group, 0, "") if Path(engine.path).is_dir() else ""
     draft = getattr(getattr(engine, "speculator", None), "draft", None)
-    kept = kept_path(engine, identity)
-    known = engine.known_memory or (read_kept(kept) if kept is not None else None)
+    known = engine.known_memory
     if draft is None and known is not None and measured_as(known, engine, identity):
-        # M1: these weights measured under these settings before: the figures hold, no passes run again
-        measured = known.model_copy(update={"weight_bytes": weights})
+        measured = known.model_copy(
+            update={"weight_bytes": weights}
+        )  # M1: these weights measured under these settings before: the figures hold, no passes run again
         logger.info("%s: the measurement of these weights and settings from an earlier load holds", engine.name)
     else:
         measured = _measure_loaded(engine, config, weights, identity, quantized)
-        if kept is not None and draft is None:
-            keep(kept, measured)
     if draft is not None:  # a draft model's cache of every sequence is the instance's too (its weights are in `weights`)
         measured = draft.counted(measured)
     if engine.reserve_context_tokens:  # 0: the operator reserves no KV, and nothing is held to it
@@ -323,42 +316,6 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
         measured.activation_bytes / MIB, measured.seconds, limit / MIB,
     )  # fmt: skip
     return measured
-
-
-def kept_path(engine: LoadedEngine, identity: str) -> Path | None:
-    """Where the node keeps what loads of these weights measured under these settings, across
-    processes and restarts: `<store>/.measured/<identity>-<settings>.json` beside the model store
-    (the prefix tier's parent, or ORCHARD_STORE), keyed also by MLX's version and device (what a
-    step holds may change with them); None without a store or an identity."""
-    tier = getattr(engine, "prefix_disk_dir", None)
-    root = os.environ.get("ORCHARD_STORE")
-    store = Path(tier).expanduser().parent if tier else Path(root).expanduser() if root else None
-    if store is None or not identity:
-        return None
-    settings: list[int | str] = [engine.reserve_context_tokens, engine.reserve_concurrency, engine.prefill_chunk, engine.max_prefill_tokens]
-    settings += [engine.max_batch, 1 + drafts(engine), engine.prompt_cache_bytes, version("mlx"), str(mx.default_device())]
-    digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
-    return store / MEASURED_DIR / f"{identity}-{digest}.json"
-
-
-def read_kept(path: Path) -> MeasuredMemory | None:
-    """A kept measurement; None when there is none, or it is torn or of another form (measured again)."""
-    try:
-        return MeasuredMemory.model_validate_json(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-
-
-def keep(path: Path, measured: MeasuredMemory) -> None:
-    """Keep a measurement (written whole, then renamed: a reader never sees half of one); a store
-    that cannot take it only costs the next load its measurement."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_suffix(f".{os.getpid()}.part")
-        part.write_text(measured.model_dump_json())
-        part.replace(path)
-    except OSError as e:
-        logger.warning("could not keep the measurement in %s: %s", path, e)
 
 
 def measured_as(known: MeasuredMemory, engine: LoadedEngine, identity: str) -> bool:
