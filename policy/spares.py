@@ -16,9 +16,14 @@ from policy.memory import free_bytes, margin_bytes, ours_bytes
 def spare_wanted(node: NodeState, config: PolicyConfig, starting: bool = False) -> bool:
     """R1: an alive node that is not draining, with spares on, no spare (nor one `starting`), and
     room for one (config.spare_bytes) beyond its margin."""
-    if config.spares_per_node < 1 or not node.alive or node.draining or node.spare_bytes or starting:
+    if not _may_keep_one(node, config) or starting:
         return False
     return free_bytes(node) - margin_bytes(node, config) >= config.spare_bytes
+
+
+def _may_keep_one(node: NodeState, config: PolicyConfig) -> bool:
+    """R1: spares are on, and the node is alive, not draining and has no spare."""
+    return config.spares_per_node >= 1 and node.alive and not node.draining and not node.spare_bytes
 
 
 def spare_short(node: NodeState, config: PolicyConfig) -> bool:
@@ -35,7 +40,7 @@ def spare_again(node: NodeState, config: PolicyConfig, held_bytes: int, new_spar
     allowed, the node is alive, not draining and has no spare (none starting either), the process
     holds at most `spare_growth_max` x what a new spare measured there (`new_spare_bytes`; the
     estimate `spare_bytes` before one has), and our accounting has room for it beyond the margin."""
-    if config.spares_per_node < 1 or config.process_models_max < 2 or not node.alive or node.draining or node.spare_bytes:
+    if not _may_keep_one(node, config) or config.process_models_max < 2:
         return False
     if held_bytes > config.spare_growth_max * (new_spare_bytes or config.spare_bytes):
         return False

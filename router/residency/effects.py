@@ -160,6 +160,10 @@ class RayEffects:
                 await kill_model_server(order.actor, drain_timeout_s=0, reason="a spare that did not answer")
             return None
 
+    def _spare_options(self) -> dict[str, Any]:
+        """ModelServer's own options for a spare (R1): the LLM engines' come with the model it takes."""
+        return {k: v for k, v in self.server_options.items() if k != "llm_engine"}
+
     def new_spare_name(self, node_id: str) -> str:
         return spare_name(node_id, new_incarnation())
 
@@ -168,7 +172,7 @@ class RayEffects:
         creates it; its resident memory once it runs."""
         if ray_node_id is None:
             raise NodeUnreachable(node_id, f"node {node_id} is not known to Ray")
-        options = {k: v for k, v in self.server_options.items() if k != "llm_engine"}
+        options = self._spare_options()
         named = actor.rpartition("#")[2]
         handle = create_spare(node_id, ray_node_id=ray_node_id, incarnation=named, models_dir=self.models_dir, options=options)
         try:
