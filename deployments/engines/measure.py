@@ -13,7 +13,8 @@ it has loaded (the folder's estimate, deployments/estimate.py, is only for befor
   buffer grow with the context; a chunk at the reserved context itself would cost a whole prefill at
   load). A group of shorter prompts
   prefills `rows` rows at once, and a decode step of `reserve_concurrency` rows computes the logits:
-  the most of the three is the figure.
+  the most of the three is the figure, each with the decoding rows' last outputs that mlx-lm holds
+  beside it (`held_outputs`).
 
 `limit_bytes` is what the process may hold: weights, the KV of `reserve_concurrency` sequences of
 `reserve_context_tokens`, one prefill step's activations at that context, and the prefix cache's
@@ -151,14 +152,25 @@ def prefill_line(model: Any, caches: Callable[[], list[Any]], chunk: int, vocab:
     return most, int(value + 0.5), growth, start
 
 
+def held_outputs(model: Any, caches: Callable[[], list[Any]], rows: int, vocab: int) -> int:
+    """One decode step's log-probabilities for `rows` rows, as mlx-lm's GenerationBatch keeps them
+    between steps: it computes a step while the last one's are still held (returned with the
+    step's tokens), and a prefill step runs between a decode step and the next, with both held."""
+    out = model(mx.zeros((1, 1), dtype=mx.int32), cache=caches())
+    return rows * vocab * out.dtype.size
+
+
 def activation(model: Any, caches: Callable[[], list[Any]], rows: int, chunk: int, vocab: int, decode_rows: int, decode_tokens: int = 1) -> int:
     """The most of a prefill step of `rows` rows of a chunk at context 0 and a decode step of
     `decode_rows` rows (the batch's most: short rows beyond reserve_concurrency fit the KV
     reservation, M4) of `decode_tokens` each: one, or with speculative decoding the token and its
-    drafts, with every position's logits and their acceptance."""
+    drafts, with every position's logits and their acceptance. Each carries the decoding rows'
+    outputs held beside it (`held_outputs`): the last step's in a decode step, two steps' in a
+    prefill step."""
+    held = held_outputs(model, caches, decode_rows, vocab)
     group = _step_activation(model, caches(), rows, chunk, vocab)  # one cache per layer holds the batch
     decode = _step_activation(model, caches(), decode_rows, decode_tokens, vocab, logits=True)
-    return max(group, decode)
+    return max(group + 2 * held, decode + held)
 
 
 def measure(
@@ -187,8 +199,9 @@ def measure(
     # a prompt longer than the engine's max_prefill_tokens prefills alone; a group's rows are shorter
     most, base, per_token, start = prefill_line(model, caches, chunk, vocab, reserve_context_tokens, shape.window_tokens)
     batched = activation(model, caches, rows, chunk, vocab, max(decode_rows, reserve_concurrency), decode_tokens)
+    held = 2 * held_outputs(model, caches, max(decode_rows, reserve_concurrency), vocab)  # beside a long prompt's chunk too
     mx.clear_cache()
-    at_context = max(batched, most, base + int(per_token * max(0, reserve_context_tokens - chunk - start) + 0.5))
+    at_context = max(batched, held + max(most, base + int(per_token * max(0, reserve_context_tokens - chunk - start) + 0.5)))
     return MeasuredMemory(
         weights_hash=weights_hash,
         weight_bytes=weight_bytes,
