@@ -48,6 +48,30 @@ def test_m1_a_loaded_model_reserves_what_its_engine_measured_from_then_on_a_relo
     assert second == 2 * GIB + kv + 300 * MIB < first  # the reload reserves what was measured, not the estimate
 
 
+def test_m1_a_measurement_made_once_idle_after_the_load_reaches_the_catalog_through_the_memory_reports():
+    """A served engine measures its activations once idle (measure_idle_s): its load reports a
+    provisional measurement, which nothing reserves by nor hands to the next load; the full one
+    comes with a later memory report (CachesReported) and is reserved by from then on."""
+    from router.residency.events import CachesReported
+
+    estimated = spec("a", gb=3, kv_bytes_per_token=6 * 1024, reserve_context_tokens=8192, reserve_concurrency=2)
+    measured = gemma_like()
+    provisional = measured.model_copy(update={"activation_bytes": 0, "provisional": True})
+
+    async def scenario():
+        c, fx = make([estimated], nodes=(("n1", 16),))
+        fx.measured["a"] = provisional
+        lease = await c.acquire("a")
+        c.release(lease.lease_id)
+        after_load, known_after_load = c.state.catalog["a"], c.placements.measurements.get("a")
+        c.apply(CachesReported(node_id="n1", measured={"a": measured}))
+        return after_load, known_after_load, c.state.catalog["a"], c.placements.measurements.get("a")
+
+    after_load, known_after_load, after_report, known = run(scenario())
+    assert after_load == estimated and known_after_load is None  # a provisional measurement is no measurement
+    assert after_report == measured_spec(estimated, measured) and known == measured  # the next load is given it (StartOrder.measured)
+
+
 def test_m1_the_same_measurement_again_leaves_the_catalog_as_it_was():
     from router.residency.measured import Measurements
 

@@ -222,3 +222,77 @@ def test_m1_a_reload_of_the_same_weights_and_settings_reuses_their_measurement_a
     other_weights = first.measured.model_copy(update={"weights_hash": "another model's"})
     asyncio.run(loaded(other_weights, reserve_context_tokens=512))
     assert runs == [1, 1]
+
+
+def test_m1_a_served_load_measures_its_activations_once_idle_and_serves_before(models_dir):
+    """measure_idle_s (the served default): the load measures the weights and cache shape only, the
+    process is held to no limit of this engine's, requests run as they would after a whole
+    measurement; once the engine has been idle that long, the activation passes run on its thread,
+    and their figures and limit are what a load that measures gives."""
+    folder = str(models_dir / "llama-10m")
+    request = GenerationRequest(prompt_tokens=[(7 * j) % 2000 + 8 for j in range(300)], max_tokens=12, temperature=0.0)
+
+    async def scenario() -> tuple[Any, ...]:
+        whole = LLMEngine("llama-10m", folder, prefix_disk_bytes=0)
+        await whole.load()
+        expected = await whole.complete(request)
+        await whole.stop()
+        engine = LLMEngine("llama-10m", folder, prefix_disk_bytes=0, measure_idle_s=0.5)
+        await engine.load()
+        provisional, limited = engine.measured, id(engine) in measure._limits
+        served = [await engine.complete(request) for _ in range(2)]
+        still = engine.measured.provisional  # busy until just now: not idle for 0.5 s yet
+        for _ in range(600):
+            if not engine.measured.provisional:
+                break
+            await asyncio.sleep(0.05)
+        done, done_limit = engine.measured, measure._limits.get(id(engine))
+        await engine.stop()
+        return whole.measured, expected, provisional, limited, served, still, done, done_limit
+
+    whole, expected, provisional, limited, served, still, done, done_limit = asyncio.run(scenario())
+    assert provisional.provisional and provisional.activation_bytes == 0 and provisional.seconds < whole.seconds
+    assert provisional.cache == whole.cache and provisional.kv_reserved_bytes == whole.kv_reserved_bytes  # the KV budget from the load
+    assert not limited  # the process's limit leaves it out until it is measured (MLX's own, alone in a process)
+    assert [s.token_ids for s in served] == [expected.token_ids] * 2 and still
+    assert not done.provisional and done.activation_bytes > 0 and done_limit == done.limit_bytes
+    assert done.model_copy(
+        update={"seconds": 0, "activation_bytes": 0, "activation_base_bytes": 0, "activation_bytes_per_token": 0}
+    ) == whole.model_copy(
+        update={"seconds": 0, "activation_bytes": 0, "activation_base_bytes": 0, "activation_bytes_per_token": 0}
+    )  # every other figure as the load's own measurement
+
+
+def test_m1_a_request_stops_the_idle_measurement_between_two_passes_and_it_runs_again_whole(models_dir):
+    """measure.completed gives the MLX thread back between passes (`between` raises Interrupted, as
+    the engine's loop does when a command comes): nothing is kept of the passes, the process's limit
+    is the other engines' again, and the next run measures everything."""
+    from types import SimpleNamespace
+
+    from mlx_lm import load
+
+    model = load(str(models_dir / "llama-10m"))[0]
+    engine = SimpleNamespace(
+        name="llama-10m", path=str(models_dir / "llama-10m"), model=model, vocab_size=model.args.vocab_size, kv_bits=None, kv_group_size=64,
+        reserve_context_tokens=1024, reserve_concurrency=2, max_prefill_tokens=512, prompt_cache_bytes=0, spec_max_drafts=8, max_batch=8,
+        prefill_chunk=256, speculator=None,
+    )  # fmt: skip
+    provisional = measure._measure_loaded(engine, 1000, "w", None, None, passes=False)  # type: ignore[arg-type]
+    assert provisional.provisional
+    calls: list[int] = []
+
+    def stop_at_second() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise measure.Interrupted
+
+    before = mx.get_memory_limit()
+    with pytest.raises(measure.Interrupted):
+        measure.completed(engine, provisional, stop_at_second)  # type: ignore[arg-type]
+    assert len(calls) == 2 and mx.get_memory_limit() == before  # stopped before its second pass; no limit of its own
+    measured = measure.completed(engine, provisional, lambda: None)  # type: ignore[arg-type]
+    try:
+        assert not measured.provisional and measured.activation_bytes > 0 and measured.weights_hash == "w" and measured.weight_bytes == 1000
+        assert mx.get_memory_limit() >= measured.limit_bytes
+    finally:
+        measure.set_limit(id(engine), None)

@@ -103,6 +103,7 @@ class LLMEngine(MLXLoop, Engine):
         draft_model: str | None = None,  # a folder (or hub id) of a smaller model of this one's tokenizer
         draft_rows: int = 4,  # rows the draft proposes for at once; others take prompt lookup's
         spec_fixed_depth: int | None = None,  # verify this many drafts whenever a row has them, whatever it costs (comparisons, tests)
+        measure_idle_s: float | None = None,  # None: the activations measured in load(); else once idle this long (measure.py)
     ):
         """The scheduling and cache settings are options.py's fields of the same names (what each
         does and why its default: there, and in llm_scheduler.py / llm_cache.py)."""
@@ -127,6 +128,7 @@ class LLMEngine(MLXLoop, Engine):
         self.prefill_align = prefill_align
         self.reserve_context_tokens = reserve_context_tokens
         self.reserve_concurrency = reserve_concurrency
+        self.measure_idle_s = measure_idle_s
         self.admit_hold_steps = admit_hold_steps
         self.admit_quiet_steps = admit_quiet_steps
         self.admit_hold_min_rows = admit_hold_min_rows

@@ -4,7 +4,10 @@ Each turn drains the command queue (add, cancel, shrink), lets in the group of h
 scheduler chooses (llm_scheduler.py) with what the prefix cache gives back (llm_cache.py), runs one
 generator step for every running request, turns each row's token into its stream's delta
 (llm_output.py), and hands all deltas of the step to each event loop in one call. A broken step fails
-the requests of that batch with `error`, makes a new generator, and goes on.
+the requests of that batch with `error`, makes a new generator, and goes on. A model loaded with
+its measurement `provisional` (measure.py's `loaded`) has its activation passes run here, once the
+loop has been idle for `measure_idle_s`; a command that comes meanwhile stops them between two
+passes, and they run again at the next such moment.
 
 `MLXLoop` is a part of LLMEngine (llm.py), which holds the state these methods share."""
 
@@ -16,14 +19,14 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import make_logits_processors
 
 from deployments.engine import RequestError, queued_adds
-from deployments.engines import buffer_cache
+from deployments.engines import buffer_cache, measure
 from deployments.engines.constrained import GrammarProcessor
 from deployments.engines.llm_cache import KeptPrefixes
 from deployments.engines.llm_output import Delta, DeltaSink, Stream, Usage, failure, hand_off, new_stream, put
@@ -31,6 +34,7 @@ from deployments.engines.llm_scheduler import Group, Scheduler
 from deployments.engines.sampling import BatchSampler, RowSampling
 from deployments.engines.speculation import Speculator
 from deployments.wire.generation import GenerationRequest
+from deployments.wire.measured import MeasuredMemory
 
 logger = logging.getLogger("deployments.engines.llm")
 
@@ -79,6 +83,8 @@ class MLXLoop:
     _streams: dict[int, Stream]
     _admitted: dict[str, float]
     _retired_counters: dict[str, float]
+    measured: MeasuredMemory
+    measure_idle_s: float | None
 
     if TYPE_CHECKING:  # LLMEngine's
 
@@ -145,10 +151,18 @@ class MLXLoop:
     def _serve(self, streams: dict[int, Stream]) -> None:
         by_uid: dict[int, int] = {}  # generator uid -> request id
         scheduler = self.scheduler
+        busy_at = time.monotonic()  # when the loop last had work
         while not self._stopping.is_set():
             outbox: list[Stream] = []
+            idle = not by_uid and not scheduler.held
+            wait = self._measure_wait(busy_at) if idle else None
+            if wait == 0.0:
+                self._measure_idle()
+                busy_at = time.monotonic()
+                continue
             try:
-                command = self._commands.get(block=not by_uid and not scheduler.held)
+                command = self._commands.get(block=idle, timeout=wait)
+                busy_at = time.monotonic()
                 self._handle(command, streams, by_uid, outbox)
                 while True:
                     self._handle(self._commands.get_nowait(), streams, by_uid, outbox)
@@ -161,6 +175,30 @@ class MLXLoop:
                 self._step(streams, by_uid, outbox)
                 scheduler.steps += 1
             hand_off(outbox, self._admitted)
+
+    def _measure_wait(self, busy_at: float) -> float | None:
+        """Seconds until an idle loop measures a provisional measurement's activations (0: now);
+        None when there is nothing to measure."""
+        if self.measure_idle_s is None or not self.measured.provisional:
+            return None
+        return max(0.0, busy_at + self.measure_idle_s - time.monotonic())
+
+    def _measure_idle(self) -> None:
+        """The activation passes of a provisional measurement (measure.completed), given back to any
+        command that comes between two of them; a measurement that fails is not tried again (the
+        instance keeps its provisional figures: what its placement reserved)."""
+
+        def between() -> None:
+            if not self._commands.empty() or self._stopping.is_set():
+                raise measure.Interrupted
+
+        try:
+            self.measured = measure.completed(cast(measure.LoadedEngine, self), self.measured, between)  # LLMEngine's
+        except measure.Interrupted:
+            logger.debug("%s: measurement stopped for a request; again at the next idle moment", self.name)
+        except Exception:
+            logger.exception("%s: measuring its activations failed; it keeps what its placement reserved", self.name)
+            self.measure_idle_s = None
 
     def _admit_held(self, streams: dict[int, Stream], by_uid: dict[int, int]) -> None:
         """The group the scheduler lets in, each row with what the prefix cache gives it (aligned:

@@ -89,12 +89,20 @@ def cache_shape(model: Any, caches: Callable[[], list[Any]]) -> CacheShape:
     return CacheShape(full_bytes_per_token=full, window_bytes_per_token=window, window_tokens=window_tokens, state_bytes=state, layers=counts)
 
 
-def _step_activation(model: Any, layers: list[Any], rows: int, tokens: int, vocab: int, logits: bool = False) -> int:
+def _nothing() -> None:
+    return None
+
+
+def _step_activation(
+    model: Any, layers: list[Any], rows: int, tokens: int, vocab: int, logits: bool = False, between: Callable[[], None] = _nothing
+) -> int:
     """MLX's peak over one step of `rows` x `tokens` (a prefill step as mlx-lm runs it: the caches
     evaluated, the logits not; a decode step: the logits too, in float32 as the samplers take them,
     and where it verifies drafts (tokens > 1) the acceptance of sampled rows, whose filtering,
     scores and draws hold arrays of every position's vocabulary at once), less what is active after
-    it (the caches grown by the step included)."""
+    it (the caches grown by the step included). `between` runs first (it may raise to stop a
+    measurement: `Interrupted`)."""
+    between()
     inputs = mx.random.randint(0, vocab, (rows, tokens))
     mx.eval(inputs)
     mx.synchronize()
@@ -115,7 +123,9 @@ def _step_activation(model: Any, layers: list[Any], rows: int, tokens: int, voca
     return max(0, peak - mx.get_active_memory())
 
 
-def prefill_line(model: Any, caches: Callable[[], list[Any]], chunk: int, vocab: int, context: int, window: int = 0) -> tuple[int, int, float, int]:
+def prefill_line(
+    model: Any, caches: Callable[[], list[Any]], chunk: int, vocab: int, context: int, window: int = 0, between: Callable[[], None] = _nothing
+) -> tuple[int, int, float, int]:
     """One row's prefill steps of `chunk` tokens up to `context`, bounded: (the most of the steps
     measured, a line's value at offset `start`, its growth per token, `start`); a step at offset
     o >= start holds at most `value + growth x (o - start)`.
@@ -135,14 +145,14 @@ def prefill_line(model: Any, caches: Callable[[], list[Any]], chunk: int, vocab:
     and the line is flat."""
     layers = caches()
     if not window:  # every layer's span grows from the start: the line from offset 0 to one chunk
-        base = _step_activation(model, layers, 1, chunk, vocab)
-        second = _step_activation(model, layers, 1, chunk, vocab)
+        base = _step_activation(model, layers, 1, chunk, vocab, between=between)
+        second = _step_activation(model, layers, 1, chunk, vocab, between=between)
         return max(base, second), base, max(0.0, (second - base) / chunk), 0
     period = min(4, math.lcm(chunk, KV_STEP) // chunk) * chunk
     first = -(-(window + chunk) // chunk) * chunk  # every window full from here on
     end = first + 2 * period
     last = max(0, context - chunk)  # the offset of the reserved context's last step
-    steps = {offset: _step_activation(model, layers, 1, chunk, vocab) for offset in range(0, min(end, last) + 1, chunk)}
+    steps = {offset: _step_activation(model, layers, 1, chunk, vocab, between=between) for offset in range(0, min(end, last) + 1, chunk)}
     most = max(steps.values())
     if end >= last:  # every step up to the context was measured
         return most, most, 0.0, 0
@@ -160,16 +170,30 @@ def held_outputs(model: Any, caches: Callable[[], list[Any]], rows: int, vocab: 
     return rows * vocab * out.dtype.size
 
 
-def activation(model: Any, caches: Callable[[], list[Any]], rows: int, chunk: int, vocab: int, decode_rows: int, decode_tokens: int = 1) -> int:
+def activation(
+    model: Any,
+    caches: Callable[[], list[Any]],
+    rows: int,
+    chunk: int,
+    vocab: int,
+    decode_rows: int,
+    decode_tokens: int = 1,
+    between: Callable[[], None] = _nothing,
+    one_row: int | None = None,
+) -> int:
     """The most of a prefill step of `rows` rows of a chunk at context 0 and a decode step of
     `decode_rows` rows (the batch's most: short rows beyond reserve_concurrency fit the KV
     reservation, M4) of `decode_tokens` each: one, or with speculative decoding the token and its
     drafts, with every position's logits and their acceptance. Each carries the decoding rows'
     outputs held beside it (`held_outputs`): the last step's in a decode step, two steps' in a
-    prefill step."""
+    prefill step. `one_row`: a one-row step of a chunk at context 0 measured already (the group's
+    step when `rows` is 1)."""
     held = held_outputs(model, caches, decode_rows, vocab)
-    group = _step_activation(model, caches(), rows, chunk, vocab)  # one cache per layer holds the batch
-    decode = _step_activation(model, caches(), decode_rows, decode_tokens, vocab, logits=True)
+    if rows == 1 and one_row is not None:
+        group = one_row
+    else:
+        group = _step_activation(model, caches(), rows, chunk, vocab, between=between)  # one cache per layer holds the batch
+    decode = _step_activation(model, caches(), decode_rows, decode_tokens, vocab, logits=True, between=between)
     return max(group + 2 * held, decode + held)
 
 
@@ -189,19 +213,26 @@ def measure(
     weights_hash: str = "",
     estimated_weight_bytes: int = 0,
     estimated_cache: CacheShape | None = None,
+    passes: bool = True,
+    between: Callable[[], None] = _nothing,
 ) -> MeasuredMemory:
     """Every figure of MeasuredMemory for a model just loaded (its weights `weight_bytes` as
-    measured around the load)."""
+    measured around the load); without `passes`, all but the activations' (a `provisional` one:
+    the cache's shape takes one token, the activation passes a few steps of the reserved batch)."""
     started = time.perf_counter()
     shape = cache_shape(model, caches)
     rows = max(1, min(prefill_rows, reserve_concurrency))
     chunk = max(1, min(prefill_chunk, reserve_context_tokens or 1))
-    # a prompt longer than the engine's max_prefill_tokens prefills alone; a group's rows are shorter
-    most, base, per_token, start = prefill_line(model, caches, chunk, vocab, reserve_context_tokens, shape.window_tokens)
-    batched = activation(model, caches, rows, chunk, vocab, max(decode_rows, reserve_concurrency), decode_tokens)
-    held = 2 * held_outputs(model, caches, max(decode_rows, reserve_concurrency), vocab)  # beside a long prompt's chunk too
-    mx.clear_cache()
-    at_context = max(batched, held + max(most, base + int(per_token * max(0, reserve_context_tokens - chunk - start) + 0.5)))
+    at_context = base = 0
+    per_token = 0.0
+    if passes:
+        # a prompt longer than the engine's max_prefill_tokens prefills alone; a group's rows are shorter
+        most, base, per_token, start = prefill_line(model, caches, chunk, vocab, reserve_context_tokens, shape.window_tokens, between)
+        decode_most = max(decode_rows, reserve_concurrency)
+        batched = activation(model, caches, rows, chunk, vocab, decode_most, decode_tokens, between, one_row=None if shape.window_tokens else base)
+        held = 2 * held_outputs(model, caches, decode_most, vocab)  # beside a long prompt's chunk too
+        mx.clear_cache()
+        at_context = max(batched, held + max(most, base + int(per_token * max(0, reserve_context_tokens - chunk - start) + 0.5)))
     return MeasuredMemory(
         weights_hash=weights_hash,
         weight_bytes=weight_bytes,
@@ -219,6 +250,7 @@ def measure(
         seconds=time.perf_counter() - started,
         estimated_weight_bytes=estimated_weight_bytes,
         estimated_cache=estimated_cache,
+        provisional=not passes,
     )
 
 
@@ -291,6 +323,7 @@ class LoadedEngine(Protocol):
     spec_max_drafts: int
     max_batch: int
     known_memory: MeasuredMemory | None
+    measure_idle_s: float | None
 
     @property
     def prefill_chunk(self) -> int: ...
@@ -299,7 +332,13 @@ class LoadedEngine(Protocol):
 def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMemory:
     """Measure `engine`'s model just loaded (MLX's active memory was `active_before` when its load
     began), set the process's limits from it, and keep the engine's context within its KV
-    reservation: a longer prompt is refused (`refusal`), a longer generation stops at it."""
+    reservation: a longer prompt is refused (`refusal`), a longer generation stops at it.
+
+    An engine with `measure_idle_s` (the served default) runs no activation passes here: its
+    measurement is `provisional` (weights and cache shape, no activations), the process runs under
+    MLX's own limit, and `completed` measures the rest once the engine has been idle that long,
+    so a swap's first tokens do not wait for a few forward passes of the reserved batch. A draft
+    model's target measures here."""
     mx.synchronize()
     weights = max(0, mx.get_active_memory() - active_before)
     unlimited()  # measured as it will run (set_limit below sets the process's limit again)
@@ -314,15 +353,25 @@ def loaded(engine: LoadedEngine, config: dict, active_before: int) -> MeasuredMe
         )  # M1: these weights measured under these settings before: the figures hold, no passes run again
         logger.info("%s: the measurement of these weights and settings from an earlier load holds", engine.name)
     else:
-        measured = _measure_loaded(engine, config, weights, identity, quantized)
+        passes = draft is not None or engine.measure_idle_s is None
+        estimated_cache = config_cache(config, weights_dtype(Path(engine.path)) if Path(engine.path).is_dir() else None, bits, group)
+        measured = _measure_loaded(engine, weights, identity, quantized, estimated_cache, passes)
     if draft is not None:  # a draft model's cache of every sequence is the instance's too (its weights are in `weights`)
         measured = draft.counted(measured)
     if engine.reserve_context_tokens:  # 0: the operator reserves no KV, and nothing is held to it
         # a verify step runs every row's drafts into the batch cache before it trims the rejected
         # ones: a row's cache may reach its length + the drafts, which its share must hold too
         engine.context_length = min(engine.context_length, measured.longest_sequence() - drafts(engine))
-    limit = set_limit(id(engine), measured.limit_bytes)
+    limit = set_limit(id(engine), None if measured.provisional else measured.limit_bytes)
     weakref.finalize(engine, set_limit, id(engine), None)
+    if measured.provisional:
+        logger.info(
+            "%s: weights %.1f MiB, KV %.1f MiB; its activations are measured once it is idle",
+            engine.name,
+            weights / MIB,
+            measured.kv_reserved_bytes / MIB,
+        )
+        return measured
     logger.info(
         "%s: weights %.1f MiB, KV %.1f MiB for %d x %d tokens, prefill step %.1f MiB (measured in %.2f s); MLX limit %.1f MiB",
         engine.name, weights / MIB, measured.kv_reserved_bytes / MIB, engine.reserve_concurrency, engine.reserve_context_tokens,
@@ -338,6 +387,7 @@ def measured_as(known: MeasuredMemory, engine: LoadedEngine, identity: str) -> b
     chunk = engine.prefill_chunk
     return (
         bool(identity)
+        and not known.provisional
         and known.weights_hash == identity
         and known.reserve_context_tokens == engine.reserve_context_tokens
         and known.reserve_concurrency == engine.reserve_concurrency
@@ -349,8 +399,41 @@ def measured_as(known: MeasuredMemory, engine: LoadedEngine, identity: str) -> b
     )
 
 
-def _measure_loaded(engine: LoadedEngine, config: dict, weights: int, identity: str, quantized: Callable[[int], list[Any]] | None) -> MeasuredMemory:
-    chunk, bits, group = engine.prefill_chunk, engine.kv_bits, engine.kv_group_size
+class Interrupted(Exception):
+    """A measurement stopped between two of its steps: a request came (`completed`'s `between`)."""
+
+
+def completed(engine: LoadedEngine, provisional: MeasuredMemory, between: Callable[[], None]) -> MeasuredMemory:
+    """The activation passes a `provisional` measurement left out (`loaded`), on the engine's MLX
+    thread while it is idle: the whole measurement, the process's limit set from it. `between`
+    runs before each pass and raises `Interrupted` to give the thread back to requests (the
+    passes run again at the next idle moment)."""
+    bits, group = engine.kv_bits, engine.kv_group_size
+    quantized = (lambda layers: list(fresh_caches(layers, bits, group))) if bits is not None else None
+    unlimited()  # measured as it will run (and as `loaded` measures)
+    try:
+        measured = _measure_loaded(engine, provisional.weight_bytes, provisional.weights_hash, quantized, provisional.estimated_cache, True, between)
+    except BaseException:
+        set_limit(id(engine), None)  # the other engines' limits again
+        raise
+    limit = set_limit(id(engine), measured.limit_bytes)
+    logger.info(
+        "%s: prefill step %.1f MiB (measured in %.2f s, once idle); MLX limit %.1f MiB",
+        engine.name, measured.activation_bytes / MIB, measured.seconds, limit / MIB,
+    )  # fmt: skip
+    return measured
+
+
+def _measure_loaded(
+    engine: LoadedEngine,
+    weights: int,
+    identity: str,
+    quantized: Callable[[int], list[Any]] | None,
+    estimated_cache: CacheShape | None,
+    passes: bool = True,
+    between: Callable[[], None] = _nothing,
+) -> MeasuredMemory:
+    chunk = engine.prefill_chunk
     return measure(
         engine.model,
         caches_of(engine.model, make_prompt_cache, quantized),
@@ -365,7 +448,9 @@ def _measure_loaded(engine: LoadedEngine, config: dict, weights: int, identity: 
         prefix_cache_bytes=engine.prompt_cache_bytes,
         weights_hash=identity,
         estimated_weight_bytes=safetensors_bytes(engine.path) if Path(engine.path).is_dir() else 0,
-        estimated_cache=config_cache(config, weights_dtype(Path(engine.path)) if Path(engine.path).is_dir() else None, bits, group),
+        estimated_cache=estimated_cache,
+        passes=passes,
+        between=between,
     )
 
 

@@ -107,6 +107,13 @@ class LLMEngineOptions(BaseModel):
     spec_lookup_window: int = Field(default=16384, ge=64, le=1 << 20)
     draft_model: str | None = Field(default=None, min_length=1, max_length=1000)
     draft_rows: int = Field(default=4, ge=1, le=64)
+    # A load measures what the model holds (deployments/engines/measure.py): its weights and cache at
+    # once, its activations (a few forward passes of the reserved batch: 1.4 s for llama-10m on this
+    # CPU) only once the engine has been idle this many seconds, so the requests that waited for the
+    # load are not kept waiting for those passes; a request that comes meanwhile stops them until the
+    # next idle moment. Until then the instance reserves what its placement counted, under MLX's own
+    # limit. None: measured in the load. A reload of the same weights and settings measures nothing (M1).
+    measure_idle_s: float | None = Field(default=2.0, ge=0, le=3600)
 
     @model_validator(mode="after")
     def _draft_named(self) -> "LLMEngineOptions":

@@ -52,6 +52,9 @@ class MeasuredMemory(Frozen):
     seconds: float = Field(default=0.0, ge=0)
     estimated_weight_bytes: int = Field(default=0, ge=0)
     estimated_cache: CacheShape | None = None
+    # The activation passes not run yet (`activation_bytes` 0): the engine measures them once it has
+    # been idle for a moment after the load (measure.py's `provisional`, rule M1). Never reused.
+    provisional: bool = False
 
     @property
     def kv_reserved_bytes(self) -> int:

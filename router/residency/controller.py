@@ -168,6 +168,10 @@ class ResidencyController:
             if inst is None or inst.status != "ready" or self.placements.shrinking(ref):
                 continue
             self.state = set_prefix_cache(self.state, ref, 0 if self.placements.unshrinkable(ref) else nbytes, r.prefix_reload_s.get(model))
+        for model, measured in r.measured.items():  # M1: measured once idle after its load; reserved by from then on
+            catalog = self.placements.measurements.record(self.state.catalog, model, measured)
+            if catalog is not self.state.catalog:
+                self.state = self.state.model_copy(update={"catalog": catalog})
 
     def _node_lost(self, lost: NodeLost) -> None:
         """Drop the node's instances and leases; requests for its models are placed elsewhere."""

@@ -222,19 +222,19 @@ class RayEffects:
         except Exception as e:  # the target's agent died (its node with it)
             return FetchResult(ok=False, code="error", message=unwrap(e).message)
 
-    async def prefix_caches(self, actors: list[str], timeout_s: float) -> dict[str, tuple[int, float]]:
-        """What each actor's kept prompt prefixes hold now and what prefilling them again would take
-        (its MemoryReport, X4 and E3), by actor name; an actor that does not answer within timeout_s
-        is left out."""
+    async def prefix_caches(self, actors: list[str], timeout_s: float) -> dict[str, MemoryReport]:
+        """Each actor's memory report, by actor name: what its kept prompt prefixes hold now and what
+        prefilling them again would take (X4 and E3), and what its engine measured (M1, measured once
+        idle); an actor that does not answer within timeout_s is left out."""
         self._handles = {name: self._handles[name] for name in actors if name in self._handles}  # only those still asked about
 
-        async def one(name: str) -> tuple[str, tuple[int, float] | None]:
+        async def one(name: str) -> tuple[str, MemoryReport | None]:
             try:
                 handle = self._handles.get(name)
                 if handle is None:
                     handle = self._handles[name] = await asyncio.to_thread(ray.get_actor, name, NAMESPACE)
                 report: MemoryReport = await asyncio.wait_for(handle.memory.remote(), timeout_s)
-                return name, (report.prefix_cache_bytes, report.prefix_prefill_s)
+                return name, report
             except Exception:  # gone, or busy past the timeout: its last figure stands
                 self._handles.pop(name, None)
                 return name, None

@@ -50,6 +50,8 @@ class CachesReported(Frozen):
     prefix_cache_bytes: dict[str, int] = Field(default_factory=dict)
     # ... and what prefilling them again would take (`MemoryReport.prefix_prefill_s`, E3), by model
     prefix_reload_s: dict[str, float] = Field(default_factory=dict)
+    # ... and what an engine measured once idle after its load (`MemoryReport.measured`, M1), by model
+    measured: dict[str, MeasuredMemory] = Field(default_factory=dict)
 
 
 class NodeLost(Frozen):

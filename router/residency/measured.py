@@ -102,7 +102,7 @@ class Measurements:
         """The catalog with `model` reserving what was measured (the same catalog when nothing changed)."""
         known = self._by_model.get(model)
         spec = catalog.get(model)
-        if spec is None or (known is not None and known == measured):
+        if spec is None or measured.provisional or (known is not None and known == measured):  # a provisional one: not measured yet
             return catalog
         self._by_model[model] = measured
         if self._store is not None:  # off the event loop, in the order measured

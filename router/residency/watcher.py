@@ -100,7 +100,8 @@ class ClusterWatcher:
 
     async def observe_caches(self) -> None:
         """X4: what the kept prompt prefixes of every ready LLM and VLM instance hold now (their memory
-        reports), read before the node reports so that a node's foreign memory leaves them out."""
+        reports), read before the node reports so that a node's foreign memory leaves them out; and
+        M1: what an engine measured once idle after its load."""
         refs = {}
         for node in self.controller.state.nodes:
             for inst in node.instances if node.alive else ():
@@ -110,14 +111,17 @@ class ClusterWatcher:
                     refs[name] = ref
         if not refs:
             return
-        held = await self.effects.prefix_caches(list(refs), self.report_timeout_s / 2)
-        by_node: dict[str, dict[str, int]] = {}
-        reload_s: dict[str, dict[str, float]] = {}
-        for name, (nbytes, seconds) in held.items():
-            by_node.setdefault(refs[name].node_id, {})[refs[name].model] = nbytes
-            reload_s.setdefault(refs[name].node_id, {})[refs[name].model] = seconds
-        for node_id, caches in by_node.items():
-            self.controller.apply(CachesReported(node_id=node_id, prefix_cache_bytes=caches, prefix_reload_s=reload_s[node_id]))
+        reports = await self.effects.prefix_caches(list(refs), self.report_timeout_s / 2)
+        for node_id in {refs[name].node_id for name in reports}:
+            on_node = {refs[name].model: r for name, r in reports.items() if refs[name].node_id == node_id}
+            self.controller.apply(
+                CachesReported(
+                    node_id=node_id,
+                    prefix_cache_bytes={model: r.prefix_cache_bytes for model, r in on_node.items()},
+                    prefix_reload_s={model: r.prefix_prefill_s for model, r in on_node.items()},
+                    measured={model: r.measured for model, r in on_node.items() if r.measured is not None and not r.measured.provisional},
+                )
+            )
 
     async def observe_instances(self) -> None:
         """Ready instances whose actor Ray no longer lists (a detached actor's name is freed at its
