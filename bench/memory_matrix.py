@@ -76,6 +76,7 @@ async def run_one(folder: Path, context: int, concurrency: int, chunk: int = 128
         prompt_cache_bytes=0,  # no kept prefixes: the peak is the model's own
         prefix_disk_bytes=0,
         prefix_cache="lru",
+        measure_idle_s=None,  # measured in the load: the reservation is compared before anything runs
     )
     mx.synchronize()
     mx.clear_cache()

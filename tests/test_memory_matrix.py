@@ -56,7 +56,7 @@ def test_a_prompt_past_the_reservation_is_refused_naming_its_size_and_the_limit_
     architectures.build(folder, "gemma3")
 
     async def scenario() -> tuple[Any, Any, RequestError, int, int]:
-        engine = LLMEngine(folder.name, str(folder), reserve_context_tokens=1024, prefill_chunk_tokens=128, prefix_disk_bytes=0)
+        engine = LLMEngine(folder.name, str(folder), reserve_context_tokens=1024, prefill_chunk_tokens=128, prefix_disk_bytes=0, measure_idle_s=None)
         await engine.load()
         measured = engine.measured
         assert measured is not None
@@ -87,7 +87,7 @@ def test_m4_a_request_past_the_reserved_concurrency_waits_for_room_then_complete
     # 2 x 1,024 tokens reserved, 8 rows allowed: three requests that each reach 1,000 tokens
     engine = LLMEngine(
         "llama-10m", str(models_dir / "llama-10m"), max_batch=8, prefill_chunk_tokens=128, reserve_context_tokens=1024, reserve_concurrency=2,
-        prompt_cache_entries=0, prompt_cache_bytes=0, prefix_cache="lru", prefix_disk_bytes=0,
+        prompt_cache_entries=0, prompt_cache_bytes=0, prefix_cache="lru", prefix_disk_bytes=0, measure_idle_s=None,
     )  # fmt: skip
 
     async def scenario() -> tuple[list[Any], list[tuple[float, float]], int, int, int]:
@@ -204,7 +204,7 @@ def test_m1_a_reload_of_the_same_weights_and_settings_reuses_their_measurement_a
     folder = str(models_dir / "llama-10m")
 
     async def loaded(known: Any = None, **options: Any) -> LLMEngine:
-        engine = LLMEngine("llama-10m", folder, prefix_disk_bytes=0, **options)
+        engine = LLMEngine("llama-10m", folder, prefix_disk_bytes=0, measure_idle_s=None, **options)
         engine.known_memory = known
         await engine.load()
         await engine.stop()
@@ -233,7 +233,7 @@ def test_m1_a_served_load_measures_its_activations_once_idle_and_serves_before(m
     request = GenerationRequest(prompt_tokens=[(7 * j) % 2000 + 8 for j in range(300)], max_tokens=12, temperature=0.0)
 
     async def scenario() -> tuple[Any, ...]:
-        whole = LLMEngine("llama-10m", folder, prefix_disk_bytes=0)
+        whole = LLMEngine("llama-10m", folder, prefix_disk_bytes=0, measure_idle_s=None)
         await whole.load()
         expected = await whole.complete(request)
         await whole.stop()

@@ -103,7 +103,8 @@ class LLMEngine(MLXLoop, Engine):
         draft_model: str | None = None,  # a folder (or hub id) of a smaller model of this one's tokenizer
         draft_rows: int = 4,  # rows the draft proposes for at once; others take prompt lookup's
         spec_fixed_depth: int | None = None,  # verify this many drafts whenever a row has them, whatever it costs (comparisons, tests)
-        measure_idle_s: float | None = None,  # None: the activations measured in load(); else once idle this long (measure.py)
+        measure_idle_s: float | None = 2.0,  # None: the activations measured in load(); else once idle this long (measure.py)
+        admit_gather_ms: float = 20.0,
     ):
         """The scheduling and cache settings are options.py's fields of the same names (what each
         does and why its default: there, and in llm_scheduler.py / llm_cache.py)."""
@@ -129,6 +130,7 @@ class LLMEngine(MLXLoop, Engine):
         self.reserve_context_tokens = reserve_context_tokens
         self.reserve_concurrency = reserve_concurrency
         self.measure_idle_s = measure_idle_s
+        self.admit_gather_ms, self.admit_gather_s = admit_gather_ms, admit_gather_ms / 1000
         self.admit_hold_steps = admit_hold_steps
         self.admit_quiet_steps = admit_quiet_steps
         self.admit_hold_min_rows = admit_hold_min_rows

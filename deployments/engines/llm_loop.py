@@ -85,6 +85,8 @@ class MLXLoop:
     _retired_counters: dict[str, float]
     measured: MeasuredMemory
     measure_idle_s: float | None
+    admit_gather_s: float
+    _arriving: int
 
     if TYPE_CHECKING:  # LLMEngine's
 
@@ -160,21 +162,34 @@ class MLXLoop:
                 self._measure_idle()
                 busy_at = time.monotonic()
                 continue
+            gathering = self._gathering(by_uid)
             try:
-                command = self._commands.get(block=idle, timeout=wait)
+                command = self._commands.get(block=idle or gathering is not None, timeout=wait if idle else gathering)
                 busy_at = time.monotonic()
                 self._handle(command, streams, by_uid, outbox)
                 while True:
                     self._handle(self._commands.get_nowait(), streams, by_uid, outbox)
             except queue.Empty:
                 pass
-            if scheduler.admit_now(len(by_uid)):
+            if scheduler.admit_now(len(by_uid)) and self._gathering(by_uid) is None:
                 self._admit_held(streams, by_uid)
             self._streams = streams
             if by_uid:
                 self._step(streams, by_uid, outbox)
                 scheduler.steps += 1
             hand_off(outbox, self._admitted)
+
+    def _gathering(self, by_uid: dict[int, int]) -> float | None:
+        """Seconds an idle batch still waits before it lets its held arrivals in, for the arrivals
+        being prepared (tokenized) at the same time: requests that come together (a burst that waited
+        for the model's load) join in one prefill group instead of the first alone and the rest a
+        prefill later. None: admit as the scheduler says (the batch runs, nothing else is being
+        prepared, or the first held arrival has waited `admit_gather_s`)."""
+        held = self.scheduler.held
+        if by_uid or not held or self.admit_gather_s <= 0 or self._arriving <= len(held):
+            return None
+        left = held[0].prepared + self.admit_gather_s - time.monotonic()
+        return left if left > 0 else None
 
     def _measure_wait(self, busy_at: float) -> float | None:
         """Seconds until an idle loop measures a provisional measurement's activations (0: now);

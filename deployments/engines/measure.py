@@ -21,6 +21,7 @@ it has loaded (the folder's estimate, deployments/estimate.py, is only for befor
 budget. The engine sets MLX's memory limit (and on Metal its wired limit) to it, and refuses a
 request whose own cache could never fit the reservation (`refusal`)."""
 
+import gc
 import logging
 import math
 import threading
@@ -106,6 +107,8 @@ def _step_activation(
     inputs = mx.random.randint(0, vocab, (rows, tokens))
     mx.eval(inputs)
     mx.synchronize()
+    gc.collect()  # garbage freed during the step (an earlier model's arrays) would lower what stays after it
+    mx.clear_cache()  # the step's buffers allocated at their own sizes, not taken from larger cached ones
     mx.reset_peak_memory()
     out = model(inputs, cache=layers)
     if logits and tokens > 1:  # a speculative verify step: every position's logits, sampled rows' acceptance

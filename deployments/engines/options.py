@@ -27,6 +27,11 @@ class LLMEngineOptions(BaseModel):
     # batch's arrivals join at the next step. H200, 1B shape: 16 or 32 here lost throughput and
     # doubled TTFT p50 at 64 streams (285 -> 535-557 ms; docs/serve-path.md, "Admission").
     admit_hold_min_rows: int = Field(default=0, ge=0, le=1024)
+    # An idle batch lets an arrival in at once, unless other arrivals are being prepared (templated
+    # and tokenized) beside it: then it waits for them up to this long, so requests that come
+    # together (a burst that waited for the model's load) are prefilled as one group, not the first
+    # alone and the rest a prefill later. A request that comes alone never waits.
+    admit_gather_ms: float = Field(default=20.0, ge=0, le=1000)
     # Prompt tokens of each prefilling row run in one engine step, between two decode steps (mlx-lm's
     # prefill_step_size, which its BatchGenerator already interleaves with decoding): a 3,000-token
     # prompt is prefilled over several steps and the streams decoding beside it keep their pace.
