@@ -456,6 +456,42 @@ def test_a_lone_arrival_joins_a_busy_batch(models_dir, hold, quiet, min_rows, le
     assert first.token_ids and least <= waited <= most, waited
 
 
+def test_requests_that_come_together_to_an_idle_engine_join_as_one_group_and_a_lone_one_waits_for_none(models_dir):
+    """An idle batch lets an arrival in at once, unless others are being prepared beside it (a burst
+    that waited for the model's load): then it waits for them (admit_gather_ms), and they are
+    prefilled as one group. The preparation thread is held here until all six have started, so the
+    first reaches the MLX thread with five still being prepared."""
+    import threading
+
+    async def scenario():
+        e = LLMEngine("llama-10m", str(models_dir / "llama-10m"), max_batch=8, admit_gather_ms=5000, prefix_disk_bytes=0)
+        await e.load()
+        try:
+            assert e._prep is not None
+            go = threading.Event()
+            e._prep.submit(go.wait, 30)
+            before = e.counters()
+            streams = [e.generate(greedy(f"Burst request {i}", 4)) for i in range(6)]
+            firsts = [asyncio.create_task(anext(s)) for s in streams]
+            await asyncio.sleep(0.2)  # every one started (counted as arriving), none prepared
+            go.set()
+            await asyncio.gather(*firsts)
+            after = e.counters()
+            for s in streams:
+                await s.aclose()
+            started = time.monotonic()
+            await anext(e.generate(greedy("Alone", 4)))
+            alone_s = time.monotonic() - started
+            joined = (after["admitted_groups"] - before["admitted_groups"], after["admitted_requests"] - before["admitted_requests"])
+            return joined, alone_s
+        finally:
+            await e.stop()
+
+    joined, alone_s = run(scenario())
+    assert joined == (1, 6)
+    assert alone_s < 2.5  # nothing else being prepared: it did not wait out the 5 s window
+
+
 def test_the_engine_counts_a_requests_time_inside_it(models_dir):
     """The counters bench.serve splits a round trip with: requests that ran to their end and their
     seconds from start() to the last delta, and the steps from joining the batch to a first token."""
