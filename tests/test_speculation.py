@@ -272,11 +272,15 @@ def test_sampled_and_seeded_rows_finish_beside_speculating_ones(models_dir):
 def test_metrics_carry_each_instances_speculation_counters():
     from router.api.routes.metrics import speculation_lines
 
-    counted = dict.fromkeys(COUNTERS, 0) | {"spec_proposed": 40, "spec_accepted": 31, "spec_steps": 9, "spec_off_cost": 5}
+    counted = dict.fromkeys(COUNTERS, 0) | {"spec_proposed": 40, "spec_accepted": 31, "spec_steps": 9, "spec_off_cost": 5, "spec_draft_rows": 7}
+    counted |= {"spec_draft_forwards": 28, "spec_draft_s": 0.25}
     lines = speculation_lines([("smollm2", "mac-1", counted), ("whisper", "mac-1", {"decode_steps": 3})])
     assert 'orchard_spec_accepted_tokens_total{model="smollm2",node="mac-1"} 31' in lines
     assert 'orchard_spec_proposed_tokens_total{model="smollm2",node="mac-1"} 40' in lines
     assert 'orchard_spec_plain_steps_total{model="smollm2",node="mac-1",why="cost"} 5' in lines
+    assert 'orchard_spec_draft_rows_total{model="smollm2",node="mac-1"} 7' in lines  # what a draft model proposed, and its cost
+    assert 'orchard_spec_draft_forwards_total{model="smollm2",node="mac-1"} 28' in lines
+    assert 'orchard_spec_draft_seconds_total{model="smollm2",node="mac-1"} 0.25' in lines
     assert not any("whisper" in line for line in lines)  # an engine that does not speculate has no lines
     assert speculation_lines([("whisper", "mac-1", {})]) == []
 

@@ -58,6 +58,9 @@ SPECULATION = (  # engine counter (deployments/engines/speculation.py), metric, 
     ("spec_accepted", "orchard_spec_accepted_tokens_total", "Draft tokens the target model accepted"),
     ("spec_steps", "orchard_spec_verify_steps_total", "Decode steps that verified drafts"),
     ("spec_depth_sum", "orchard_spec_depth_sum_total", "Draft depth chosen, summed over the verify steps"),
+    ("spec_draft_rows", "orchard_spec_draft_rows_total", "Rows of verify steps whose drafts came from a draft model"),
+    ("spec_draft_forwards", "orchard_spec_draft_forwards_total", "The draft model's forwards for them (one a draft token)"),
+    ("spec_draft_s", "orchard_spec_draft_seconds_total", "Seconds the draft model took for them"),
 )
 PLAIN_WHY = {"spec_off_prefill": "prefill", "spec_off_rows": "rows", "spec_off_no_drafts": "no_drafts", "spec_off_cost": "cost"}
 
@@ -71,7 +74,7 @@ def speculation_lines(instances: list[tuple[str, str, dict[str, Any]]]) -> list[
     lines: list[str] = []
     for key, metric, text in SPECULATION:
         lines += [f"# HELP {metric} {text}", f"# TYPE {metric} counter"]
-        lines += [f"{metric}{_labels(model=model, node=node)} {c[key]:g}" for model, node, c in rows]
+        lines += [f"{metric}{_labels(model=model, node=node)} {c.get(key, 0):g}" for model, node, c in rows]
     metric = "orchard_spec_plain_steps_total"
     lines += [f"# HELP {metric} Decode steps that did not speculate, by why", f"# TYPE {metric} counter"]
     for model, node, c in rows:
