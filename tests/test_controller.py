@@ -1398,6 +1398,33 @@ def test_r1_a_placement_decided_without_a_spare_takes_the_victims_process_once_i
     assert fx.log.count(("spare", "n1")) == starts  # no process started for either
 
 
+def test_r1_a_load_that_starts_while_the_victims_process_becomes_the_spare_waits_for_it_instead_of_starting_one():
+    """The room is there (the victim gave its memory back) before the victim's process is the
+    node's spare again: the load waits for that process, which is up, rather than starting a new
+    one (1 s here, 12 s on a GPU)."""
+
+    async def scenario():
+        c, fx = make([spec(m, gb=3) for m in "abcd"], nodes=(("n1", 8),), config=SPARES)
+        await _spares_ready(c, fx, ("n1",))
+        for model in ("a", "b"):
+            c.release((await c.acquire(model)).lease_id)
+            await _spares_ready(c, fx, ("n1",))
+        before = dict(fx.actors)
+        starts = fx.log.count(("spare", "n1"))
+        fx.spare_again_gate = asyncio.Event()
+        leases = asyncio.gather(c.acquire("c"), c.acquire("d"))
+        await fx.run_for(0.3)
+        loading_before_the_spare = [e.model for e in c.events() if e.kind == "loading"]
+        fx.spare_again_gate.set()
+        return c, fx, before, starts, await leases, loading_before_the_spare
+
+    c, fx, before, starts, leases, loading_before_the_spare = run(scenario())
+    assert [lease.model for lease in leases] == ["c", "d"] and not fx.overcommits
+    assert "d" in loading_before_the_spare  # its load began while the victim's process was not yet a spare
+    assert fx.actors[("d", "n1")] in before.values()  # ... and took that process once it was
+    assert fx.log.count(("spare", "n1")) == starts  # no process started for either
+
+
 @pytest.mark.parametrize("with_snapshot", [True, False])
 def test_a_report_asked_before_a_swap_and_read_after_counts_no_instance_as_foreign(with_snapshot):
     """The watcher asks for a report, then a placement evicts a and waits to load c before the

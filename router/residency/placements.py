@@ -17,6 +17,7 @@ the new load. Part of the residency loop: it runs in the loop's steps and reads 
 import asyncio
 import itertools
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 from cluster.node_report import FetchResult
@@ -449,13 +450,13 @@ class Placements:
     async def _run_load(self, place: Place, attempt: int) -> None:
         loop = self.loop
         spare, started = self.spare_for.pop((place.model, place.node_id), (None, None))
-        if spare is None and (claimed := loop.spares.claim(place.node_id)):  # R1: ready since the placement was decided
-            spare = claimed[0]
-        # R1: with spares on, a new process is named as a spare too, so it may be one after its model
-        new = loop.effects.new_spare_name(place.node_id) if loop.config.spares_per_node else loop.effects.new_actor_name(place.model, place.node_id)
-        actor = spare or new
-        loop.sites.actors[(place.model, place.node_id)] = actor
         try:
+            if spare is None:  # R1: one ready since the placement was decided, or a victim's process about to be one
+                spare = await loop.spares.claim_soon(place.node_id)
+            # R1: with spares on, a new process is named as a spare too, so it may be one after its model
+            new_name = loop.effects.new_spare_name if loop.config.spares_per_node else partial(loop.effects.new_actor_name, place.model)
+            actor = spare or new_name(place.node_id)
+            loop.sites.actors[(place.model, place.node_id)] = actor
             if started is not None:  # a spare still starting: sooner ready than a process started now
                 await asyncio.wait({started})
             asked = loop.clock.now()
@@ -564,11 +565,9 @@ class Placements:
             released = None
         if released is not None:
             self.loop.apply(StopReleased(stop_id=stop_id, instance=ref, released=released, reason=reason))
-            if for_room and actor is not None and self.loop.spares.wanted_again(ref.node_id, actor, released.held_bytes):  # R1: the next spare
-                held = await self.loop.effects.spare_again(actor, self.loop.config.process_models_max)
-                if held is not None and self.loop.spares.again(ref.node_id, actor, held):
-                    self.loop.apply(StopDone(stop_id=stop_id, instance=ref, gone=True, reason=reason, bytes=nbytes, spare=True))
-                    return
+            if for_room and actor is not None and await self.loop.spares.recycle(ref.node_id, actor, released.held_bytes):  # R1: the next spare
+                self.loop.apply(StopDone(stop_id=stop_id, instance=ref, gone=True, reason=reason, bytes=nbytes, spare=True))
+                return
         try:
             gone = bool(await self.loop.effects.stop_instance(ref, actor, reason))
         except Exception as e:  # an effect that broke: the exit is not confirmed

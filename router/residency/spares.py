@@ -21,6 +21,9 @@ from policy.transitions import set_spare
 from router.residency.parts import Loop
 
 log = logging.getLogger("orchard.residency")
+# How long a load waits for a victim's process to become the node's spare (R1) before it starts a new
+# one: becoming one takes a call to the process (0.1 s here), starting one 1 s here and 12 s on a GPU.
+RETURN_WAIT_S = 5.0
 
 
 @dataclass(eq=False)
@@ -39,6 +42,8 @@ class Spares:
         self._failed: dict[str, float] = {}  # node -> when its last spare failed to start
         self.new_bytes: dict[str, int] = {}  # node -> what its last new spare measured (a process that held models grows)
         self.retry_s = retry_s  # a node whose spare failed to start gets none for this long
+        self._returning: dict[str, int] = {}  # node -> victims' processes becoming its spare (`recycle`)
+        self._waiting: dict[str, list[asyncio.Future[str | None]]] = {}  # node -> loads waiting for one of them (`claim_soon`)
 
     def plan(self) -> None:
         """R1: start a spare where the policy wants one, stop those it says must go, and put back in
@@ -51,7 +56,8 @@ class Spares:
         self._failed = {n: at for n, at in self._failed.items() if now - at < self.retry_s}
         # not beside a load under way on the node (the two would share its cores): once it is done
         loading = frozenset(n.node_id for n in loop.state.nodes if any(i.status == "loading" for i in n.instances))
-        start, stop = plan_spares(loop.state, loop.config, frozenset(self._starting) | frozenset(self._failed) | loading)
+        busy = frozenset(self._starting) | frozenset(self._failed) | frozenset(self._returning) | loading  # a victim's process returning: no new one
+        start, stop = plan_spares(loop.state, loop.config, busy)
         for node_id in stop:
             self.stop(node_id, "its node is short of memory, drained, or spares are off (R1)")
         for node_id in start:
@@ -77,6 +83,40 @@ class Spares:
             return None
         self._promised[spare.actor] = spare
         return spare.actor, spare.started
+
+    async def claim_soon(self, node_id: str) -> str | None:
+        """The node's ready spare for a load whose placement was decided without one (`claim`); where
+        a victim's process there is becoming the spare (`recycle`), that one once it is, which is
+        sooner than a new process (R1); None: the load starts one."""
+        claimed = self.claim(node_id)
+        if claimed is not None or not self._returning.get(node_id):
+            return claimed[0] if claimed is not None else None
+        waiter: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(node_id, []).append(waiter)
+        try:
+            await asyncio.wait({waiter}, timeout=RETURN_WAIT_S)
+        finally:
+            if not waiter.done():  # timed out or cancelled: no process is handed to it from now on
+                waiter.cancel()
+                self._waiting[node_id].remove(waiter)
+        return waiter.result() if not waiter.cancelled() else None
+
+    async def recycle(self, node_id: str, actor: str, held_bytes: int) -> bool:
+        """R1: the stopped model server `actor` of a placement's victim (its model's memory given
+        back, `held_bytes` still held) made the node's spare, where the node wants one; False: its
+        process is to exit. A load there meanwhile waits for it (`claim_soon`)."""
+        if not self.wanted_again(node_id, actor, held_bytes):
+            return False
+        self._returning[node_id] = self._returning.get(node_id, 0) + 1
+        try:
+            held = await self.loop.effects.spare_again(actor, self.loop.config.process_models_max)
+            return held is not None and self.again(node_id, actor, held)
+        finally:
+            self._returning[node_id] -= 1
+            if not self._returning[node_id]:  # none is coming back: the loads still waiting start their own
+                del self._returning[node_id]
+                for waiter in self._waiting.pop(node_id, []):
+                    waiter.set_result(None)
 
     def claim(self, node_id: str) -> tuple[str, int] | None:
         """The node's ready spare (not one still starting) for a placement decided without it: its
@@ -122,6 +162,10 @@ class Spares:
         spare from now on if the node still wants one (else False: the caller ends the process)."""
         if not self.wanted_again(node_id, actor, nbytes):
             return False
+        if waiting := self._waiting.get(node_id):  # a load there waits for it (`claim_soon`): its process now
+            waiting.pop(0).set_result(actor)
+            log.info("%s, a spare again, takes a model on %s at once", actor, node_id)
+            return True
         starting = self._starting.pop(node_id, None)
         if starting is not None and starting.started is not None:
             starting.started.cancel()  # its start stops what it started

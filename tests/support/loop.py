@@ -70,6 +70,7 @@ class FakeEffects:
         self.spare_gate: asyncio.Event | None = None  # spares start once it is set
         self.spare_starts: list[str] = []  # the spares whose start_instance took them
         self.no_spare_again = False  # spare_again answers None (R1: the process will not be a spare again)
+        self.spare_again_gate: asyncio.Event | None = None  # spare_again answers once it is set
         self.actors: dict[tuple[str, str], str] = {}  # (model, node) -> the actor its start_instance ran in
 
     def now(self) -> float:
@@ -101,6 +102,8 @@ class FakeEffects:
         """R1: a stopped model server started as a spare is one again, holding what it kept after
         its release (`residual`), unless `no_spare_again`."""
         self.log.append(("spare_again", actor))
+        if self.spare_again_gate is not None:
+            await self.spare_again_gate.wait()
         if self.no_spare_again:
             return None
         for (model, node_id), held in list(self.resident.items()):
