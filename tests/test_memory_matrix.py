@@ -237,11 +237,11 @@ def test_m1_a_served_load_measures_its_activations_once_idle_and_serves_before(m
         await whole.load()
         expected = await whole.complete(request)
         await whole.stop()
-        engine = LLMEngine("llama-10m", folder, prefix_disk_bytes=0, measure_idle_s=0.5)
+        engine = LLMEngine("llama-10m", folder, prefix_disk_bytes=0, measure_idle_s=1.5)
         await engine.load()
         provisional, limited = engine.measured, id(engine) in measure._limits
         served = [await engine.complete(request) for _ in range(2)]
-        still = engine.measured.provisional  # busy until just now: not idle for 0.5 s yet
+        still = engine.measured.provisional  # busy until just now: not idle for 1.5 s yet
         for _ in range(600):
             if not engine.measured.provisional:
                 break

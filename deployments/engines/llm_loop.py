@@ -157,6 +157,8 @@ class MLXLoop:
         while not self._stopping.is_set():
             outbox: list[Stream] = []
             idle = not by_uid and not scheduler.held
+            if not idle:
+                busy_at = time.monotonic()
             wait = self._measure_wait(busy_at) if idle else None
             if wait == 0.0:
                 self._measure_idle()
