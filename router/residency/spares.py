@@ -43,7 +43,7 @@ class Spares:
         self.new_bytes: dict[str, int] = {}  # node -> what its last new spare measured (a process that held models grows)
         self.retry_s = retry_s  # a node whose spare failed to start gets none for this long
         self._returning: dict[str, int] = {}  # node -> victims' processes becoming its spare (`recycle`)
-        self._waiting: dict[str, list[asyncio.Future[str | None]]] = {}  # node -> loads waiting for one of them (`claim_soon`)
+        self._waiting: dict[str, list[asyncio.Future[Spare | None]]] = {}  # node -> loads waiting for one of them (`claim_soon`)
 
     def plan(self) -> None:
         """R1: start a spare where the policy wants one, stop those it says must go, and put back in
@@ -91,15 +91,20 @@ class Spares:
         claimed = self.claim(node_id)
         if claimed is not None or not self._returning.get(node_id):
             return claimed[0] if claimed is not None else None
-        waiter: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[Spare | None] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(node_id, []).append(waiter)
         try:
             await asyncio.wait({waiter}, timeout=RETURN_WAIT_S)
+        except asyncio.CancelledError:  # its load went away: a process handed to it meanwhile is the node's spare
+            if waiter.done() and not waiter.cancelled() and (handed := waiter.result()) is not None:
+                self._keep(node_id, handed)
+            raise
         finally:
             if not waiter.done():  # timed out or cancelled: no process is handed to it from now on
                 waiter.cancel()
                 self._waiting[node_id].remove(waiter)
-        return waiter.result() if not waiter.cancelled() else None
+        handed = waiter.result() if not waiter.cancelled() else None
+        return handed.actor if handed is not None else None
 
     async def recycle(self, node_id: str, actor: str, held_bytes: int) -> bool:
         """R1: the stopped model server `actor` of a placement's victim (its model's memory given
@@ -163,18 +168,22 @@ class Spares:
         if not self.wanted_again(node_id, actor, nbytes):
             return False
         if waiting := self._waiting.get(node_id):  # a load there waits for it (`claim_soon`): its process now
-            waiting.pop(0).set_result(actor)
+            waiting.pop(0).set_result(Spare(actor=actor, bytes=nbytes))
             log.info("%s, a spare again, takes a model on %s at once", actor, node_id)
             return True
+        self._keep(node_id, Spare(actor=actor, bytes=nbytes))
+        return True
+
+    def _keep(self, node_id: str, spare: Spare) -> None:
+        """`spare`, a process that is up, is the node's ready spare (one still starting there stops)."""
         starting = self._starting.pop(node_id, None)
         if starting is not None and starting.started is not None:
             starting.started.cancel()  # its start stops what it started
-        self.ready[node_id] = Spare(actor=actor, bytes=nbytes)
-        self.loop.state = set_spare(self.loop.state, node_id, nbytes)
-        log.info("%s is the spare of %s again (%.0f MiB)", actor, node_id, nbytes / 2**20)
+        self.ready[node_id] = spare
+        self.loop.state = set_spare(self.loop.state, node_id, spare.bytes)
+        log.info("%s is the spare of %s again (%.0f MiB)", spare.actor, node_id, spare.bytes / 2**20)
         self.loop.placements.offer_spare(node_id)  # a placement there that waits without one takes it
         self.loop._wake()
-        return True
 
     def died(self, actor: str) -> None:
         """A ready spare's actor is gone (the watcher): it leaves the state; another starts later."""
