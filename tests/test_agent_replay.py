@@ -294,7 +294,9 @@ def test_a_client_that_leaves_during_a_long_prefill_cancels_it(orchard):
         for line in r.iter_lines(decode_unicode=True):
             if line.startswith("data: ") and json.loads(line[6:])["type"] == "ping":
                 break
-        assert _running(MODEL) == 1
+        # the first ping comes before the prompt is read (message_start, then a ping), so the request
+        # may still be on its way to the instance: it is running there before the client leaves
+        wait_for(lambda: _running(MODEL) == 1, 30, "the instance to run the request")
     left_s = time.monotonic() - started  # the connection is closed here, a few seconds into a ~9 s prefill
     wait_for(lambda: _running(MODEL) == 0, 30, "the instance to drop the request")
     gone_s = time.monotonic() - started
