@@ -1376,18 +1376,23 @@ def test_r1_a_process_that_held_its_most_models_or_will_not_be_a_spare_exits_and
     assert c.spares.ready["n1"].actor != actors[(victim, "n1")] and c.state.node("n1").spare_bytes == SPARES.spare_bytes
 
 
+async def _full_node_with_a_spare():
+    """One node with room for two models of four, both loaded and a spare ready: (the loop, its
+    effects, the actors so far, the spares started so far)."""
+    c, fx = make([spec(m, gb=3) for m in "abcd"], nodes=(("n1", 8),), config=SPARES)
+    await _spares_ready(c, fx, ("n1",))
+    for model in ("a", "b"):
+        c.release((await c.acquire(model)).lease_id)
+        await _spares_ready(c, fx, ("n1",))
+    return c, fx, dict(fx.actors), fx.log.count(("spare", "n1"))
+
+
 def test_r1_a_placement_decided_without_a_spare_takes_the_victims_process_once_it_is_a_spare_again():
     """Two swaps at once on one node: c takes the node's spare, d finds none; the process of the
     model d evicts gives its memory back, is a spare again, and d loads into it: no process starts."""
 
     async def scenario():
-        c, fx = make([spec(m, gb=3) for m in "abcd"], nodes=(("n1", 8),), config=SPARES)
-        await _spares_ready(c, fx, ("n1",))
-        for model in ("a", "b"):
-            c.release((await c.acquire(model)).lease_id)
-            await _spares_ready(c, fx, ("n1",))
-        before = dict(fx.actors)
-        starts = fx.log.count(("spare", "n1"))
+        c, fx, before, starts = await _full_node_with_a_spare()
         leases = await asyncio.gather(c.acquire("c"), c.acquire("d"))
         return c, fx, before, starts, leases
 
@@ -1404,13 +1409,7 @@ def test_r1_a_load_that_starts_while_the_victims_process_becomes_the_spare_waits
     one (1 s here, 12 s on a GPU)."""
 
     async def scenario():
-        c, fx = make([spec(m, gb=3) for m in "abcd"], nodes=(("n1", 8),), config=SPARES)
-        await _spares_ready(c, fx, ("n1",))
-        for model in ("a", "b"):
-            c.release((await c.acquire(model)).lease_id)
-            await _spares_ready(c, fx, ("n1",))
-        before = dict(fx.actors)
-        starts = fx.log.count(("spare", "n1"))
+        c, fx, before, starts = await _full_node_with_a_spare()
         fx.spare_again_gate = asyncio.Event()
         leases = asyncio.gather(c.acquire("c"), c.acquire("d"))
         await fx.run_for(0.3)
