@@ -130,7 +130,7 @@ class LLMEngine(MLXLoop, Engine):
         self.reserve_context_tokens = reserve_context_tokens
         self.reserve_concurrency = reserve_concurrency
         self.measure_idle_s = measure_idle_s
-        self.admit_gather_ms, self.admit_gather_s = admit_gather_ms, admit_gather_ms / 1000
+        self.admit_gather_ms = admit_gather_ms
         self.admit_hold_steps = admit_hold_steps
         self.admit_quiet_steps = admit_quiet_steps
         self.admit_hold_min_rows = admit_hold_min_rows

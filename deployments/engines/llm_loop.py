@@ -85,7 +85,7 @@ class MLXLoop:
     _retired_counters: dict[str, float]
     measured: MeasuredMemory
     measure_idle_s: float | None
-    admit_gather_s: float
+    admit_gather_ms: float
     _arriving: int
 
     if TYPE_CHECKING:  # LLMEngine's
@@ -186,11 +186,11 @@ class MLXLoop:
         being prepared (tokenized) at the same time: requests that come together (a burst that waited
         for the model's load) join in one prefill group instead of the first alone and the rest a
         prefill later. None: admit as the scheduler says (the batch runs, nothing else is being
-        prepared, or the first held arrival has waited `admit_gather_s`)."""
+        prepared, or the first held arrival has waited `admit_gather_ms`)."""
         held = self.scheduler.held
-        if by_uid or not held or self.admit_gather_s <= 0 or self._arriving <= len(held):
+        if by_uid or not held or self.admit_gather_ms <= 0 or self._arriving <= len(held):
             return None
-        left = held[0].prepared + self.admit_gather_s - time.monotonic()
+        left = held[0].prepared + self.admit_gather_ms / 1000 - time.monotonic()
         return left if left > 0 else None
 
     def _measure_wait(self, busy_at: float) -> float | None:
