@@ -222,7 +222,7 @@ class RayEffects:
         except Exception as e:  # the target's agent died (its node with it)
             return FetchResult(ok=False, code="error", message=unwrap(e).message)
 
-    async def prefix_caches(self, actors: list[str], timeout_s: float) -> dict[str, MemoryReport]:
+    async def memory_reports(self, actors: list[str], timeout_s: float) -> dict[str, MemoryReport]:
         """Each actor's memory report, by actor name: what its kept prompt prefixes hold now and what
         prefilling them again would take (X4 and E3), and what its engine measured (M1, measured once
         idle); an actor that does not answer within timeout_s is left out."""

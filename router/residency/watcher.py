@@ -111,7 +111,7 @@ class ClusterWatcher:
                     refs[name] = ref
         if not refs:
             return
-        reports = await self.effects.prefix_caches(list(refs), self.report_timeout_s / 2)
+        reports = await self.effects.memory_reports(list(refs), self.report_timeout_s / 2)
         for node_id in {refs[name].node_id for name in reports}:
             on_node = {refs[name].model: r for name, r in reports.items() if refs[name].node_id == node_id}
             self.controller.apply(
