@@ -183,6 +183,7 @@ def activation(
     decode_tokens: int = 1,
     between: Callable[[], None] = _nothing,
     one_row: int | None = None,
+    held: int | None = None,
 ) -> int:
     """The most of a prefill step of `rows` rows of a chunk at context 0 and a decode step of
     `decode_rows` rows (the batch's most: short rows beyond reserve_concurrency fit the KV
@@ -190,8 +191,8 @@ def activation(
     drafts, with every position's logits and their acceptance. Each carries the decoding rows'
     outputs held beside it (`held_outputs`): the last step's in a decode step, two steps' in a
     prefill step. `one_row`: a one-row step of a chunk at context 0 measured already (the group's
-    step when `rows` is 1)."""
-    held = held_outputs(model, caches, decode_rows, vocab)
+    step when `rows` is 1); `held`: `held_outputs` of `decode_rows` rows, where known already."""
+    held = held_outputs(model, caches, decode_rows, vocab) if held is None else held
     if rows == 1 and one_row is not None:
         group = one_row
     else:
@@ -232,10 +233,11 @@ def measure(
         # a prompt longer than the engine's max_prefill_tokens prefills alone; a group's rows are shorter
         most, base, per_token, start = prefill_line(model, caches, chunk, vocab, reserve_context_tokens, shape.window_tokens, between)
         decode_most = max(decode_rows, reserve_concurrency)
-        batched = activation(model, caches, rows, chunk, vocab, decode_most, decode_tokens, between, one_row=None if shape.window_tokens else base)
-        held = 2 * held_outputs(model, caches, decode_most, vocab)  # beside a long prompt's chunk too
+        held = held_outputs(model, caches, decode_most, vocab)
+        batched = activation(model, caches, rows, chunk, vocab, decode_most, decode_tokens, between, None if shape.window_tokens else base, held)
         mx.clear_cache()
-        at_context = max(batched, held + max(most, base + int(per_token * max(0, reserve_context_tokens - chunk - start) + 0.5)))
+        line = max(most, base + int(per_token * max(0, reserve_context_tokens - chunk - start) + 0.5))
+        at_context = max(batched, 2 * held + line)  # a long prompt's chunk beside the decoding rows' outputs too
     return MeasuredMemory(
         weights_hash=weights_hash,
         weight_bytes=weight_bytes,
