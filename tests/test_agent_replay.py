@@ -173,10 +173,15 @@ def test_codex_apply_patch_call_and_its_output(orchard):
     custom apply_patch tool (the grammar of the function Orchard offers for it holds the random model
     to calls), answered with `custom_tool_call` items; then the whole history resent with them and
     their `custom_tool_call_output`s, as Codex does, streams to its end. Read with the openai SDK's models."""
-    forced = {**CODEX, "tool_choice": {"type": "custom", "name": "apply_patch"}, "max_output_tokens": 1024, "stream": False}
+    # The random model closes its calls' strings by chance (sampled at Codex's default temperature 1):
+    # of 80 forced answers to this request, 16 took over 512 tokens, 3 over 1024 and none over 1,799
+    # (5 ms a token). At 1024 about 1 run in 8 ended unclosed; the tail falls ~5x per 512 tokens, so at
+    # 8192 the chance is, extrapolated, below 1e-9, and the usual answer costs the same.
+    forced = {**CODEX, "tool_choice": {"type": "custom", "name": "apply_patch"}, "max_output_tokens": 8192, "stream": False}
     r = requests.post(orchard + "/v1/responses", json=forced, headers={"Authorization": "Bearer unused"}, timeout=600)
     assert r.status_code == 200, r.text
     response = Response.model_validate(r.json())
+    assert response.status == "completed", response.usage
     calls = [o for o in response.output if o.type == "custom_tool_call"]  # parallel_tool_calls is on: one or more
     assert calls and all(c.name == "apply_patch" and isinstance(c.input, str) for c in calls), response.output
     outputs = [

@@ -355,6 +355,14 @@ def _ready(orchard, model: str) -> dict:
     return instances(orchard)[model]
 
 
+def _unload_all_but(orchard, keep: str) -> None:
+    for model in instances(orchard):
+        if model != keep:
+            r = requests.post(orchard["base"] + f"/v1/models/{model}/unload", headers=AUTH, timeout=60)
+            assert r.status_code == 200, r.text
+    wait_for(lambda: set(instances(orchard)) == {keep}, 20, f"{keep} alone")
+
+
 @pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
 def test_a_dead_model_server_is_noticed_and_the_model_placed_again(orchard, how):
     """Issue 10 item 1: the controller learns of the death, drops the instance with an event naming
@@ -416,6 +424,7 @@ def test_corrupt_weights_fail_once_evict_nothing_and_are_tried_again_when_fixed(
     """Issue 10 item 3: a truncated safetensors file. The model fits without eviction; its failure
     is not retried, evicts nothing, and later requests get the same 503 at once with Retry-After."""
     healthy = _ready(orchard, "llama-10m")
+    _unload_all_but(orchard, "llama-10m")  # the earlier tests' models go: where they landed decides whether it fits
     since = get(orchard, "/v1/cluster/events")["data"][-1]["seq"]
     statuses, retry_after, messages = [], [], []
     for _ in range(3):  # what one openai SDK call with its two retries sends
@@ -447,9 +456,7 @@ def test_the_dashboard_shows_each_instances_state_size_and_why_it_ended(orchard)
     live = _ready(orchard, "llama-10m")
     # doomed-llama loads where a spare waits (rule R1), so its row is a spare's and its task names it;
     # the earlier tests' models go first, so that a node has room for a spare
-    for model in instances(orchard):
-        if model != "llama-10m":
-            requests.post(orchard["base"] + f"/v1/models/{model}/unload", headers=AUTH, timeout=60)
+    _unload_all_but(orchard, "llama-10m")
     spared = wait_for(lambda: [n["node_id"] for n in get(orchard, "/v1/cluster")["nodes"] if n["spare"]], 60, "a spare")
     r = requests.post(orchard["base"] + "/v1/models/doomed-llama/load", json={"node": spared[0]}, headers=AUTH, timeout=120)
     assert r.status_code == 200, r.text
