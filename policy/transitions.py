@@ -87,6 +87,16 @@ def mark_loaded(state: ClusterState, ref: InstanceRef, now: float, load_seconds:
     return clear_failed(_update_instance(state, ref, **changes), ref.model)
 
 
+def hold_measured(state: ClusterState, ref: InstanceRef, nbytes: int) -> ClusterState:
+    """A ready instance's engine measured what it holds (M1, once idle after its load): it is
+    counted at least at that from now on, as a load that measured gives (`mark_loaded`)."""
+    node = state.node(ref.node_id)
+    inst = node.instance(ref.model) if node is not None else None
+    if inst is None or inst.status != "ready" or inst.bytes >= nbytes:
+        return state
+    return _update_instance(state, ref, bytes=nbytes)
+
+
 def mark_failed(state: ClusterState, failure: LoadFailure, now: float) -> ClusterState:
     """Rule P10: record a failed load that is not retried (retry_after_failure answered Reject).
     A model already marked counts one more consecutive failure, which doubles its back-off; the

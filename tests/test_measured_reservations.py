@@ -55,7 +55,7 @@ def test_m1_a_measurement_made_once_idle_after_the_load_reaches_the_catalog_thro
     from router.residency.events import CachesReported
 
     estimated = spec("a", gb=3, kv_bytes_per_token=6 * 1024, reserve_context_tokens=8192, reserve_concurrency=2)
-    measured = gemma_like()
+    measured = gemma_like().model_copy(update={"activation_bytes": 2 * GIB})  # more than the estimate's overhead
     provisional = measured.model_copy(update={"activation_bytes": 0, "provisional": True})
 
     async def scenario():
@@ -64,12 +64,22 @@ def test_m1_a_measurement_made_once_idle_after_the_load_reaches_the_catalog_thro
         lease = await c.acquire("a")
         c.release(lease.lease_id)
         after_load, known_after_load = c.state.catalog["a"], c.placements.measurements.get("a")
+        held_after_load = c.state.node("n1").instance("a").bytes
         c.apply(CachesReported(node_id="n1", measured={"a": measured}))
-        return after_load, known_after_load, c.state.catalog["a"], c.placements.measurements.get("a")
+        return (
+            after_load,
+            known_after_load,
+            held_after_load,
+            c.state.catalog["a"],
+            c.placements.measurements.get("a"),
+            c.state.node("n1").instance("a").bytes,
+        )
 
-    after_load, known_after_load, after_report, known = run(scenario())
+    after_load, known_after_load, held_after_load, after_report, known, held = run(scenario())
     assert after_load == estimated and known_after_load is None  # a provisional measurement is no measurement
+    assert held_after_load == required_bytes(estimated, PLAIN)  # the instance counted as its placement reserved
     assert after_report == measured_spec(estimated, measured) and known == measured  # the next load is given it (StartOrder.measured)
+    assert held == measured.reserved_bytes > held_after_load  # ... and the instance holds what was measured from now on
 
 
 def test_m1_the_same_measurement_again_leaves_the_catalog_as_it_was():

@@ -23,7 +23,7 @@ from policy import ClusterState, InstanceRef, InstanceState, LoadFailure, ModelS
 from policy.decisions import Decision
 from policy.eviction import ready_copies
 from policy.memory import gib, held_bytes, ours_bytes
-from policy.transitions import apply_place, clear_failed, mark_failed, mark_loaded, remove_instance, set_in_flight, set_prefix_cache
+from policy.transitions import apply_place, clear_failed, hold_measured, mark_failed, mark_loaded, remove_instance, set_in_flight, set_prefix_cache
 from router.residency.asks import Ask, Asks
 from router.residency.clock import Clock, MonotonicClock, Timer, until
 from router.residency.demand import Demand
@@ -172,6 +172,7 @@ class ResidencyController:
             catalog = self.placements.measurements.record(self.state.catalog, model, measured)
             if catalog is not self.state.catalog:
                 self.state = self.state.model_copy(update={"catalog": catalog})
+            self.state = hold_measured(self.state, InstanceRef(node_id=r.node_id, model=model), measured.reserved_bytes)
 
     def _node_lost(self, lost: NodeLost) -> None:
         """Drop the node's instances and leases; requests for its models are placed elsewhere."""
