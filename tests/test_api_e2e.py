@@ -68,6 +68,7 @@ def orchard(models_dir, shared_ray):
         },
         {"name": "llama-mistral", "kind": "llm", "path": "llama-10m", "tool_parser": "mistral"},
         {"name": "minilm-rerank", "kind": "rerank", "path": "all-minilm-l6-v2"},
+        {"name": "llava-short", "kind": "vlm", "path": "llava-tiny-random", "reserve_context_tokens": 256},
     ]
     policy = {"min_residency_s": 0, "residency_per_reload": 0, "instance_overhead_bytes": 32 * MIB}
     serve.run(
@@ -394,6 +395,28 @@ def test_image_parts_reach_the_vision_model_and_are_refused_elsewhere(orchard):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="llama-10m", messages=[{"role": "user", "content": content}], max_tokens=4)
     assert "image" in info.value.message
+
+
+def test_a_vision_model_is_held_to_its_measured_reservation(orchard):
+    """A VLM's engine measures what it holds at its load and is held to it (as an LLM's): /v1/cluster
+    shows the measured figures beside the folder's estimate, and a prompt past its reserved
+    context (256 tokens here) is refused with a 400 that names the instance's memory limit."""
+    client = orchard["openai"]
+    image = {"type": "image_url", "image_url": {"url": _png_data_url()}}
+    reply = client.chat.completions.create(
+        model="llava-short", messages=[{"role": "user", "content": [image, {"type": "text", "text": "Hi"}]}], max_tokens=4
+    )
+    assert reply.usage.prompt_tokens > 64  # the image's 64 tokens and the text
+    (instance,) = [
+        i for n in requests.get(orchard["base"] + "/v1/cluster", timeout=30).json()["nodes"] for i in n["instances"] if i["model"] == "llava-short"
+    ]
+    measured = instance["memory"]["measured"]
+    assert measured["kv_reserved_bytes"] > 0 and measured["activation_bytes"] > 0 and measured["limit_bytes"] > measured["weight_bytes"] > 0
+    assert instance["memory"]["estimated"]["weight_bytes"] > 0
+    long_text = {"type": "text", "text": "Describe" + " tree" * 200}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="llava-short", messages=[{"role": "user", "content": [image, long_text]}], max_tokens=4)
+    assert info.value.code == "context_length_exceeded" and "memory limit of" in info.value.message, info.value.message
 
 
 # ---- audio ---------------------------------------------------------------------------------------

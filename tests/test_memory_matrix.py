@@ -5,6 +5,8 @@ same, and the full shapes on a GPU). The folder estimate's cache by layer kind i
 the real cache objects, also for the hybrid families the matrix does not load."""
 
 import asyncio
+import base64
+import io
 import time
 from pathlib import Path
 from typing import Any
@@ -296,3 +298,66 @@ def test_m1_a_request_stops_the_idle_measurement_between_two_passes_and_it_runs_
         assert mx.get_memory_limit() >= measured.limit_bytes
     finally:
         measure.set_limit(id(engine), None)
+
+
+def test_a_vlm_reserves_what_it_uses_holds_its_batch_to_the_reservation_and_refuses_past_it(models_dir):
+    """A VLM (llava, random weights) measured at its load: its weights, its language model's cache and
+    steps, a group prefilled in mlx-vlm's own batch and an arrival's images (vlm_memory.py); the
+    process limited by it. Four requests of two images whose prompts each fill a reserved sequence
+    run two at a time (the others wait for KV room): MLX's peak within the reservation, the
+    reservation within 1.15x of it. A longer prompt is refused, naming its size and the limit."""
+    from deployments.engines.vlm import VLMEngine
+
+    red = "data:image/png;base64," + base64.b64encode(_png()).decode()
+    engine = VLMEngine(
+        "llava-tiny-random", str(models_dir / "llava-tiny-random"), max_images=2, max_batch=8, reserve_context_tokens=512, reserve_concurrency=2
+    )
+
+    async def prompt_tokens(words: int, max_tokens: int = 1) -> Any:
+        messages = [{"role": "user", "content": "Describe" + " tree" * words}]
+        last = None
+        async for delta in engine.generate(messages, images=[red, red], max_tokens=max_tokens):
+            last = delta
+        return last
+
+    async def scenario() -> tuple[list[Any], int, int, RequestError, int, int]:
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        await engine.load()
+        limit = mx.get_memory_limit()
+        short, longer = [(await prompt_tokens(n)).usage.prompt_tokens for n in (10, 20)]
+        per_word = (longer - short) // 10
+        assert engine.measured is not None
+        room = engine.measured.longest_sequence() - 1 - 4  # the most prompt tokens a request has, less its 4 to generate
+        words = 10 + (room - short) // per_word
+        mx.synchronize()
+        mx.reset_peak_memory()
+        ends = await asyncio.gather(*[prompt_tokens(words, 4) for _ in range(4)])
+        mx.synchronize()
+        peak = mx.get_peak_memory() - before
+        waits = int(engine.counters()["kv_waits"])
+        with pytest.raises(RequestError) as refused:
+            await prompt_tokens(words * 2)
+        await engine.stop()
+        return ends, peak, waits, refused.value, limit, room
+
+    ends, peak, waits, refused, limit, room = asyncio.run(scenario())
+    measured = engine.measured
+    assert measured is not None and not measured.provisional
+    assert [e.usage.completion_tokens for e in ends if e.finish_reason == "length"] == [4] * 4, ends
+    assert all(room - 5 <= e.usage.prompt_tokens <= room for e in ends), (room, ends)  # each fills its share
+    assert waits > 0  # two rows at a time: the others waited for the reservation's room
+    assert limit >= measured.limit_bytes  # the process's MLX limit (the sum of its live engines')
+    assert peak <= measured.reserved_bytes, f"MLX's peak {peak / 2**20:.2f} MiB passed the reservation {measured.reserved_bytes / 2**20:.2f} MiB"
+    assert measured.reserved_bytes <= TIGHTNESS * peak, f"the reservation wastes memory: {measured.reserved_bytes} against a peak of {peak}"
+    assert refused.code == "context_length_exceeded" and f"memory limit of {measured.limit_bytes / 2**20:.1f} MiB" in refused.message
+
+
+def _png() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 30, 30)).save(out, format="PNG")
+    return out.getvalue()

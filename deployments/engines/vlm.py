@@ -18,15 +18,12 @@ call with each row's own temperature and top-p (sampling.py). Input problems fai
 request with a RequestError; a broken batch step fails the requests in it, and the engine goes on."""
 
 import asyncio
-import base64
-import binascii
-import io
 import itertools
 import logging
 import queue
-import re
 import sys
 import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -35,16 +32,17 @@ from typing import Any, Literal
 
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 from deployments.engine import Engine, Frozen, MemoryReport, RequestError, queued_adds
+from deployments.engines import measure
 from deployments.engines.sampling import BatchSampler, RowSampling, sample
 from deployments.engines.text_stream import StopStringFilter
+from deployments.engines.vlm_inputs import ImageInputs
+from deployments.engines.vlm_memory import admits, largest_image_side, measure_vlm
 from deployments.estimate import estimate
+from deployments.manifest import safetensors_bytes
+from deployments.wire.measured import MeasuredMemory
 from deployments.worker import MLXWorker
 
 logger = logging.getLogger(__name__)
-
-_DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,", re.IGNORECASE)
-_ROLES = {"system", "user", "assistant"}
-_KV_STEP = 256  # mlx-lm's KV cache grows in steps of this many tokens
 
 
 class Usage(Frozen):
@@ -70,6 +68,7 @@ class _Arrival:
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
+    inputs: Any = None  # the processor's output, once templated (`_prepare`): kept while it waits for KV room
 
 
 @dataclass(eq=False)
@@ -79,6 +78,7 @@ class _Stream:
     arrival: _Arrival
     uid: int
     prompt_tokens: int
+    final_tokens: int  # its prompt and its generation's most: what the batch cache may hold of it
     detokenizer: Any
     stops: StopStringFilter
     completion: int = 0
@@ -135,17 +135,22 @@ class VLMEngine(Engine):
         max_batch: int = 16,
         prefill_batch: int = 8,
         prefill_step: int = 2048,
+        reserve_context_tokens: int = 4096,
+        reserve_concurrency: int = 1,
     ):
         super().__init__(name, path)
-        if max_batch < 1 or prefill_batch < 1 or max_images < 0:
-            raise ValueError("max_batch and prefill_batch must be at least 1, max_images at least 0")
-        self.allowed_image_dirs = tuple(Path(d).resolve() for d in allowed_image_dirs)
-        self.max_images = max_images
-        self.max_image_bytes = max_image_bytes
-        self.max_image_pixels = max_image_pixels
+        if max_batch < 1 or prefill_batch < 1 or max_images < 0 or reserve_concurrency < 1 or reserve_context_tokens < 0:
+            raise ValueError("max_batch, prefill_batch and reserve_concurrency must be at least 1, max_images and reserve_context_tokens at least 0")
+        self.inputs = ImageInputs.of(allowed_image_dirs, max_images, max_image_bytes, max_image_pixels)
         self.max_batch = max_batch  # requests decoding together; later arrivals wait their turn
         self.prefill_batch = min(prefill_batch, max_batch)  # arrivals prefilled in one forward
         self.prefill_step = prefill_step
+        # What the instance reserves (the registry's figures, as for an LLM): its KV cache for this
+        # many sequences of this many tokens; the batch is held to it and the process's MLX limit
+        # set from it (vlm_memory.py). 0: no KV reserved and nothing held to it.
+        self.reserve_context_tokens = reserve_context_tokens
+        self.reserve_concurrency = reserve_concurrency
+        self.measured: MeasuredMemory | None = None
         self._worker: MLXWorker | None = None
         self._model: Any = None
         self._processor: Any = None
@@ -157,7 +162,7 @@ class VLMEngine(Engine):
         self._ids = itertools.count()
         self._running = 0
         self._kv = (0, 0)  # (rows in the batch, tokens of its longest row): what memory() reports
-        self._kv_tokens = 0  # tokens in the KV cache of every row together
+        self._kv_waits = 0  # arrivals that waited for the batch's KV reservation (admits)
         # The engine's work, only growing: decode steps and the rows they carried (their ratio is the
         # mean batch), the most rows one step carried, requests and images admitted, tokens.
         self._counters: dict[str, float] = {
@@ -174,31 +179,69 @@ class VLMEngine(Engine):
     async def _load(self) -> None:
         self._worker = MLXWorker(self.name, interrupt=self._end_loop)  # ends the loop at exit, if never stopped
         self._model, self._processor = await self._worker.run(self._load_on_worker)
-        size = estimate(self.path, self.kind)
-        self._kv_per_token = size.kv_bytes_per_token
-        self._weight_bytes = size.weight_bytes
-        self._context = self._model.config.text_config.max_position_embeddings
         self._image_token = getattr(self._model.config, "image_token_index", None)
+        self.measured = await self._worker.run(self._measure_on_worker)
+        self._context = self._model.config.text_config.max_position_embeddings
+        if self.reserve_context_tokens:  # a longer prompt is refused, a longer generation stops at it
+            self._context = min(self._context, self.measured.longest_sequence())
+        limit = measure.set_limit(id(self), self.measured.limit_bytes)
+        weakref.finalize(self, measure.set_limit, id(self), None)
+        logger.info(
+            "%s: weights %.1f MiB, KV %.1f MiB for %d x %d tokens, a step or an arrival's images %.1f MiB; MLX limit %.1f MiB",
+            self.name, self.measured.weight_bytes / 2**20, self.measured.kv_reserved_bytes / 2**20, self.reserve_concurrency,
+            self.reserve_context_tokens, self.measured.activation_bytes / 2**20, limit / 2**20,
+        )  # fmt: skip
         self._loop_done = self._worker.submit(self._run_loop)
 
     def _load_on_worker(self):
+        import mlx.core as mx
         import mlx_vlm
 
+        mx.synchronize()
+        self._active_before = mx.get_active_memory()
         model, processor = mlx_vlm.load(self.path)
         self._generator = self._new_generator(model, processor)
         return model, processor
 
-    def _new_generator(self, model: Any, processor: Any) -> Any:
+    def _measure_on_worker(self) -> MeasuredMemory:
+        """What the model holds (vlm_memory.py), measured under MLX's own limit as it will run."""
+        import mlx.core as mx
+
+        mx.synchronize()
+        weights = max(0, mx.get_active_memory() - self._active_before)
+        measure.unlimited()
+        side = largest_image_side(self.inputs.max_image_pixels, getattr(self._processor, "image_processor", None))
+        return measure_vlm(
+            self._model.language_model,
+            lambda n: self._embedded(
+                self._prepare([{"role": "user", "content": [{"type": "image"}] * n + [{"type": "text", "text": "Describe."}]}], [_blank(side)] * n)
+            ),
+            lambda: self._new_generator(self._model, self._processor, measuring=True),
+            lambda ids: self._embedded({"input_ids": mx.array([ids])}),
+            weight_bytes=weights,
+            vocab=self._model.config.text_config.vocab_size,
+            max_images=self.inputs.max_images,
+            reserve_context_tokens=self.reserve_context_tokens,
+            reserve_concurrency=self.reserve_concurrency,
+            prefill_chunk=self.prefill_step,
+            prefill_rows=self.prefill_batch,
+            decode_rows=self.max_batch,
+            estimated_weight_bytes=safetensors_bytes(self.path) if Path(self.path).is_dir() else 0,
+            estimated_cache=estimate(self.path, self.kind).cache,
+        )
+
+    def _new_generator(self, model: Any, processor: Any, measuring: bool = False) -> Any:
         """mlx-vlm's BatchGenerator over the language model. Its completion_batch_size leaves room
         for a whole prefill group past max_batch: it starts a group only while that many rows are
-        free, and the engine itself keeps the batch to max_batch rows."""
+        free, and the engine itself keeps the batch to max_batch rows. `measuring`: a batch of the
+        load's measurement, which samples by argmax (its rows are not the engine's sampler's)."""
         import mlx.core as mx
         from mlx_vlm.generate import BatchGenerator
 
         return BatchGenerator(
             model.language_model,
             processor,
-            sampler=self._sampler,
+            sampler=None if measuring else self._sampler,
             completion_batch_size=self.max_batch + self.prefill_batch,
             prefill_batch_size=self.prefill_batch,
             prefill_step_size=self.prefill_step,
@@ -217,6 +260,7 @@ class VLMEngine(Engine):
             await asyncio.wrap_future(self._loop_done)
         if self._worker is not None:
             await asyncio.to_thread(self._worker.shutdown)
+        measure.set_limit(id(self), None)  # a stopped engine holds nothing: its limit leaves the process's
 
     def running_requests(self) -> int:
         return self._running
@@ -224,105 +268,24 @@ class VLMEngine(Engine):
     def counters(self) -> dict[str, float]:
         """The engine's work counters (see __init__) and the sampler's calls and rows: they only
         grow, so two readings give a window's mean batch (decode_rows / decode_steps)."""
-        return {**self._counters, "sampling_calls": self._sampler.calls, "sampled_rows": self._sampler.rows_sampled}
+        return {**self._counters, "kv_waits": self._kv_waits, "sampling_calls": self._sampler.calls, "sampled_rows": self._sampler.rows_sampled}
 
     def memory(self) -> MemoryReport:
         # Allocator counters are process-wide and thread-safe: no need to queue behind a step.
         import mlx.core as mx
 
+        measured = self.measured
         rows, longest = self._kv
-        per_token = getattr(self, "_kv_per_token", 0)
-        # The batch's KV cache holds every row at the longest row's length (left-padded), in steps.
-        reserved = rows * -(-longest // _KV_STEP) * _KV_STEP * per_token
         return MemoryReport(
-            weight_bytes=getattr(self, "_weight_bytes", 0),
-            kv_bytes_in_use=self._kv_tokens * per_token,
-            kv_bytes_reserved=reserved,
+            weight_bytes=measured.weight_bytes if measured is not None else 0,
+            # the batch's cache holds every row at the longest row's length (left-padded)
+            kv_bytes_in_use=rows * measured.sequence_bytes(longest) if measured is not None and rows else 0,
+            kv_bytes_reserved=measured.kv_reserved_bytes if measured is not None else 0,
             active_bytes=mx.get_active_memory(),
             peak_bytes=mx.get_peak_memory(),
             load_seconds=self._load_seconds,
+            measured=measured,
         )
-
-    # ---- request validation (event loop; cheap) ----
-
-    def _messages(self, messages: list[dict], n_images: int) -> list[dict]:
-        """Chat messages for the template: image parts become {"type": "image"}; with no image
-        part, the images go in front of the last user message's text."""
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("invalid_request", "messages must be a non-empty list", "messages")
-        out, n_parts, has_text = [], 0, False
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in _ROLES:
-                raise RequestError("invalid_request", f"messages[{i}] needs a role in {sorted(_ROLES)}", "messages")
-            content = m.get("content")
-            if isinstance(content, str):
-                parts = [{"type": "text", "text": content}]
-            elif isinstance(content, list):
-                parts = []
-                for p in content:
-                    kind = p.get("type") if isinstance(p, dict) else None
-                    if kind in ("image", "image_url"):
-                        parts.append({"type": "image"})
-                        n_parts += 1
-                    elif kind == "text" and isinstance(p.get("text"), str):
-                        parts.append({"type": "text", "text": p["text"]})
-                    else:
-                        raise RequestError("invalid_request", f"messages[{i}] has an unsupported content part", "messages")
-            else:
-                raise RequestError("invalid_request", f"messages[{i}].content must be a string or a list", "messages")
-            has_text = has_text or any(p.get("text", "").strip() for p in parts)
-            out.append({"role": m["role"], "content": parts})
-        if n_images > self.max_images:
-            raise RequestError("invalid_request", f"at most {self.max_images} image(s) per request", "images")
-        if not has_text and not n_images:
-            raise RequestError("invalid_request", "the prompt is empty", "messages")
-        if n_parts == 0 and n_images:
-            users = [m for m in out if m["role"] == "user"]
-            if not users:
-                raise RequestError("invalid_request", "images need a user message", "messages")
-            users[-1]["content"] = [{"type": "image"}] * n_images + users[-1]["content"]
-        elif n_parts != n_images:
-            raise RequestError("invalid_request", f"{n_parts} image parts but {n_images} images", "images")
-        return out
-
-    def _image_ref(self, i: int, src: str) -> str | Path:
-        """A data URL's base64 payload, or a resolved path under an allowed folder."""
-        if not isinstance(src, str):
-            raise RequestError("invalid_request", f"images[{i}] must be a string", "images")
-        if src[:8].lower().startswith(("http://", "https://")):
-            raise RequestError("unsupported", "remote image URLs are disabled", "images")
-        if m := _DATA_URL.match(src):
-            payload = src[m.end() :]
-            if len(payload) * 3 // 4 > self.max_image_bytes:
-                raise RequestError("invalid_request", f"images[{i}] is larger than {self.max_image_bytes} bytes", "images")
-            return payload
-        path = Path(src)
-        if not path.is_absolute():
-            raise RequestError("invalid_request", f"images[{i}] must be a data:image/...;base64 URL or an allowed file path", "images")
-        path = path.resolve()  # symlinks and '..' cannot escape the allowed folders
-        if not any(path.is_relative_to(d) for d in self.allowed_image_dirs) or not path.is_file():
-            raise RequestError("invalid_request", f"images[{i}] is not a file under an allowed image folder", "images")
-        return path
-
-    # ---- images (a worker thread of asyncio's: PIL only, no MLX) ----
-
-    def _decode(self, i: int, ref: str | Path):
-        from PIL import Image
-
-        try:
-            raw = ref.read_bytes() if isinstance(ref, Path) else base64.b64decode(ref, validate=True)
-            if len(raw) > self.max_image_bytes:
-                raise RequestError("invalid_request", f"images[{i}] is larger than {self.max_image_bytes} bytes", "images")
-            img = Image.open(io.BytesIO(raw))
-            if img.width * img.height > self.max_image_pixels:
-                raise RequestError("invalid_request", f"images[{i}] has more than {self.max_image_pixels} pixels", "images")
-            return img.convert("RGB")
-        except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as e:
-            raise RequestError("invalid_request", f"images[{i}] cannot be decoded: {e}", "images") from e
-
-    def _decode_all(self, refs: list[str | Path]) -> list[Any]:
-        """Every image of a request decoded (RGB), or the RequestError of the first bad one."""
-        return [self._decode(i, ref) for i, ref in enumerate(refs)]
 
     # ---- the request API (event loop side) ----
 
@@ -340,13 +303,13 @@ class VLMEngine(Engine):
         early takes the request out of the batch at the next step."""
         self._check_ready()
         images = list(images or [])
-        chat = self._messages(messages, len(images))
-        refs = [self._image_ref(i, s) for i, s in enumerate(images)]
+        chat = self.inputs.messages(messages, len(images))
+        refs = [self.inputs.image_ref(i, s) for i, s in enumerate(images)]
         if max_tokens < 1:
             raise RequestError("invalid_request", "max_tokens must be at least 1", "max_tokens")
         if temperature < 0 or not 0 < top_p <= 1:
             raise RequestError("invalid_request", "temperature must be >= 0 and top_p in (0, 1]", "temperature")
-        decoded = await asyncio.to_thread(self._decode_all, refs) if refs else []
+        decoded = await asyncio.to_thread(self.inputs.decode_all, refs) if refs else []
         self._check_ready()  # it may have stopped while the images were decoded
 
         rid = next(self._ids)
@@ -420,8 +383,8 @@ class VLMEngine(Engine):
                     self._handle(self._commands.get_nowait(), streams, held)
             except queue.Empty:
                 pass
-            while held and len(streams) < self.max_batch:
-                self._admit(held.popleft(), streams)
+            while held and len(streams) < self.max_batch and self._admit(held[0], streams):
+                held.popleft()
             if streams:
                 self._step(streams)
             produced = [(s.arrival, s.pending) for s in streams.values() if s.pending]
@@ -431,7 +394,6 @@ class VLMEngine(Engine):
                 s.pending = []
             # what memory() reads, before the ended requests hear of their end
             self._kv = (len(streams), max((s.prompt_tokens + s.completion for s in streams.values()), default=0))
-            self._kv_tokens = sum(s.prompt_tokens + s.completion for s in streams.values())
             _hand_off(produced)
 
     def _handle(self, command: tuple[str, Any], streams: dict[int, _Stream], held: deque[_Arrival]) -> None:
@@ -449,49 +411,71 @@ class VLMEngine(Engine):
                 self._sampler.discard(uid)
                 streams.pop(uid)
 
-    def _admit(self, arrival: _Arrival, streams: dict[int, _Stream]) -> None:
-        """Template, processor and vision tower for one arrival, then into the batch; a failure
-        here is its own (its error goes to it alone)."""
+    def _admit(self, arrival: _Arrival, streams: dict[int, _Stream]) -> bool:
+        """Template and processor for one arrival, then, where the batch's KV reservation has room
+        for it (vlm_memory.admits), the vision tower and into the batch. False: it waits for room
+        (its processed inputs kept). A failure here is its own (its error goes to it alone)."""
         try:
-            uid, prompt_tokens = self._insert(arrival)
+            if arrival.inputs is None:
+                arrival.inputs = self._prepare(arrival.messages, arrival.images)
+                self._check_prompt(arrival)
+            prompt = int(arrival.inputs["input_ids"].shape[1])
+            final = prompt + min(arrival.max_tokens, self._context - prompt)
+            if self.measured is not None and not admits(self.measured, [s.final_tokens for s in streams.values()], final):
+                self._kv_waits += 1
+                return False
+            uid = self._insert(arrival, final - prompt)
         except Exception as e:
             if not isinstance(e, RequestError):
                 logger.error("a VLM request failed before it joined the batch", exc_info=e)
                 e = RequestError("internal", f"{type(e).__name__}: {e}")
             _hand_off([(arrival, [e])])
-            return
+            return True
         from mlx_vlm.tokenizer_utils import make_streaming_detokenizer
 
-        streams[uid] = _Stream(arrival, uid, prompt_tokens, make_streaming_detokenizer(self._processor), StopStringFilter(arrival.stops))
+        streams[uid] = _Stream(arrival, uid, prompt, final, make_streaming_detokenizer(self._processor), StopStringFilter(arrival.stops))
         self._counters["admitted_requests"] += 1
         self._counters["images_encoded"] += len(arrival.images)
-        self._counters["prompt_tokens"] += prompt_tokens
+        self._counters["prompt_tokens"] += prompt
+        return True
 
-    def _insert(self, arrival: _Arrival) -> tuple[int, int]:
-        import mlx.core as mx
-
-        prompt = self._processor.tokenizer.apply_chat_template(arrival.messages, tokenize=False, add_generation_prompt=True)
+    def _prepare(self, messages: list[dict], images: list[Any]) -> Any:
+        """The chat template and the processor: the prompt's token ids and the images' pixels."""
+        prompt = self._processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # Called without tokenizer kwargs: mlx-vlm's prepare_inputs passes `padding` etc. on to
         # the image processor, which transformers 5 rejects (shared/models/README.md).
-        inputs = self._processor(text=[prompt], images=arrival.images or None)
-        input_ids = inputs["input_ids"]
+        return self._processor(text=[prompt], images=images or None)
+
+    def _check_prompt(self, arrival: _Arrival) -> None:
+        input_ids = arrival.inputs["input_ids"]
         n_prompt = int(input_ids.shape[1])
-        if n_prompt >= self._context:  # a max_tokens past the room left is clamped below: docs/protocols.md
+        why = measure.refusal(self.measured, n_prompt) if self.reserve_context_tokens else None
+        if why is not None:  # its own cache would pass its share of the reservation
+            raise RequestError("context_length_exceeded", why, "messages")
+        if n_prompt >= self._context:  # a max_tokens past the room left is clamped: docs/protocols.md
             raise RequestError(
                 "context_length_exceeded", f"the {n_prompt}-token prompt leaves no room to generate in the {self._context}-token context", "messages"
             )
         if arrival.images and self._image_token is not None and not bool((input_ids == self._image_token).any()):
             raise RequestError("invalid_request", "the chat template left out the images' places in the prompt", "messages")
+
+    def _embedded(self, inputs: Any) -> dict[str, Any]:
+        """The vision tower: the images' features merged into the prompt's embeddings, evaluated
+        (the images' cost is paid here, between two batch steps, not inside one)."""
+        import mlx.core as mx
+
         extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-        # The vision tower, once per request: its image features merged into the prompt's embeddings.
-        embedded = self._model.get_input_embeddings(input_ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra)
+        embedded = self._model.get_input_embeddings(inputs["input_ids"], inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra)
         prompt_kwargs = {**extra, **{k: v for k, v in embedded.to_dict().items() if v is not None}}
-        mx.eval(prompt_kwargs["inputs_embeds"])  # the image's cost is paid here, not inside a batch step
-        (uid,) = self._generator.insert(
-            [input_ids[0].tolist()], max_tokens=min(arrival.max_tokens, self._context - n_prompt), prompt_kwargs=[prompt_kwargs]
-        )
+        mx.eval(prompt_kwargs["inputs_embeds"])
+        return prompt_kwargs
+
+    def _insert(self, arrival: _Arrival, max_tokens: int) -> int:
+        prompt_kwargs = self._embedded(arrival.inputs)
+        (uid,) = self._generator.insert([arrival.inputs["input_ids"][0].tolist()], max_tokens=max_tokens, prompt_kwargs=[prompt_kwargs])
+        arrival.inputs = None  # the pixels are the batch's now
         self._sampler.add(uid, arrival.sampling)
-        return uid, n_prompt
+        return uid
 
     def _step(self, streams: dict[int, _Stream]) -> None:
         """One batch step: a decode step for every row, or a prefill chunk of the arrivals."""
@@ -542,6 +526,12 @@ class VLMEngine(Engine):
 
     def _final(self, stream: _Stream, reason: Literal["stop", "length", "error"], text: str = "") -> VLMDelta:
         return VLMDelta(text=text, finish_reason=reason, usage=Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=stream.completion))
+
+
+def _blank(side: int) -> Any:
+    from PIL import Image
+
+    return Image.new("RGB", (side, side), (127, 127, 127))
 
 
 def _ended(pending: list[VLMDelta | BaseException]) -> bool:

@@ -96,6 +96,8 @@ class RayEffects:
             raise LoadError("not_found", f"model {place.model} has no registry entry")
         options = dict(self.server_options, load_now=True, known_memory=order.measured)
         scheduling = options.pop("llm_engine", None) or {}  # the LLM engines' own, not the server's
+        if spec.kind == "vlm":  # its batch held to the reservation, its process limited by it, as an LLM's
+            options["engine_options"] = {"reserve_context_tokens": spec.reserve_context_tokens, "reserve_concurrency": spec.reserve_concurrency}
         if spec.kind == "llm":
             options["engine_options"] = {
                 "reserve_context_tokens": spec.reserve_context_tokens,
