@@ -21,7 +21,7 @@ from deployments.channels import PATH_COUNTERS, Channel, Delivery, Whole
 from deployments.engine import RequestError
 from deployments.failures import RETRY_S, engine_error, internal_error, load_error_for_caller, unwrap
 from deployments.manifest import ManifestEntry, model_location
-from deployments.spare import SPARE_ENTRY, NoModel, give_back_heap, keep_kernels, left_behind, warm_up
+from deployments.spare import SPARE_ENTRY, NoModel, give_back_heap, held_bytes, keep_kernels, left_behind, warm_up
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import ChannelItem, GenerationRequest, VLMRequest, WholeReply, parse_request
 from deployments.wire.measured import MeasuredMemory
@@ -233,10 +233,8 @@ class ModelServer:
         return await self.load()
 
     def process_bytes(self) -> int:
-        """This process's resident memory: what a spare holds (R1's `spare_bytes`)."""
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
+        """What this process holds of its node's memory (spare.held_bytes): what a spare holds (R1's `spare_bytes`)."""
+        return held_bytes()
 
     def health(self) -> HealthReport:
         """The HealthReport: engine health plus this server's node and its calls in flight (streams included)."""
@@ -302,8 +300,8 @@ class ModelServer:
             mx.clear_cache()
         give_back_heap()
         released = self._released = Released(
-            resident_before_bytes=before,
-            resident_bytes=self.process_bytes(),
+            process_before_bytes=before,
+            process_bytes=self.process_bytes(),
             mlx_bytes=mx.get_active_memory() + mx.get_cache_memory() if mx is not None else 0,
             seconds=time.monotonic() - started,
         )

@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -86,3 +87,35 @@ def give_back_heap() -> None:
             lib.malloc_trim(0)
     except OSError:  # no such library here: the pages go back when the process exits
         pass
+
+
+def held_bytes() -> int:
+    """What this process holds of the memory its node's budget stands for (a spare's `spare_bytes`,
+    what a released process holds until it exits: rules R1 and X1). On a Mac or a CPU node that
+    is one pool, the process's resident memory. On CUDA the budget is the device's memory: what MLX
+    holds there (its arrays and buffer cache) or, where the driver says more for this process (its
+    context, the libraries' workspaces), that. A CUDA process's resident memory is host memory
+    (1.6 GiB for an H100 model server after its release, the libraries mapped): not the device's."""
+    mx = sys.modules.get("mlx.core")
+    if mx is not None and mx.cuda.is_available():
+        return max(mx.get_active_memory() + mx.get_cache_memory(), driver_bytes())
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def driver_bytes(pid: int | None = None) -> int:
+    """The device memory NVIDIA's driver counts for process `pid` (this one by default), 0 where
+    nvidia-smi is missing or does not list it (a container's own process ids, say)."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(
+        int(used) * 2**20
+        for found, _, used in (line.partition(",") for line in out.splitlines())
+        if found.strip() == str(pid) and used.strip().isdigit()
+    )

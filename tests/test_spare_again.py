@@ -65,3 +65,24 @@ def test_a_spare_takes_model_after_model_and_refuses_when_not_born_one_past_its_
     assert out["completion_tokens"] == 3 and out["models_held"] == 2
     assert out["third"] is None  # two models held: it ends instead
     assert out["not_born_a_spare"] is None and out["thread_left"] is None
+
+
+def test_a_process_counts_what_its_nodes_budget_stands_for(tmp_path, monkeypatch):
+    """spare.held_bytes: on a CPU node (and a Mac) the process's resident memory; on CUDA its device
+    memory, where the driver's count for the process comes from nvidia-smi (a stand-in executable on
+    PATH here, printing what nvidia-smi prints: this machine has no GPU)."""
+    import os
+
+    import psutil
+
+    from deployments.spare import driver_bytes, held_bytes
+
+    rss = psutil.Process().memory_info().rss
+    assert abs(held_bytes() - rss) < 0.05 * rss  # this process: CPU MLX, no CUDA
+    assert driver_bytes() == 0  # no nvidia-smi here
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\necho '{os.getpid()}, 1636'\necho '{os.getpid() + 1}, 80000'\necho '99999999, [N/A]'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert driver_bytes() == 1636 * 2**20  # its own line, in MiB; another process's and an unreadable one's left out
+    assert driver_bytes(os.getpid() + 1) == 80000 * 2**20

@@ -68,17 +68,19 @@ class Released(Frozen):
     model, its batch and caches dropped and MLX's buffer cache cleared, measured in its own process
     before and after. Until the process has exited it still holds `held_bytes`; the rest is free."""
 
-    resident_before_bytes: int = Field(ge=0)  # the process's resident memory before the release
-    resident_bytes: int = Field(ge=0)  # ... and after it
+    # what the process held of its node's memory before the release (spare.held_bytes: its resident
+    # memory on a Mac or a CPU node, its device memory on CUDA) ...
+    process_before_bytes: int = Field(ge=0)
+    process_bytes: int = Field(ge=0)  # ... and after it
     mlx_bytes: int = Field(ge=0)  # MLX's active memory and buffer cache after it (0: all given back)
     seconds: float = Field(ge=0)  # what the release took
 
     @property
     def held_bytes(self) -> int:
-        """What the process holds until it exits: its resident memory, or MLX's own count where that
+        """What the process holds until it exits: `process_bytes`, or MLX's own count where that
         is more (device memory a resident figure may not show)."""
-        return max(self.resident_bytes, self.mlx_bytes)
+        return max(self.process_bytes, self.mlx_bytes)
 
     @property
     def freed_bytes(self) -> int:
-        return max(0, self.resident_before_bytes - self.resident_bytes)
+        return max(0, self.process_before_bytes - self.process_bytes)

@@ -167,7 +167,7 @@ class FakeEffects:
         held += self.caches.pop(key, 0)
         self.resident[key] = min(held, self.residual)
         self.log.append(("release", instance.model))
-        return Released(resident_before_bytes=held, resident_bytes=self.resident[key], mlx_bytes=0, seconds=0.0)
+        return Released(process_before_bytes=held, process_bytes=self.resident[key], mlx_bytes=0, seconds=0.0)
 
     async def stop_instance(self, instance, actor, reason):
         self.stopped.append((instance, reason))
