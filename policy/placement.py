@@ -591,7 +591,11 @@ def _refuse(planner: _Planner, shortfalls: list[NodeShortfall], eligible: list[N
             + (f" ({'; '.join(constraints)})" if constraints else ""),
         )
     need = required_bytes(spec, config)
-    capacities = {n.node_id: snap.ever_available(n) for n in eligible}
+    # What could ever fit, and whether waiting helps, read our accounting alone: memory a report
+    # still shows held by a process that is exiting, or set aside for a load awaiting its room, is
+    # on its way back, so a model it leaves short waits for it rather than being refused (P5, P8).
+    settled = snap.once_settled()
+    capacities = {n.node_id: settled.ever_available(n) for n in eligible}
     if all(need > capacities[n.node_id] for n in eligible):
         largest = max(eligible, key=lambda n: capacities[n.node_id])
         return Reject(
@@ -603,7 +607,7 @@ def _refuse(planner: _Planner, shortfalls: list[NodeShortfall], eligible: list[N
 
     # Would waiting help? Some plan exists once the passing protections end (which plan, whatever
     # the victims' order, does not matter here).
-    waiting_helps = _Planner(spec, snap, passing_evictable=True, global_excesses=planner.global_excesses).any_plan(eligible)
+    waiting_helps = _Planner(spec, settled, passing_evictable=True, global_excesses=planner.global_excesses).any_plan(eligible)
     ordered = sorted(shortfalls, key=lambda s: -capacities[s.node.node_id])
     cluster_names = _ClusterNames(planner.cluster_blockers[0])
     detail = "; ".join(_shortfall_text(s, snap.free(s.node), snap.reclaimable(s.node), cluster_names) for s in ordered[:3])

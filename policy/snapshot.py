@@ -30,8 +30,14 @@ class Snapshot:
         config: PolicyConfig,
         oracle_keep_values: Mapping[InstanceRef, float] | None = None,
         waited_s: float = 0.0,
+        settled: bool = False,
     ) -> None:
         self.state = state
+        # settled: free memory is our accounting's alone, as it will be once the memory in transit
+        # (a process still exiting, a load awaiting its room: what a report may still show held) has
+        # settled (P5, P8)
+        self.settled = settled
+        self._oracle_keep_values = oracle_keep_values
         self.now = now
         self.config = config
         self.waited_s = waited_s  # how long the request being decided has waited: a young instance yields to one as old as its protection (E3)
@@ -64,10 +70,14 @@ class Snapshot:
         if found is None:
             found = node.usable_bytes - node.foreign_bytes - self.ours(node)
             headroom = node.reported_headroom_bytes
-            if headroom is not None and headroom < found:
+            if headroom is not None and headroom < found and not self.settled:
                 found = headroom
             self._free[node.node_id] = found
         return found
+
+    def once_settled(self) -> "Snapshot":
+        """The same reads with free memory as our accounting gives it (`settled`)."""
+        return Snapshot(self.state, self.now, self.config, self._oracle_keep_values, self.waited_s, settled=True)
 
     def ever_available(self, node: NodeState) -> int:
         """memory.ever_available_bytes, from the figures above."""

@@ -273,9 +273,10 @@ def test_every_decision_obeys_the_spec(request):
         return
     if isinstance(decision, Reject) and decision.code == "too_large":
         everything = {r for _, r in all_refs(state)}
-        assert not any(feasible_after(state, spec, n.node_id, everything, config, memory_only=True) for n in nodes)
+        assert not any(feasible_after(state, spec, n.node_id, everything, config, memory_only=True, settled=True) for n in nodes)
         return
-    waiting_helps = any(feasible_after(state, spec, n.node_id, evictable(state, NOW, config, passing_too=True), config, shrink=True) for n in nodes)
+    passing = evictable(state, NOW, config, passing_too=True)
+    waiting_helps = any(feasible_after(state, spec, n.node_id, passing, config, shrink=True, settled=True) for n in nodes)
     if waiting_helps:  # P8
         if config.contention == "wait" and waited < config.wait_timeout_s:
             assert isinstance(decision, Wait) and decision.code == "busy" and decision.retry_after_s > 0

@@ -133,6 +133,18 @@ def test_p5_reported_headroom_wins_when_it_is_lower_than_accounting():
     assert ensure("a", st, NOW, PLAIN).node_id == "n2"
 
 
+def test_p5_p8_memory_a_report_still_shows_held_is_waited_for_not_refused():
+    """A process still exiting (or a load awaiting its room) holds memory in the node's last report
+    that our accounting has given back: a model that fits once it is back waits for it; it is
+    neither too large nor blocked. Memory that is another's (foreign) is lasting: refused."""
+    a = spec("a", gb=4)
+    in_transit = cluster([node("n1", 8, reported_headroom_bytes=2 * GIB)], [a])
+    d = ensure("a", in_transit, NOW, PLAIN.model_copy(update={"contention": "wait"}))
+    assert isinstance(d, Wait) and d.code == "busy", d
+    d = ensure("a", cluster([node("n1", 8, foreign_bytes=6 * GIB)], [a]), NOW, PLAIN.model_copy(update={"contention": "wait"}))
+    assert isinstance(d, Reject) and d.code == "too_large", d
+
+
 def test_p5_foreign_memory_counts_against_the_node():
     a = spec("a", gb=4)
     st = cluster([node("n1", 8, foreign_bytes=5 * GIB), node("n2", 4.5)], [a])

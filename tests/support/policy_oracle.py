@@ -81,11 +81,20 @@ def evictable(state, now, config, *, passing_too=False, keep_warm_too=True, wait
 
 
 def feasible_after(
-    state: ClusterState, spec: ModelSpec, node_id: str, victims: set[InstanceRef], config: PolicyConfig, *, memory_only=False, shrink=False
+    state: ClusterState,
+    spec: ModelSpec,
+    node_id: str,
+    victims: set[InstanceRef],
+    config: PolicyConfig,
+    *,
+    memory_only=False,
+    shrink=False,
+    settled=False,
 ) -> bool:
     """Would placing spec on node_id, after removing victims (and, with shrink, the kept prompt
     prefixes of the node's ready instances given back, X4), respect memory and every cap that
-    counts the new instance? An instance holds its bytes and its prefix cache."""
+    counts the new instance? An instance holds its bytes and its prefix cache. settled: free memory
+    is accounting's alone, the node's last report left out (what P5 and P8 ask)."""
     node = state.node(node_id)
     device = device_on(spec, node)
     gone = [i for i in node.instances if InstanceRef(node_id=node_id, model=i.model) in victims]
@@ -93,7 +102,7 @@ def feasible_after(
     given_back = sum(i.prefix_cache_bytes for i in kept if shrink and i.status == "ready")
     freed = sum(i.bytes + i.prefix_cache_bytes for i in gone) + given_back
     accounted = node.usable_bytes - node.foreign_bytes - sum(i.bytes + i.prefix_cache_bytes for i in kept) - node.spare_bytes + given_back
-    free = accounted if node.reported_headroom_bytes is None else min(accounted, node.reported_headroom_bytes + freed)
+    free = accounted if node.reported_headroom_bytes is None or settled else min(accounted, node.reported_headroom_bytes + freed)
     margin = config.safety_margin_bytes + int(config.safety_margin_fraction * node.usable_bytes)
     process_there = node.spare_bytes  # R1: a spare becomes the instance's process
     if free - (need_bytes(spec, config) - process_there) < margin:
