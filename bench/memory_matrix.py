@@ -58,7 +58,7 @@ async def gathered_with_kv_peak(engine: LLMEngine, awaitables: list[Awaitable[T]
         sampler.cancel()
 
 
-async def run_one(folder: Path, context: int, concurrency: int, chunk: int = 128) -> dict[str, Any]:
+async def run_one(folder: Path, context: int, concurrency: int, chunk: int = 128, kv_bits: int | None = None) -> dict[str, Any]:
     """Load `folder` in an LLM engine reserving `context` x `concurrency`, run `concurrency`
     requests whose prompts and generations fill the reserved context, and return the figures. A
     long prompt prefills alone, a chunk a step, so each generates long enough for the last to
@@ -77,6 +77,7 @@ async def run_one(folder: Path, context: int, concurrency: int, chunk: int = 128
         prefix_disk_bytes=0,
         prefix_cache="lru",
         measure_idle_s=None,  # measured in the load: the reservation is compared before anything runs
+        kv_bits=kv_bits,  # a quantized cache (None: the model's dtype)
     )
     mx.synchronize()
     mx.clear_cache()
@@ -103,7 +104,9 @@ async def run_one(folder: Path, context: int, concurrency: int, chunk: int = 128
     peak = mx.get_peak_memory() - before
     await engine.stop()
     folder_estimate = estimate(folder, "llm")
-    est_kv = concurrency * folder_estimate.cache.sequence_bytes(context, chunk)
+    # the folder's figures as the engine's settings make them (a quantized cache's bits and scales)
+    folder_cache = measured.estimated_cache if kv_bits is not None and measured.estimated_cache is not None else folder_estimate.cache
+    est_kv = concurrency * folder_cache.sequence_bytes(context, chunk)
     return {
         "model": folder.name,
         "layers": measured.cache.layers,
@@ -122,7 +125,8 @@ async def run_one(folder: Path, context: int, concurrency: int, chunk: int = 128
         "reserved_bytes": measured.reserved_bytes,
         "peak_bytes": peak,
         "reserved_over_peak": measured.reserved_bytes / peak if peak else None,
-        "estimate_matches_cache": folder_estimate.cache.model_dump(exclude={"layers"}) == measured.cache.model_dump(exclude={"layers"}),
+        "kv_bits": kv_bits,
+        "estimate_matches_cache": folder_cache.model_dump(exclude={"layers"}) == measured.cache.model_dump(exclude={"layers"}),
         "load_s": load_s,
         "measure_s": measured.seconds,
         "run_s": run_s,

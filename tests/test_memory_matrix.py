@@ -26,7 +26,7 @@ from deployments.cache_shape import layer_kinds
 from deployments.engine import RequestError
 from deployments.engines import measure
 from deployments.engines.llm import LLMEngine
-from deployments.estimate import config_cache
+from deployments.estimate import config_cache, estimate
 from deployments.model_prep import architectures
 from deployments.wire.generation import GenerationRequest
 
@@ -49,6 +49,23 @@ def test_the_reservation_holds_what_the_model_uses_at_the_reserved_context_and_c
     assert row["kv_in_use_peak_bytes"] >= 0.95 * row["kv_decoding_bytes"]  # ... all of them at once
     assert row["estimate_matches_cache"], "the folder estimate's cache differs from the one mlx-lm built"
     assert abs(row["measured_weight_bytes"] - row["weights_file_bytes"]) < 0.01 * row["weights_file_bytes"]
+    assert row["peak_bytes"] <= row["reserved_bytes"], f"MLX's peak passed the reservation: {row}"
+    assert row["reserved_bytes"] <= TIGHTNESS * row["peak_bytes"], f"the reservation wastes memory: {row}"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_cache_reserves_what_it_holds(folders, bits):
+    """kv_bits: the cache's bits, scales and biases measured from mlx-lm's quantized caches, the
+    folder's estimate at the same bits equal to them, and MLX's peak over the reserved context
+    and concurrency within the reservation, the reservation within 1.15x of it."""
+    folder = folders / f"llama3-kv{bits}"
+    architectures.build(folder, "llama3")
+    row = asyncio.run(run_one(folder, CONTEXT, CONCURRENCY, kv_bits=bits))
+    assert row["errors"] == [] and row["completion_tokens"] == [row["generated_per_request"]] * CONCURRENCY
+    assert row["kv_in_use_peak_bytes"] >= 0.95 * row["kv_decoding_bytes"]
+    assert row["estimate_matches_cache"], "the folder estimate at these bits differs from the cache mlx-lm built"
+    plain = estimate(folder, "llm").cache.full_bytes_per_token
+    assert row["measured_kv_bytes"] < (0.6 if bits == 8 else 0.35) * CONCURRENCY * plain * CONTEXT  # about half, a quarter
     assert row["peak_bytes"] <= row["reserved_bytes"], f"MLX's peak passed the reservation: {row}"
     assert row["reserved_bytes"] <= TIGHTNESS * row["peak_bytes"], f"the reservation wastes memory: {row}"
 
