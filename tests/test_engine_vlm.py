@@ -165,3 +165,18 @@ def test_path_escaping_the_allowed_folder_is_refused(engine, image_dir, tmp_path
         with pytest.raises(RequestError) as err:
             run(collect(engine, user(), images=[src]))
         assert err.value.code == "invalid_request"
+
+
+def test_the_vision_step_is_measured_at_the_largest_image_the_processor_makes(engine):
+    """llava's CLIP processor crops every image to 64 px, so a larger one measures nothing more; a
+    processor that keeps an image's size (up to its own pixel ceiling) is measured at that ceiling,
+    or at the largest image a request may send."""
+    from types import SimpleNamespace
+
+    from deployments.engines.vlm_memory import largest_image_side
+
+    assert largest_image_side(4096 * 4096, engine._processor.image_processor) == llava_tiny.IMAGE_SIZE
+    dynamic = SimpleNamespace(do_resize=True, size={"shortest_edge": 56, "longest_edge": 1 << 20}, max_pixels=1000 * 1000)
+    assert largest_image_side(4096 * 4096, dynamic) == 1000
+    assert largest_image_side(500 * 500, dynamic) == 500
+    assert largest_image_side(300 * 300, None) == 300
