@@ -49,7 +49,7 @@ from cluster.environment import (
     ingress_ports,
     ray_env,
 )
-from cluster.ports import check_http_port, check_ingress_port, free_port, port_open, serve_http_address
+from cluster.ports import check_http_port, check_ingress_port, free_ports, port_open, serve_http_address
 from cluster.store import ENV_STORE
 from policy._frozen import Frozen
 from policy.specs import DEVICE_KINDS
@@ -242,6 +242,10 @@ def start(
     ray_cli = _ray_cli(temp_root)
     common = ["--block", "--disable-usage-stats", f"--node-ip-address={ip}", f"--object-store-memory={object_store_mib * MIB}"]
 
+    # every port this cluster's nodes are given or Serve will take (its proxy, the ingress replicas'
+    # first ports): none twice
+    chosen = {port, dashboard_port, http_port, *range(ingress_port, ingress_port + len(nodes) + 1)}
+
     def spawn(node: LocalNode, args: list[str]) -> None:
         """Start one node and wait until `ray start` says it is up. One at a time: nodes starting together
         in one session dir can pick the same plasma socket name and one raylet dies with "bind: Address
@@ -251,7 +255,9 @@ def start(
         offset = logfile.stat().st_size if logfile.exists() else 0
         cmd = ray_cli + ["start", *args, *common, f"--labels={labels}"]
         # Fresh free ports per node: the default 52365 for the dashboard agent would collide between nodes.
-        cmd += [f"--dashboard-agent-listen-port={free_port(ip)}", f"--metrics-export-port={free_port(ip)}"]
+        agent, metrics = free_ports(ip, 2, avoid=chosen)
+        chosen.update((agent, metrics))
+        cmd += [f"--dashboard-agent-listen-port={agent}", f"--metrics-export-port={metrics}"]
         node_env = dict(env)
         store = (head_store if node is nodes[0] and head_store is not None else stores / node.name) if stores is not None else None
         if store is not None:
@@ -273,7 +279,9 @@ def start(
     deadline = started + timeout_s
     try:
         head, workers = nodes[0], nodes[1:]
-        head_args = ["--head", f"--port={port}", f"--num-cpus={head_cpus}", f"--ray-client-server-port={free_port(ip)}"]
+        (client_server,) = free_ports(ip, 1, avoid=chosen)
+        chosen.add(client_server)
+        head_args = ["--head", f"--port={port}", f"--num-cpus={head_cpus}", f"--ray-client-server-port={client_server}"]
         if dashboard:
             head_args += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
         else:

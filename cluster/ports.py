@@ -14,6 +14,25 @@ def free_port(ip: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_ports(ip: str, count: int, avoid: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """`count` distinct TCP ports nothing listens on at `ip` now, none of them in `avoid`: each held
+    open until all are chosen (one free_port after another may return the same port twice: two of
+    a node's Ray components were once given one port, and its start failed)."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            s = socket.socket()
+            held.append(s)  # an avoided one stays open too, so it is not chosen again
+            s.bind((ip, 0))
+            if (port := s.getsockname()[1]) not in avoid:
+                ports.append(port)
+        return ports
+    finally:
+        for s in held:
+            s.close()
+
+
 def port_open(ip: str, port: int) -> bool:
     try:
         with socket.create_connection((ip, port), timeout=0.5):

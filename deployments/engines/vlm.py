@@ -15,7 +15,9 @@ the vision tower and every batch step run on the engine's one MLX thread (MLX st
 thread-local), in one loop that admits arrivals between steps; deltas of one step reach each event
 loop in one hand-off. Every row of the batch shares one sampler that samples the whole batch in one
 call with each row's own temperature and top-p (sampling.py). Input problems fail only their own
-request with a RequestError; a broken batch step fails the requests in it, and the engine goes on."""
+request with a RequestError; a broken batch step fails the requests in it, and the engine goes on.
+The load measures what the model holds and the batch is held to the instance's reservation, as an
+LLM's is (vlm_memory.py; rules M1, M2, M4)."""
 
 import asyncio
 import itertools
@@ -162,7 +164,7 @@ class VLMEngine(Engine):
         self._ids = itertools.count()
         self._running = 0
         self._kv = (0, 0)  # (rows in the batch, tokens of its longest row): what memory() reports
-        self._kv_waits = 0  # arrivals that waited for the batch's KV reservation (admits)
+        self._kv_waits = 0  # loop turns the first waiting arrival waited for the batch's KV reservation (admits)
         # The engine's work, only growing: decode steps and the rows they carried (their ratio is the
         # mean batch), the most rows one step carried, requests and images admitted, tokens.
         self._counters: dict[str, float] = {
@@ -213,9 +215,7 @@ class VLMEngine(Engine):
         side = largest_image_side(self.inputs.max_image_pixels, getattr(self._processor, "image_processor", None))
         return measure_vlm(
             self._model.language_model,
-            lambda n: self._embedded(
-                self._prepare([{"role": "user", "content": [{"type": "image"}] * n + [{"type": "text", "text": "Describe."}]}], [_blank(side)] * n)
-            ),
+            lambda n: self._embedded(self._prepare(_describe(n), [_blank(side)] * n)),
             lambda: self._new_generator(self._model, self._processor, measuring=True),
             lambda ids: self._embedded({"input_ids": mx.array([ids])}),
             weight_bytes=weights,
@@ -526,6 +526,11 @@ class VLMEngine(Engine):
 
     def _final(self, stream: _Stream, reason: Literal["stop", "length", "error"], text: str = "") -> VLMDelta:
         return VLMDelta(text=text, finish_reason=reason, usage=Usage(prompt_tokens=stream.prompt_tokens, completion_tokens=stream.completion))
+
+
+def _describe(images: int) -> list[dict]:
+    """A user message with `images` image parts: what the load measures the vision step with."""
+    return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": "Describe."}]}]
 
 
 def _blank(side: int) -> Any:
