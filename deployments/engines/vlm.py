@@ -35,12 +35,12 @@ from typing import Any, Literal
 import deployments  # noqa: F401  (OpenBLAS before MLX)
 from deployments.engine import Engine, Frozen, MemoryReport, RequestError, queued_adds
 from deployments.engines import measure
+from deployments.engines.llm_scheduler import KVBudget
 from deployments.engines.sampling import BatchSampler, RowSampling, sample
 from deployments.engines.text_stream import StopStringFilter
 from deployments.engines.vlm_inputs import ImageInputs
-from deployments.engines.vlm_memory import admits, largest_image_side, measure_vlm
+from deployments.engines.vlm_memory import largest_image_side, measure_vlm
 from deployments.estimate import estimate
-from deployments.manifest import safetensors_bytes
 from deployments.wire.measured import MeasuredMemory
 from deployments.worker import MLXWorker
 
@@ -153,6 +153,7 @@ class VLMEngine(Engine):
         self.reserve_context_tokens = reserve_context_tokens
         self.reserve_concurrency = reserve_concurrency
         self.measured: MeasuredMemory | None = None
+        self._kv_budget: KVBudget | None = None  # from the measurement: what the batch is held to (M4)
         self._worker: MLXWorker | None = None
         self._model: Any = None
         self._processor: Any = None
@@ -164,7 +165,7 @@ class VLMEngine(Engine):
         self._ids = itertools.count()
         self._running = 0
         self._kv = (0, 0)  # (rows in the batch, tokens of its longest row): what memory() reports
-        self._kv_waits = 0  # loop turns the first waiting arrival waited for the batch's KV reservation (admits)
+        self._kv_waits = 0  # loop turns the first waiting arrival waited for the batch's KV reservation (M4)
         # The engine's work, only growing: decode steps and the rows they carried (their ratio is the
         # mean batch), the most rows one step carried, requests and images admitted, tokens.
         self._counters: dict[str, float] = {
@@ -186,6 +187,7 @@ class VLMEngine(Engine):
         self._context = self._model.config.text_config.max_position_embeddings
         if self.reserve_context_tokens:  # a longer prompt is refused, a longer generation stops at it
             self._context = min(self._context, self.measured.longest_sequence())
+        self._kv_budget = measure.kv_budget(self.measured, self._context)  # the batch within its KV reservation (M4)
         limit = measure.set_limit(id(self), self.measured.limit_bytes)
         weakref.finalize(self, measure.set_limit, id(self), None)
         logger.info(
@@ -213,6 +215,7 @@ class VLMEngine(Engine):
         weights = max(0, mx.get_active_memory() - self._active_before)
         measure.unlimited()
         side = largest_image_side(self.inputs.max_image_pixels, getattr(self._processor, "image_processor", None))
+        folder = estimate(self.path, self.kind)  # the folder's figures, beside the measured ones
         return measure_vlm(
             self._model.language_model,
             lambda n: self._embedded(self._prepare(_describe(n), [_blank(side)] * n)),
@@ -226,8 +229,8 @@ class VLMEngine(Engine):
             prefill_chunk=self.prefill_step,
             prefill_rows=self.prefill_batch,
             decode_rows=self.max_batch,
-            estimated_weight_bytes=safetensors_bytes(self.path) if Path(self.path).is_dir() else 0,
-            estimated_cache=estimate(self.path, self.kind).cache,
+            estimated_weight_bytes=folder.weight_bytes,
+            estimated_cache=folder.cache,
         )
 
     def _new_generator(self, model: Any, processor: Any, measuring: bool = False) -> Any:
@@ -413,7 +416,7 @@ class VLMEngine(Engine):
 
     def _admit(self, arrival: _Arrival, streams: dict[int, _Stream]) -> bool:
         """Template and processor for one arrival, then, where the batch's KV reservation has room
-        for it (vlm_memory.admits), the vision tower and into the batch. False: it waits for room
+        for it (M4: the KV budget an LLM's batch is held to), the vision tower and into the batch. False: it waits for room
         (its processed inputs kept). A failure here is its own (its error goes to it alone)."""
         try:
             if arrival.inputs is None:
@@ -421,7 +424,8 @@ class VLMEngine(Engine):
                 self._check_prompt(arrival)
             prompt = int(arrival.inputs["input_ids"].shape[1])
             final = prompt + min(arrival.max_tokens, self._context - prompt)
-            if self.measured is not None and not admits(self.measured, [s.final_tokens for s in streams.values()], final):
+            budget = self._kv_budget  # a first row always joins: the engine's context keeps it within one share
+            if budget is not None and streams and not budget.fits([*(s.final_tokens for s in streams.values()), final]):
                 self._kv_waits += 1
                 return False
             uid = self._insert(arrival, final - prompt)

@@ -7,12 +7,13 @@ step, which runs between two batch steps while the batch's cache is held.
   through them;
 - the activations: the most of the language model's prefill and decode steps (measure.measure,
   through `TextLogits`), a group of the reserved rows prefilled in mlx-vlm's batch generator as the
-  engine runs it (`served_group`: its padding masks and merge), and one arrival's images (`max_images` of them, each at the largest size a
-  request may send) through the processor and the vision tower into the prompt's embeddings.
+  engine runs it (`served_group`: what a bare forward may leave out, such as padding masks and the
+  merge into the batch), and one arrival's images (`max_images` of them, at the size the processor
+  makes them: `largest_image_side`) through the processor and the vision tower into the prompt's
+  embeddings.
 
-`admits` is the batch's hold on the KV reservation (rule M4 for VLMs): mlx-vlm's batch cache holds
-every row at its longest row's length, so a row joins only while every row at the longest final
-length (prompt + max_tokens) of the rows it would join still fits the reservation."""
+The batch is held to the KV reservation as an LLM's is (rule M4): the engine asks the same
+`KVBudget` (measure.kv_budget) whether a row joins."""
 
 import gc
 import math
@@ -124,16 +125,6 @@ def measure_vlm(
     mx.clear_cache()
     most = max(text.activation_bytes, vision, group)
     return text.model_copy(update={"activation_bytes": int(most * (1 + PEAK_SLACK))})
-
-
-def admits(measured: MeasuredMemory, finals: list[int], new: int) -> bool:
-    """Whether a row whose prompt and generation reach `new` tokens may join rows that reach
-    `finals`: every row, left-padded to the longest, within the KV reservation (a first row always
-    may: the engine's context keeps one within a sequence's share)."""
-    if not finals or not measured.reserve_context_tokens:
-        return True
-    longest = max(*finals, new)
-    return (len(finals) + 1) * measured.sequence_bytes(longest) <= measured.kv_reserved_bytes
 
 
 def largest_image_side(max_image_pixels: int, image_processor: Any) -> int:
