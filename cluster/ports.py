@@ -9,9 +9,7 @@ from cluster.environment import RAY_CONFIG
 
 def free_port(ip: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on at `ip` now (the OS's choice)."""
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
+    return free_ports(ip, 1)[0]
 
 
 def free_ports(ip: str, count: int, avoid: set[int] | frozenset[int] = frozenset()) -> list[int]:

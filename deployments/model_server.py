@@ -21,7 +21,7 @@ from deployments.channels import PATH_COUNTERS, Channel, Delivery, Whole
 from deployments.engine import RequestError
 from deployments.failures import RETRY_S, engine_error, internal_error, load_error_for_caller, unwrap
 from deployments.manifest import ManifestEntry, model_location
-from deployments.spare import SPARE_ENTRY, NoModel, give_back_heap, held_bytes, keep_kernels, left_behind, warm_up
+from deployments.spare import SPARE_ENTRY, NoModel, give_back_heap, keep_kernels, left_behind, process_bytes, warm_up
 from deployments.wire.failure import OrchardError
 from deployments.wire.generation import ChannelItem, GenerationRequest, VLMRequest, WholeReply, parse_request
 from deployments.wire.measured import MeasuredMemory
@@ -233,8 +233,8 @@ class ModelServer:
         return await self.load()
 
     def process_bytes(self) -> int:
-        """What this process holds of its node's memory (spare.held_bytes): what a spare holds (R1's `spare_bytes`)."""
-        return held_bytes()
+        """What this process holds of its node's memory (spare.process_bytes): what a spare holds (R1's `spare_bytes`)."""
+        return process_bytes()
 
     def health(self) -> HealthReport:
         """The HealthReport: engine health plus this server's node and its calls in flight (streams included)."""

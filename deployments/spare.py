@@ -89,7 +89,7 @@ def give_back_heap() -> None:
         pass
 
 
-def held_bytes() -> int:
+def process_bytes() -> int:
     """What this process holds of the memory its node's budget stands for (a spare's `spare_bytes`,
     what a released process holds until it exits: rules R1 and X1). On a Mac or a CPU node that
     is one pool, the process's resident memory. On CUDA the budget is the device's memory: what MLX

@@ -68,17 +68,17 @@ def test_a_spare_takes_model_after_model_and_refuses_when_not_born_one_past_its_
 
 
 def test_a_process_counts_what_its_nodes_budget_stands_for(tmp_path, monkeypatch):
-    """spare.held_bytes: on a CPU node (and a Mac) the process's resident memory; on CUDA its device
+    """spare.process_bytes: on a CPU node (and a Mac) the process's resident memory; on CUDA its device
     memory, where the driver's count for the process comes from nvidia-smi (a stand-in executable on
     PATH here, printing what nvidia-smi prints: this machine has no GPU)."""
     import os
 
     import psutil
 
-    from deployments.spare import driver_bytes, held_bytes
+    from deployments.spare import driver_bytes, process_bytes
 
     rss = psutil.Process().memory_info().rss
-    assert abs(held_bytes() - rss) < 0.05 * rss  # this process: CPU MLX, no CUDA
+    assert abs(process_bytes() - rss) < 0.05 * rss  # this process: CPU MLX, no CUDA
     assert driver_bytes() == 0  # no nvidia-smi here
     fake = tmp_path / "nvidia-smi"
     fake.write_text(f"#!/bin/sh\necho '{os.getpid()}, 1636'\necho '{os.getpid() + 1}, 80000'\necho '99999999, [N/A]'\n")

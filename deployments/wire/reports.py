@@ -68,7 +68,7 @@ class Released(Frozen):
     model, its batch and caches dropped and MLX's buffer cache cleared, measured in its own process
     before and after. Until the process has exited it still holds `held_bytes`; the rest is free."""
 
-    # what the process held of its node's memory before the release (spare.held_bytes: its resident
+    # what the process held of its node's memory before the release (spare.process_bytes: its resident
     # memory on a Mac or a CPU node, its device memory on CUDA) ...
     process_before_bytes: int = Field(ge=0)
     process_bytes: int = Field(ge=0)  # ... and after it

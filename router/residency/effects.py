@@ -96,15 +96,10 @@ class RayEffects:
             raise LoadError("not_found", f"model {place.model} has no registry entry")
         options = dict(self.server_options, load_now=True, known_memory=order.measured)
         scheduling = options.pop("llm_engine", None) or {}  # the LLM engines' own, not the server's
-        if spec.kind == "vlm":  # its batch held to the reservation, its process limited by it, as an LLM's
+        if spec.kind in ("llm", "vlm"):  # its batch held to the reservation, its process limited by it
             options["engine_options"] = {"reserve_context_tokens": spec.reserve_context_tokens, "reserve_concurrency": spec.reserve_concurrency}
         if spec.kind == "llm":
-            options["engine_options"] = {
-                "reserve_context_tokens": spec.reserve_context_tokens,
-                "reserve_concurrency": spec.reserve_concurrency,
-                **scheduling,
-                **(entry.llm_engine or {}),  # the model's own over the app's
-            }
+            options["engine_options"] |= {**scheduling, **(entry.llm_engine or {})}  # the model's own over the app's
             if order.store_root is not None and not options["engine_options"].get("prefix_disk_dir"):  # the tier beside the node's store
                 options["engine_options"]["prefix_disk_dir"] = str(Path(order.store_root) / PREFIXES)
         models_dir = order.root or self.models_dir
